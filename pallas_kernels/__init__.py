@@ -1,0 +1,1 @@
+"""Pallas kernels for mtpjax: one package per kernel (kernel, wrapper, reference)."""

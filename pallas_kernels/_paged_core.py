@@ -1,0 +1,259 @@
+"""Shared Pallas (Triton backend) kernel for paged attention over work items.
+
+Both public kernels (`paged_attention` for uniform [B, Q] batches and
+`ragged_paged_attention` for ragged token batches) reduce to the same work:
+
+    for every work item w (a block of <= block_q query tokens of ONE sequence),
+    every KV head h and every KV split n:
+        rows = block_q tokens x G query heads of the group of h     (one tile)
+        loop over the sequence's pages in chunks of `pages_per_block` pages,
+        online softmax, causal mask aligned to the end of the KV.
+
+This module is the only place with backend-specific (Pallas Triton) code for
+the attention kernels. The work list (which item covers which tokens) is built
+by the callers with plain jnp, on device, so nothing recompiles per step.
+
+Layouts (G = H // KVH query heads per KV head, G_p = G padded to a power of 2):
+    q            [T, KVH, G_p, D]   tokens flattened
+    k/v pages    [KVH, P, S, D]
+    block_tables [num_seqs, M_pad] int32 (M_pad covers every split's pages)
+    kv_lens      [num_seqs] int32, KV length incl. the sequence's query tokens
+    seq_qlen     [num_seqs] int32 (query tokens of the sequence)
+    items        [W] int32 each: seq id, first token, tokens in item (0 = no-op),
+                 offset of the first token inside its sequence.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+
+
+def _kernel(
+    # inputs
+    item_seq_ref, item_start_ref, item_len_ref, item_off_ref,  # [W]
+    seq_qlen_ref, kv_lens_ref,  # [num_seqs]
+    bt_ref,  # [num_seqs, M_pad]
+    q_ref,  # [T, KVH, G_p, D]
+    k_ref, v_ref,  # [P, S, D] (this KV head)
+    # aliased inputs (initial values of the outputs), unused
+    *refs,
+    block_q: int,
+    group: int,
+    pages_per_block: int,
+    pages_per_split: int,
+    num_splits: int,
+    sm_scale: float,
+    soft_cap: float | None,
+    exact_f32: bool,
+):
+  n_out = 1 if num_splits == 1 else 2
+  out_refs = refs[-n_out:]
+  w = pl.program_id(0)
+  h = pl.program_id(1)
+  split = pl.program_id(2)
+
+  g_p = q_ref.shape[2]
+  head_dim = q_ref.shape[3]
+  page_size = k_ref.shape[1]
+  block_k = pages_per_block * page_size
+  rows = block_q * g_p
+
+  seq = item_seq_ref[w]
+  start = item_start_ref[w]
+  n_tok = item_len_ref[w]
+  off = item_off_ref[w]
+  q_len = seq_qlen_ref[seq]
+  kv_len = kv_lens_ref[seq]
+
+  # Row r of the tile = token (r // G_p) of the item, query head (r % G_p).
+  tok = jnp.arange(block_q, dtype=jnp.int32)
+  tok_valid = tok < n_tok  # [block_q]
+  r_tok = lax.div(jnp.arange(rows, dtype=jnp.int32), jnp.int32(g_p))
+  r_head = lax.rem(jnp.arange(rows, dtype=jnp.int32), jnp.int32(g_p))
+  r_pos = kv_len - q_len + off + r_tok  # position of the row's token
+  r_valid = (r_tok < n_tok) & (r_head < group) & (r_pos >= 0)
+  # Visible KV positions of this item: [0, kv_hi).
+  kv_hi = jnp.where(n_tok > 0, kv_len - q_len + off + n_tok, 0)
+  kv_hi = jnp.clip(kv_hi, 0, kv_len)
+
+  q = plgpu.load(
+      q_ref.at[pl.ds(start, block_q), h, :, :],
+      mask=jnp.broadcast_to(tok_valid[:, None, None], (block_q, g_p, head_dim)),
+      other=0.0,
+  ).reshape(rows, head_dim)
+
+  page_lo = split * pages_per_split
+  page_hi = jnp.minimum(page_lo + pages_per_split, pl.cdiv(kv_hi, page_size))
+  n_blocks = pl.cdiv(jnp.maximum(page_hi - page_lo, 0), pages_per_block)
+
+  scale = sm_scale if soft_cap is not None else sm_scale * LOG2E
+  precision = lax.Precision.HIGHEST if exact_f32 else None
+  kv_shape = (pages_per_block, page_size, head_dim)
+  # KV tiles are gathered with one int index per dim (all broadcast to the tile
+  # shape): this form lowers to one pointer tensor on Triton and to a plain
+  # gather in the CPU interpreter.
+  slot_idx = lax.broadcasted_iota(jnp.int32, kv_shape, 1)
+  dim_idx = lax.broadcasted_iota(jnp.int32, kv_shape, 2)
+  tok_in_block = lax.broadcasted_iota(jnp.int32, kv_shape, 0) * page_size + slot_idx
+
+  def body(i, carry):
+    acc, m_prev, l_prev = carry
+    p0 = page_lo + i * pages_per_block
+    pages = bt_ref[seq, pl.ds(p0, pages_per_block)]  # [ppb]
+    base = p0 * page_size
+    kv_mask3 = base + tok_in_block < kv_hi
+    page_idx = jnp.broadcast_to(pages[:, None, None], kv_shape)
+    kv_at = (page_idx, slot_idx, dim_idx)
+    k = plgpu.load(k_ref.at[kv_at], mask=kv_mask3, other=0.0)
+    k = k.reshape(block_k, head_dim)
+    s = pl.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32)
+    s = s * scale
+    if soft_cap is not None:
+      s = jnp.tanh(s * (1.0 / soft_cap)) * (soft_cap * LOG2E)
+    kv_pos = base + jnp.arange(block_k, dtype=jnp.int32)
+    mask = (kv_pos[None, :] <= r_pos[:, None]) & r_valid[:, None]
+    s = jnp.where(mask, s, -jnp.inf)
+    m_curr = jnp.max(s, axis=1)
+    m_next = jnp.maximum(m_prev, m_curr)
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    alpha = jnp.exp2(m_prev - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
+    l_next = l_prev * alpha + jnp.sum(p, axis=1)
+    v = plgpu.load(v_ref.at[kv_at], mask=kv_mask3, other=0.0)
+    v = v.reshape(block_k, head_dim)
+    pv = pl.dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_next, l_next
+
+  acc = jnp.zeros((rows, head_dim), jnp.float32)
+  m_i = jnp.full((rows,), -jnp.inf, jnp.float32)
+  l_i = jnp.zeros((rows,), jnp.float32)
+  acc, m_i, l_i = lax.fori_loop(0, n_blocks, body, (acc, m_i, l_i))
+
+  nonempty = l_i > 0.0
+  inv_l = jnp.where(nonempty, 1.0 / jnp.where(nonempty, l_i, 1.0), 0.0)
+  out = (acc * inv_l[:, None]).reshape(block_q, g_p, head_dim)
+  store_mask = jnp.broadcast_to(tok_valid[:, None, None], (block_q, g_p, head_dim))
+  if num_splits == 1:
+    (o_ref,) = out_refs
+    plgpu.store(o_ref.at[pl.ds(start, block_q), h, :, :],
+                out.astype(o_ref.dtype), mask=store_mask)
+  else:
+    o_ref, lse_ref = out_refs
+    # log2-domain log-sum-exp of the split's logits; -inf when it saw nothing.
+    lse = jnp.where(nonempty, m_i + jnp.log2(jnp.where(nonempty, l_i, 1.0)),
+                    -jnp.inf).reshape(block_q, g_p)
+    plgpu.store(o_ref.at[split, pl.ds(start, block_q), h, :, :], out,
+                mask=store_mask)
+    plgpu.store(lse_ref.at[split, pl.ds(start, block_q), h, :], lse,
+                mask=jnp.broadcast_to(tok_valid[:, None], (block_q, g_p)))
+
+
+def paged_core(
+    q,  # [T, KVH, G, D]
+    k_pages,  # [KVH, P, S, D]
+    v_pages,
+    block_tables,  # [num_seqs, M]
+    kv_lens,  # [num_seqs]
+    seq_qlen,  # [num_seqs]
+    item_seq, item_start, item_len, item_off,  # [W]
+    *,
+    block_q: int,
+    pages_per_block: int,
+    num_splits: int,
+    sm_scale: float,
+    soft_cap: float | None,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+):
+  """Runs the kernel over the work list; returns out [T, KVH, G, D] (q dtype)."""
+  t, kvh, group, d = q.shape
+  _, num_pages, page_size, _ = k_pages.shape
+  num_seqs, m = block_tables.shape
+  w = item_seq.shape[0]
+
+  # Triton needs power-of-2 tile dims; pad the query-head group if needed.
+  g_p = max(pl.next_power_of_2(group), 1)
+  # At least 16 rows per tile for the matrix units.
+  block_q = max(block_q, pl.cdiv(16, g_p))
+  block_q = pl.next_power_of_2(block_q)
+  if g_p != group:
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, g_p - group), (0, 0)))
+  # A tail item's tile may run past T: Triton masks those rows, and the CPU
+  # interpreter pads the ref before slicing, so no host-side padding is needed.
+  t_buf = t
+
+  pages_per_block = max(1, min(pages_per_block, pl.next_power_of_2(m)))
+  pages_per_split = pl.cdiv(pl.cdiv(m, num_splits), pages_per_block) * pages_per_block
+  m_pad = pages_per_split * num_splits
+  if m_pad != m:
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, m_pad - m)))
+
+  exact_f32 = q.dtype == jnp.float32
+  kernel = functools.partial(
+      _kernel,
+      block_q=block_q,
+      group=group,
+      pages_per_block=pages_per_block,
+      pages_per_split=pages_per_split,
+      num_splits=num_splits,
+      sm_scale=float(sm_scale),
+      soft_cap=None if soft_cap is None else float(soft_cap),
+      exact_f32=exact_f32,
+  )
+
+  def full(shape):
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+  kv_spec = pl.BlockSpec((None, num_pages, page_size, d),
+                         lambda i, h, n: (h, 0, 0, 0))
+  in_specs = [full((w,))] * 4 + [full((num_seqs,))] * 2 + [
+      full((num_seqs, m_pad)), full((t_buf, kvh, g_p, d)), kv_spec, kv_spec]
+  args = [item_seq, item_start, item_len, item_off, seq_qlen, kv_lens,
+          block_tables, q, k_pages, v_pages]
+  if num_splits == 1:
+    out_shape = [jax.ShapeDtypeStruct((t_buf, kvh, g_p, d), q.dtype)]
+    inits = [jnp.zeros((t_buf, kvh, g_p, d), q.dtype)]
+  else:
+    out_shape = [
+        jax.ShapeDtypeStruct((num_splits, t_buf, kvh, g_p, d), jnp.float32),
+        jax.ShapeDtypeStruct((num_splits, t_buf, kvh, g_p), jnp.float32),
+    ]
+    inits = [jnp.zeros(out_shape[0].shape, jnp.float32),
+             jnp.full(out_shape[1].shape, -jnp.inf, jnp.float32)]
+  out_specs = [full(s.shape) for s in out_shape]
+  n_in = len(args)
+  outs = pl.pallas_call(
+      kernel,
+      grid=(w, kvh, num_splits),
+      in_specs=in_specs + out_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases={n_in + i: i for i in range(len(inits))},
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                           num_stages=num_stages),
+      interpret=interpret,
+      name=f"paged_attn_bq{block_q}_ppb{pages_per_block}_ns{num_splits}",
+  )(*args, *inits)
+
+  if num_splits == 1:
+    out = outs[0]
+  else:
+    o, lse = outs  # [NS, T, KVH, G_p, D], [NS, T, KVH, G_p]
+    m_max = jnp.max(lse, axis=0)
+    m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+    wgt = jnp.exp2(lse - m_safe[None])  # 0 for empty splits
+    den = jnp.sum(wgt, axis=0)
+    num = jnp.sum(o * wgt[..., None], axis=0)
+    out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    out = out.astype(q.dtype)
+  return out[:t, :, :group, :]

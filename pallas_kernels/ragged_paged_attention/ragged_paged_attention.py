@@ -1,0 +1,150 @@
+"""Ragged paged attention: one call for a batch mixing prefill chunks, MTP
+verify segments and single-token decodes.
+
+Kernel: `pallas_kernels._paged_core` (Pallas, Triton backend). The wrapper cuts
+every sequence's query tokens into work items of <= block_q tokens (computed on
+device with jnp, so per-step lengths never recompile); an item's block_q tokens
+x the G query heads of one KV head form one tile.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _checks
+from pallas_kernels._paged_core import paged_core
+
+_TUNING_KEYS = ("block_q", "pages_per_block", "num_splits", "num_warps", "num_stages")
+
+
+def _work_items(cu_q_lens, num_seqs, num_tokens, block_q):
+  """Static-size work list: item w -> (seq, first token, n tokens, offset)."""
+  s = cu_q_lens.shape[0] - 1
+  live = jnp.arange(s, dtype=jnp.int32) < num_seqs
+  q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+  n_blocks = (q_lens + block_q - 1) // block_q
+  ends = jnp.cumsum(n_blocks)
+  w_max = -(-num_tokens // block_q) + s  # sum(ceil(len/bq)) <= T/bq + S
+  w = jnp.arange(w_max, dtype=jnp.int32)
+  seq = jnp.searchsorted(ends, w, side="right").astype(jnp.int32)
+  valid = seq < s
+  seq = jnp.where(valid, seq, 0)
+  blk = w - (ends[seq] - n_blocks[seq])
+  off = blk * block_q
+  start = cu_q_lens[seq] + off
+  n_tok = jnp.where(valid, jnp.clip(q_lens[seq] - off, 0, block_q), 0)
+  return seq, start.astype(jnp.int32), n_tok.astype(jnp.int32), off.astype(jnp.int32), q_lens
+
+
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+                           *, sm_scale=None, soft_cap=None, interpret=False, **tuning):
+  """Causal paged GQA attention over a ragged batch of query tokens.
+
+  Args:
+    q: [T, H, D] bf16 or f32, tokens of all sequences flattened.
+    k_pages, v_pages: [KVH, P, S, D], same dtype as q; S in 8..64, D in {64, 128}.
+    block_tables: int32 [num_seqs_max, M].
+    kv_lens: int32 [num_seqs_max], KV length incl. the sequence's query tokens.
+    cu_q_lens: int32 [num_seqs_max + 1], cu_q_lens[0] = 0, nondecreasing; sequence s
+      owns tokens cu_q_lens[s]:cu_q_lens[s+1]; its token j is at position
+      kv_lens[s] - q_len_s + j (causal). Rows with position < 0 output zeros.
+    num_seqs: int32 scalar or [1]; sequences past it are padding. Tokens past
+      cu_q_lens[num_seqs] output zeros.
+    sm_scale: default 1/sqrt(D). soft_cap: soft_cap * tanh(logits / soft_cap).
+    interpret: run the Pallas kernel in interpret mode (CPU tests).
+    **tuning: block_q (query tokens per tile, default 128 // G rounded to a
+      power of 2), pages_per_block (default 64 // S), num_splits (1),
+      num_warps (4), num_stages (3).
+  Returns:
+    [T, H, D] in q's dtype.
+  """
+  _checks.check_ndim("q", q, 3, "[num_tokens, num_heads, head_dim]")
+  t, h, d = q.shape
+  _checks.check_kv(q, k_pages, v_pages, h, d)
+  _checks.check_ndim("block_tables", block_tables, 2, "[max_num_seqs, max_pages]")
+  _checks.check_int32("block_tables", block_tables)
+  s = block_tables.shape[0]
+  _checks.check_int32("kv_lens", kv_lens)
+  if kv_lens.shape != (s,):
+    raise ValueError(f"kv_lens shape {tuple(kv_lens.shape)} must be ({s},) "
+                     f"(one per block_tables row)")
+  _checks.check_int32("cu_q_lens", cu_q_lens)
+  if cu_q_lens.shape != (s + 1,):
+    raise ValueError(f"cu_q_lens shape {tuple(cu_q_lens.shape)} must be ({s + 1},)")
+  num_seqs = jnp.asarray(num_seqs)
+  _checks.check_int32("num_seqs", num_seqs)
+  if num_seqs.shape not in ((), (1,)):
+    raise ValueError(f"num_seqs must be a scalar or shape (1,), got {tuple(num_seqs.shape)}")
+  _checks.check_scalars(sm_scale, soft_cap)
+  bad = set(tuning) - set(_TUNING_KEYS)
+  if bad:
+    raise ValueError(f"unknown tuning options {sorted(bad)}; expected {_TUNING_KEYS}")
+  if "block_q" in tuning and not 1 <= tuning["block_q"] <= 256:
+    raise ValueError(f"block_q must be in 1..256, got {tuning['block_q']}")
+  sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+  return _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+                 num_seqs.reshape(()), sm_scale=sm_scale, soft_cap=soft_cap,
+                 interpret=interpret, tuning=tuple(sorted(tuning.items())))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret", "tuning"))
+def _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *, sm_scale,
+            soft_cap, interpret, tuning):
+  tuning = dict(tuning)
+  t, h, d = q.shape
+  kvh, _, page_size, _ = k_pages.shape
+  g = h // kvh
+  g_p = 1 << (g - 1).bit_length()
+  block_q = tuning.get("block_q", max(1, 128 // g_p))
+  block_q = 1 << (block_q - 1).bit_length()
+  seq, start, n_tok, off, q_lens = _work_items(cu_q_lens, num_seqs, t, block_q)
+  out = paged_core(
+      q.reshape(t, kvh, g, d), k_pages, v_pages, block_tables, kv_lens, q_lens,
+      seq, start, n_tok, off,
+      block_q=block_q, pages_per_block=tuning.get("pages_per_block", max(1, 64 // page_size)),
+      num_splits=tuning.get("num_splits", 1), sm_scale=sm_scale, soft_cap=soft_cap,
+      num_warps=tuning.get("num_warps", 4), num_stages=tuning.get("num_stages", 3),
+      interpret=interpret)
+  return out.reshape(t, h, d)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap"))
+def ragged_paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+                                     num_seqs, *, sm_scale=None, soft_cap=None):
+  """Plain-jnp reference: per token, gather its sequence's pages, masked f32 softmax.
+
+  Memory is O(T * M * page_size * KVH * D): meant for tests and small batches.
+  """
+  t, h, d = q.shape
+  kvh, _, page_size, _ = k_pages.shape
+  s, m = block_tables.shape
+  g = h // kvh
+  scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+  num_seqs = jnp.asarray(num_seqs).reshape(())
+  tok = jnp.arange(t, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), 0, s - 1)
+  live = (tok < cu_q_lens[jnp.minimum(num_seqs, s)]) & (seq < num_seqs)
+  q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+  pos = kv_lens[seq] - q_len + (tok - cu_q_lens[seq])  # [T]
+  pos = jnp.where(live, pos, -1)
+  kv_pos = jnp.arange(m * page_size)
+  kv_valid = kv_pos[None, :] < kv_lens[seq][:, None]  # [T, L]
+  k = k_pages[:, block_tables[seq]].reshape(kvh, t, m * page_size, d)
+  v = v_pages[:, block_tables[seq]].reshape(kvh, t, m * page_size, d)
+  k = jnp.where(kv_valid[None, :, :, None], k, 0).astype(jnp.float32)
+  v = jnp.where(kv_valid[None, :, :, None], v, 0).astype(jnp.float32)
+  qg = q.reshape(t, kvh, g, d).astype(jnp.float32)
+  logits = jnp.einsum("tkgd,ktld->tkgl", qg, k, precision="highest") * scale
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  mask = (kv_pos[None, :] <= pos[:, None]) & kv_valid  # [T, L]
+  logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
+  mx = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
+  den = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(den > 0, den, 1.0)
+  o = jnp.einsum("tkgl,ktld->tkgd", p, v, precision="highest")
+  return o.reshape(t, h, d).astype(q.dtype)
