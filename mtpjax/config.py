@@ -1,0 +1,267 @@
+"""Frozen, validated configuration objects.
+
+`ModelConfig` describes the target model and its MTP modules, `SamplingParams` one request's
+sampling, `SpecConfig` the speculative decoding method. All are frozen dataclasses validated at
+construction; shrink them in tests with `dataclasses.replace` (which re-validates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MTP_CONCAT_ORDERS = ("embed_hidden", "hidden_embed")
+SPEC_METHODS = ("chain", "multi_layer")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (Hugging Face `rope_scaling`). `rope_type="default"` is none."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+
+    def __post_init__(self):
+        if self.rope_type == "dynamic":
+            raise ValueError(
+                "rope_scaling type 'dynamic' is not supported: its frequencies depend on the running "
+                f"sequence length, which a paged KV cache cannot reproduce; supported: {SUPPORTED_ROPE_TYPES}")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling type {self.rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling factor must be > 0, got {self.factor!r}")
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any] | None) -> "RopeScaling":
+        if not d:
+            return cls()
+        rope_type = d.get("rope_type", d.get("type", "default"))
+        known = {f.name for f in dataclasses.fields(cls)} - {"rope_type"}
+        kwargs = {k: v for k, v in d.items() if k in known and v is not None}
+        return cls(rope_type=rope_type, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only target model (Llama/Qwen family) plus D = `num_mtp_layers` MTP modules.
+
+    MTP modules follow DESIGN.md: `u = eh_proj(concat(enorm(embed(x)), hnorm(h)))` (order set by
+    `mtp_concat_order`), one decoder layer, and the shared `lm_head` behind the module's own
+    output norm. `mtp_normed_hidden_to_next` is MiMo's behaviour: the module hands the *normed*
+    hidden state to the next depth (DeepSeek hands the raw one and norms only for the logits).
+    """
+
+    model_type: str = "llama"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
+    max_position_embeddings: int = 4096
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    num_mtp_layers: int = 1
+    mtp_concat_order: str = "embed_hidden"
+    mtp_normed_hidden_to_next: bool = False
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "max_position_embeddings"):
+            _positive_int(name, getattr(self, name))
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
+                    "set head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        _positive_int("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+        if not isinstance(self.num_mtp_layers, int) or self.num_mtp_layers < 0:
+            raise ValueError(f"num_mtp_layers must be an int >= 0, got {self.num_mtp_layers!r}")
+        if self.mtp_concat_order not in MTP_CONCAT_ORDERS:
+            raise ValueError(
+                f"mtp_concat_order {self.mtp_concat_order!r} not in {MTP_CONCAT_ORDERS}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_hf(self.rope_scaling))
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any], **overrides) -> "ModelConfig":
+        """Reads a Hugging Face `config.json` dict (llama, qwen2, qwen3, mimo)."""
+        if not isinstance(config, Mapping):
+            raise ValueError(f"config must be a dict (parsed config.json), got {type(config).__name__}")
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        if config.get("use_sliding_window", False):
+            raise ValueError("use_sliding_window=True is not supported (sliding-window attention)")
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: ('silu',)")
+        num_heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        rope_scaling = config.get("rope_scaling")
+        rope_theta = config.get("rope_theta")
+        # transformers >= 5 may nest theta and scaling into `rope_parameters`.
+        rope_params = config.get("rope_parameters")
+        if isinstance(rope_params, Mapping):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        kwargs = dict(
+            model_type=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta if rope_theta is not None else 10000.0,
+            rope_scaling=RopeScaling.from_hf(rope_scaling),
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            qkv_bias=bool(config.get("attention_bias", model_type in ("qwen2", "mimo"))),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            num_mtp_layers=int(config.get("num_nextn_predict_layers", 0) or 0),
+            mtp_concat_order="hidden_embed" if model_type == "mimo" else "embed_hidden",
+            mtp_normed_hidden_to_next=model_type == "mimo",
+        )
+        if model_type == "qwen2" and "attention_bias" not in config:
+            kwargs["qkv_bias"] = True
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 is greedy; top_k 0 disables top-k; top_p 1 disables top-p."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 disables), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.max_tokens is not None:
+            _positive_int("max_tokens", self.max_tokens)
+        stops = tuple(self.stop_token_ids)
+        for t in stops:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding with the checkpoint's MTP modules.
+
+    method "chain": module `step % D` drafts autoregressively (MTP used as EAGLE), any K >= 1.
+    method "multi_layer": K = D distinct modules, module k consumes module k-1's hidden state.
+    acceptance: "rejection" (lossless; greedy requests reduce to exact-match), "greedy"
+    (exact-match on the target argmax for every request), "relaxed" (lossy, thinking phase
+    only), "synthetic" (benchmark-only: accept each draft with `synthetic_accept_rate`).
+    """
+
+    num_speculative_tokens: int = 1
+    method: str = "chain"
+    acceptance: str = "rejection"
+    relaxed_topk: int = 3
+    relaxed_delta: float = 0.6
+    think_start_token_id: int | None = None
+    think_end_token_id: int | None = None
+    synthetic_accept_rate: float | tuple[float, ...] = 0.7
+
+    def __post_init__(self):
+        _positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"method {self.method!r} is not supported; supported: {SPEC_METHODS}")
+        accept = ("rejection", "greedy", "relaxed", "synthetic")
+        if self.acceptance not in accept:
+            raise ValueError(f"acceptance {self.acceptance!r} is not supported; supported: {accept}")
+        _positive_int("relaxed_topk", self.relaxed_topk)
+        if not 0.0 <= self.relaxed_delta <= 1.0:
+            raise ValueError(f"relaxed_delta must be in [0, 1], got {self.relaxed_delta!r}")
+        if self.acceptance == "relaxed" and (self.think_start_token_id is None
+                                             or self.think_end_token_id is None):
+            raise ValueError("relaxed acceptance needs think_start_token_id and think_end_token_id")
+        rates = self.synthetic_accept_rate
+        rates = tuple(rates) if isinstance(rates, (tuple, list)) else (rates,)
+        for r in rates:
+            if not 0.0 <= r <= 1.0:
+                raise ValueError(f"synthetic_accept_rate entries must be in [0, 1], got {r!r}")
+        if len(rates) not in (1, self.num_speculative_tokens):
+            raise ValueError(
+                f"synthetic_accept_rate has {len(rates)} entries; expected 1 or K="
+                f"{self.num_speculative_tokens}")
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Raises if the model cannot serve this method."""
+        if cfg.num_mtp_layers < 1:
+            raise ValueError("speculative decoding needs a model with num_mtp_layers >= 1, got 0")
+        if self.method == "multi_layer" and self.num_speculative_tokens != cfg.num_mtp_layers:
+            raise ValueError(
+                f"method 'multi_layer' needs num_speculative_tokens == num_mtp_layers "
+                f"({cfg.num_mtp_layers}), got {self.num_speculative_tokens}; use method 'chain' "
+                "to reuse modules")
+
+    def synthetic_rates(self) -> tuple[float, ...]:
+        r = self.synthetic_accept_rate
+        r = tuple(r) if isinstance(r, (tuple, list)) else (r,)
+        return r * self.num_speculative_tokens if len(r) == 1 else r

@@ -1,0 +1,87 @@
+"""MTP module k (0-based here; DESIGN.md's k = 1..D is `module + 1`).
+
+At position i, module k combines the previous depth's hidden state h^k_i with the embedding of
+the token it is given (x_{i+k+1} in 0-based module numbering, i.e. the token one past what the
+previous depth predicted) and predicts the token after it:
+
+    e = enorm(embed(x)),  zeroed at position 0
+    u = eh_proj(concat(e, hnorm(h)))        # MiMo: concat(hnorm(h), e)
+    y = block_k(u)                          # its own attention layer over its own paged KV
+    logits   = lm_head(out_norm(y))
+    h_next   = y  (DeepSeek)  |  out_norm(y)  (MiMo, `mtp_normed_hidden_to_next`)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtpjax.cache import KVCache, PagedBatch, slot_indices
+from mtpjax.config import ModelConfig
+from mtpjax.model.attention import dense_causal_attention
+from mtpjax.model.layers import decoder_block, rms_norm
+from mtpjax.model.transformer import cached_block, layer_params, logits_from_hidden
+
+
+def module_params(params, k: int) -> dict:
+    return jax.tree.map(lambda a: a[k], params["mtp"])
+
+
+def _module_input(params, mp, cfg: ModelConfig, hidden_prev, tokens, positions):
+    emb = params["embed"][tokens]
+    emb = jnp.where((positions == 0)[..., None], jnp.zeros_like(emb), emb)
+    e = rms_norm(emb, mp["enorm"], cfg.rms_norm_eps)
+    h = rms_norm(hidden_prev.astype(emb.dtype), mp["hnorm"], cfg.rms_norm_eps)
+    parts = (e, h) if cfg.mtp_concat_order == "embed_hidden" else (h, e)
+    return jnp.concatenate(parts, axis=-1) @ mp["eh_proj"]
+
+
+def _module_output(params, mp, cfg: ModelConfig, y):
+    normed = rms_norm(y, mp["out_norm"], cfg.rms_norm_eps)
+    h_next = normed if cfg.mtp_normed_hidden_to_next else y
+    return h_next, logits_from_hidden(params, normed)
+
+
+def mtp_forward(params, cfg: ModelConfig, k: int, hidden_prev: jax.Array, tokens: jax.Array,
+                positions: jax.Array | None = None):
+    """Module k over whole sequences, no cache (the from-scratch reference).
+
+    hidden_prev [B, T, E] = h^k at positions 0..T-1; tokens int32[B, T] = the token each position
+    is given. Returns (h^{k+1} [B, T, E], logits f32[B, T, V]).
+    """
+    B, T = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    mp = module_params(params, k)
+    u = _module_input(params, mp, cfg, hidden_prev, tokens, positions)
+    y = decoder_block(mp["block"], u, positions, cfg, dense_causal_attention)
+    return _module_output(params, mp, cfg, y)
+
+
+def mtp_forward_cached(params, cfg: ModelConfig, k: int, cache: KVCache, hidden_prev: jax.Array,
+                       tokens: jax.Array, batch: PagedBatch, *, impl: str = "auto"):
+    """Module k over ragged tokens [N] through its own paged KV (same block tables as the target).
+
+    Returns (h^{k+1} [N, E], logits f32[N, V], cache).
+    """
+    mp = module_params(params, k)
+    page, offset = slot_indices(batch, cache.page_size, cache.num_pages)
+    u = _module_input(params, mp, cfg, hidden_prev, tokens, batch.positions)
+    ks, vs = list(cache.mtp_k), list(cache.mtp_v)
+    y, ks[k], vs[k] = cached_block(mp["block"], u, batch, cfg, ks[k], vs[k], page, offset, impl)
+    h_next, logits = _module_output(params, mp, cfg, y)
+    return h_next, logits, cache.replace(mtp_k=tuple(ks), mtp_v=tuple(vs))
+
+
+def mtp_forward_cached_switch(params, cfg: ModelConfig, k: jax.Array, cache: KVCache,
+                              hidden_prev, tokens, batch: PagedBatch, *, impl: str = "auto"):
+    """Like `mtp_forward_cached` with a traced module index (inside a fori_loop)."""
+    D = cfg.num_mtp_layers
+    if D == 1:
+        return mtp_forward_cached(params, cfg, 0, cache, hidden_prev, tokens, batch, impl=impl)
+    branches = [
+        (lambda c, h, t, d=d: mtp_forward_cached(params, cfg, d, c, h, t, batch, impl=impl))
+        for d in range(D)
+    ]
+    return jax.lax.switch(k, branches, cache, hidden_prev, tokens)
+

@@ -1,0 +1,113 @@
+"""Per-request sampling on device: temperature, top-k, top-p, greedy, all as arrays.
+
+`filtered_probs` is the one place the sampling transform is defined; rejection sampling applies
+it to target and draft logits alike, so acceptance is lossless for the *filtered* distribution.
+A greedy request (temperature 0) gets the one-hot distribution of its argmax.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from mtpjax.config import SamplingParams
+
+
+@struct.dataclass
+class SamplingArrays:
+    """SamplingParams of B requests as device arrays."""
+
+    temperature: jax.Array   # f32[B]    0 = greedy
+    top_k: jax.Array         # int32[B]  0 = off
+    top_p: jax.Array         # f32[B]    1 = off
+    keys: jax.Array          # uint32[B, 2] per-request base PRNG keys
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], base_seed: int = 0) -> "SamplingArrays":
+        keys = [
+            jax.random.PRNGKey(p.seed) if p.seed is not None
+            else jax.random.fold_in(jax.random.PRNGKey(base_seed), i)
+            for i, p in enumerate(params)
+        ]
+        return cls(
+            temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+            top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+            keys=jnp.stack(keys).astype(jnp.uint32),
+        )
+
+
+def _expand(x, logits):
+    """Per-request [B] parameter broadcast against logits [B, ..., V]."""
+    return x.reshape(x.shape + (1,) * (logits.ndim - 1))
+
+
+def filtered_probs(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """f32 probabilities [B, ..., V] after temperature, top-k, then top-p (ties at a cut are kept)."""
+    logits = logits.astype(jnp.float32)
+    V = logits.shape[-1]
+    greedy = _expand(temperature, logits) <= 0
+    t = jnp.where(greedy, 1.0, _expand(temperature, logits))
+    scaled = logits / t
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = _expand(top_k, logits)
+    kth = jnp.take_along_axis(sorted_desc, jnp.clip(k - 1, 0, V - 1), axis=-1)
+    scaled = jnp.where((k > 0) & (scaled < kth), -jnp.inf, scaled)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    sorted_p = -jnp.sort(-probs, axis=-1)
+    before = jnp.cumsum(sorted_p, axis=-1) - sorted_p        # mass strictly before each entry
+    keep = before < _expand(top_p, logits)
+    threshold = jnp.min(jnp.where(keep, sorted_p, jnp.inf), axis=-1, keepdims=True)
+    probs = jnp.where(probs >= threshold, probs, 0.0)
+    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    return jnp.where(greedy, onehot, probs)
+
+
+def position_keys(keys: jax.Array, positions: jax.Array) -> jax.Array:
+    """Key of the token sampled at each position: fold_in(request key, position).
+
+    keys uint32[B, 2], positions int32[B] -> uint32[B, 2]. Sampling thus depends only on the
+    request and the position, never on batch composition or step count.
+    """
+    return jax.vmap(jax.random.fold_in)(keys, positions)
+
+
+def sample_from_probs(probs: jax.Array, keys: jax.Array) -> jax.Array:
+    """probs [B, V], keys uint32[B, 2] -> int32[B] (a one-hot row returns its index exactly)."""
+    logp = jnp.log(probs)
+    return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, sp: SamplingArrays, positions: jax.Array) -> jax.Array:
+    """Sample one token per request from logits [B, V]; greedy rows take the argmax."""
+    probs = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
+    tok = sample_from_probs(probs, position_keys(sp.keys, positions))
+    return jnp.where(sp.temperature <= 0, jnp.argmax(logits, axis=-1).astype(jnp.int32), tok)
+
+
+def as_sampling_list(sampling, n: int) -> list[SamplingParams]:
+    if sampling is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * n
+    sampling = list(sampling)
+    if len(sampling) != n:
+        raise ValueError(f"got {len(sampling)} SamplingParams for {n} prompts")
+    for s in sampling:
+        if not isinstance(s, SamplingParams):
+            raise ValueError(f"sampling entries must be SamplingParams, got {type(s).__name__}")
+    return sampling
+
+
+def stop_id_array(params: Sequence[SamplingParams]) -> np.ndarray:
+    """int32[B, S] stop ids padded with -1 (S >= 1)."""
+    width = max([1] + [len(p.stop_token_ids) for p in params])
+    out = np.full((len(params), width), -1, np.int32)
+    for i, p in enumerate(params):
+        out[i, :len(p.stop_token_ids)] = p.stop_token_ids
+    return out
