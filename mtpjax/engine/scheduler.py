@@ -1,0 +1,338 @@
+"""Continuous batching for MTP speculative decoding: mixed verify-decodes and chunked prefills.
+
+One `schedule()` builds one device step, in this order (each group first come, first served):
+
+1. running decodes: K + 1 query tokens each (pending token + K drafts); blocks reserved with
+   `can_append`/`may_append(seq, K + 1 + num_lookahead_tokens)`; when blocks run out the newest
+   running request is preempted (recomputation) until the check passes;
+2. running partially-prefilled requests: the next chunk, as much as the token budget allows;
+3. waiting requests (new or preempted), admitted while blocks, the token budget and the sequence
+   limit allow; admission allocates blocks for the whole (re)prefill at once, so later chunks
+   never allocate.
+
+After the device step `postprocess(output, committed)` takes each request's committed tokens.
+See docs/engine.md for the arithmetic and a worked example.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Iterator, Sequence as _Seq
+
+from mtpjax.engine.block_manager import BlockManager
+from mtpjax.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step. Query tokens sit at positions
+    start_position .. start_position + num_query_tokens - 1; their KV is written to the slots
+    `block_table[p // block_size] * block_size + p % block_size`."""
+
+    seq: Sequence
+    is_prefill: bool
+    start_position: int        # seq_len before the step == position of the first query token
+    num_query_tokens: int      # prefill: chunk length; decode: K + 1
+    is_last_chunk: bool        # the step samples for this request (always True for a decode)
+    token_ids: tuple[int, ...]  # host-known inputs: the chunk's tokens, or (pending token,) for a
+                                # decode (its K drafts are on the device)
+
+    @property
+    def seq_id(self) -> int:
+        return self.seq.seq_id
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.seq.block_table
+
+    @property
+    def context_len(self) -> int:
+        """KV length attention sees after this step's writes (the runner's `seq_lens` entry)."""
+        return self.start_position + self.num_query_tokens
+
+    @property
+    def max_committed_tokens(self) -> int:
+        """How many tokens postprocess may receive: K+1 (decode), 1 (last chunk) or 0."""
+        if not self.is_prefill:
+            return self.num_query_tokens
+        return 1 if self.is_last_chunk else 0
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step. `requests` lists decodes first, then prefill chunks, each group in FCFS order."""
+
+    requests: list[ScheduledRequest]
+    preempted: list[Sequence]      # preempted by this schedule() (drop their device-side drafts)
+    num_speculative_tokens: int
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(r.num_query_tokens for r in self.requests)
+
+    @property
+    def decodes(self) -> list[ScheduledRequest]:
+        return [r for r in self.requests if not r.is_prefill]
+
+    @property
+    def prefills(self) -> list[ScheduledRequest]:
+        return [r for r in self.requests if r.is_prefill]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self) -> Iterator[ScheduledRequest]:
+        return iter(self.requests)
+
+
+def _positive(name, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    return value
+
+
+def _non_negative(name, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {name}={value!r}")
+    return value
+
+
+class Scheduler:
+    """FCFS continuous batching over a BlockManager.
+
+    num_lookahead_tokens (L): extra KV slots the device step may write past its own query tokens
+    (the chain draft loop writes MTP KV for draft positions; see docs/engine.md; L = K - 1 covers
+    chain drafting, 0 suffices for multi_layer). Decodes reserve K + 1 + L new tokens, admission
+    reserves L.
+    eos_token_id: finishes a request unless its sampling params say ignore_eos (stop_token_ids
+    always finish).
+    """
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, num_speculative_tokens: int = 0,
+                 chunked_prefill: bool = True, num_lookahead_tokens: int = 0,
+                 max_model_len: int | None = None, eos_token_id: int | None = None):
+        self.block_manager = block_manager
+        self.max_num_seqs = _positive("max_num_seqs", max_num_seqs)
+        self.max_num_batched_tokens = _positive("max_num_batched_tokens", max_num_batched_tokens)
+        self.num_speculative_tokens = _non_negative("num_speculative_tokens", num_speculative_tokens)
+        self.num_lookahead_tokens = _non_negative("num_lookahead_tokens", num_lookahead_tokens)
+        if max_model_len is not None:
+            _positive("max_model_len", max_model_len)
+        self.max_model_len = max_model_len
+        self.chunked_prefill = bool(chunked_prefill)
+        self.eos_token_id = eos_token_id
+        if self.max_num_batched_tokens < self.num_decode_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one verify step of "
+                f"K + 1 = {self.num_decode_tokens} tokens")
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []   # admission order: oldest first, newest last
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Query tokens of one verify step: the pending token plus K drafts."""
+        return self.num_speculative_tokens + 1
+
+    # ---- queue -------------------------------------------------------------------------------
+    def max_completion_tokens(self, num_prompt_tokens: int) -> int:
+        """Most completion tokens a prompt can reach with the whole cache to itself: its last
+        decode step (num_tokens = P + M - 1) reserves ceil((P + M + K + L) / block_size) blocks."""
+        bm = self.block_manager
+        limit = bm.num_blocks * bm.block_size - num_prompt_tokens - self.num_speculative_tokens \
+            - self.num_lookahead_tokens
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - num_prompt_tokens)
+        if not self.chunked_prefill:  # a recompute prefill holds up to P + M - 1 tokens
+            limit = min(limit, self.max_num_batched_tokens - num_prompt_tokens + 1)
+        return limit
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request. Refuses (ValueError) one that could never finish; a request with
+        max_tokens=None gets the largest max_tokens that fits (finish_reason "length" there)."""
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_completion_tokens:
+            raise ValueError(f"sequence {seq.seq_id} is not a fresh request ({seq!r})")
+        limit = self.max_completion_tokens(seq.num_prompt_tokens)
+        if seq.max_tokens is None:
+            if limit < 1:
+                raise ValueError(self._oversize_message(seq, 1))
+            seq.max_tokens = limit
+        elif seq.max_tokens > limit:
+            raise ValueError(self._oversize_message(seq, seq.max_tokens))
+        self.waiting.append(seq)
+
+    def _oversize_message(self, seq: Sequence, max_tokens: int) -> str:
+        bm = self.block_manager
+        need = bm.num_blocks_for(seq.num_prompt_tokens + max_tokens + self.num_speculative_tokens
+                                 + self.num_lookahead_tokens)
+        msg = (f"request {seq.seq_id} can never be served: prompt of {seq.num_prompt_tokens} tokens "
+               f"+ max_tokens={max_tokens} (+ K={self.num_speculative_tokens} drafts, "
+               f"lookahead {self.num_lookahead_tokens}) needs {need} blocks of {bm.block_size}, "
+               f"the cache has {bm.num_blocks}")
+        if self.max_model_len is not None:
+            msg += f"; max_model_len={self.max_model_len}"
+        if not self.chunked_prefill:
+            msg += (f"; without chunked prefill a (re)prefill must fit max_num_batched_tokens="
+                    f"{self.max_num_batched_tokens}")
+        return msg
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a waiting or running request and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.deallocate(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            raise ValueError(f"sequence {seq.seq_id} is neither waiting nor running")
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- schedule ----------------------------------------------------------------------------
+    def preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks and put it at the front of waiting; its generated tokens become part
+        of the prompt it recomputes (the prefix cache may still hold its full blocks)."""
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_prefill_tokens = seq.num_tokens
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        preempted: list[Sequence] = []
+        num_new = self.num_decode_tokens + self.num_lookahead_tokens
+
+        # 1. Verify-decodes of running requests, oldest first; preempt newest when out of blocks.
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefill:
+                continue  # preempted above, or prefilling (pass 2)
+            if budget < self.num_decode_tokens or len(decodes) >= self.max_num_seqs:
+                break
+            while not bm.can_append(seq, num_new):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            bm.may_append(seq, num_new)
+            decodes.append(ScheduledRequest(
+                seq=seq, is_prefill=False, start_position=seq.num_computed_tokens,
+                num_query_tokens=self.num_decode_tokens, is_last_chunk=True,
+                token_ids=(seq.last_token_id,)))
+            budget -= self.num_decode_tokens
+
+        # 2. Next chunk of partially prefilled running requests.
+        for seq in self.running:
+            if not seq.is_prefill:
+                continue
+            if budget <= 0 or len(decodes) + len(prefills) >= self.max_num_seqs:
+                break
+            chunk = self._chunk(seq.num_uncomputed_prefill_tokens, budget)
+            if chunk == 0:
+                break
+            prefills.append(self._prefill_request(seq, chunk))
+            budget -= chunk
+
+        # 3. Admit waiting requests (FCFS: stop at the first that does not fit).
+        while (self.waiting and not preempted and budget > 0
+               and len(self.running) < self.max_num_seqs
+               and len(decodes) + len(prefills) < self.max_num_seqs):
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - bm.num_prefix_cached_tokens(seq)
+            chunk = self._chunk(remaining, budget)
+            if chunk == 0 or not bm.can_allocate(seq, self.num_lookahead_tokens):
+                break
+            bm.allocate(seq, self.num_lookahead_tokens)
+            seq.num_prefill_tokens = seq.num_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            prefills.append(self._prefill_request(seq, chunk))
+            budget -= chunk
+
+        return SchedulerOutput(requests=decodes + prefills, preempted=preempted,
+                               num_speculative_tokens=self.num_speculative_tokens)
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        if self.chunked_prefill:
+            return min(remaining, budget)
+        return remaining if remaining <= budget else 0
+
+    @staticmethod
+    def _prefill_request(seq: Sequence, chunk: int) -> ScheduledRequest:
+        start = seq.num_computed_tokens
+        return ScheduledRequest(
+            seq=seq, is_prefill=True, start_position=start, num_query_tokens=chunk,
+            is_last_chunk=start + chunk == seq.num_prefill_tokens,
+            token_ids=tuple(seq.token_ids[start:start + chunk]))
+
+    # ---- postprocess -------------------------------------------------------------------------
+    def _is_stop(self, seq: Sequence, token_id: int) -> bool:
+        if token_id in seq.stop_token_ids:
+            return True
+        return self.eos_token_id is not None and not seq.ignore_eos and token_id == self.eos_token_id
+
+    def postprocess(self, output: SchedulerOutput,
+                    committed_token_ids: _Seq[_Seq[int]]) -> list[Sequence]:
+        """Apply one step's results. `committed_token_ids[i]` are the tokens request
+        `output.requests[i]` committed: 1..K+1 for a decode (accepted drafts + bonus), 1 for a last
+        prefill chunk, 0 (empty) for a non-final chunk. Tokens after a stop token or beyond
+        max_tokens are dropped. Returns the requests that finished (their blocks are freed)."""
+        if len(committed_token_ids) != len(output.requests):
+            raise ValueError(f"got committed tokens for {len(committed_token_ids)} requests, the step "
+                             f"scheduled {len(output.requests)}")
+        # Validate everything first, so a bad call changes nothing.
+        for req, toks in zip(output.requests, committed_token_ids):
+            seq, n = req.seq, len(toks)
+            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != req.start_position:
+                raise ValueError(f"sequence {seq.seq_id} is not in the state this step was scheduled "
+                                 f"from (status={seq.status.name}, seq_len={seq.num_computed_tokens}, "
+                                 f"scheduled start_position={req.start_position})")
+            lo = 1 if req.is_last_chunk else 0
+            if not lo <= n <= req.max_committed_tokens:
+                raise ValueError(f"sequence {seq.seq_id} committed {n} tokens; a "
+                                 f"{'decode' if not req.is_prefill else 'prefill chunk'} here commits "
+                                 f"{lo}..{req.max_committed_tokens}")
+        finished = []
+        for req, toks in zip(output.requests, committed_token_ids):
+            seq = req.seq
+            if req.is_prefill:
+                seq.num_computed_tokens += req.num_query_tokens
+            kept = 0
+            for t in toks:
+                t = int(t)
+                seq.append_token(t)
+                kept += 1
+                if self._is_stop(seq, t):
+                    seq.finish_reason = "stop"
+                elif seq.num_completion_tokens >= seq.max_tokens:
+                    seq.finish_reason = "length"
+                if seq.finish_reason is not None:
+                    break
+            if not req.is_prefill:
+                seq.num_computed_tokens += kept  # KV of the pending token + accepted drafts
+            self.block_manager.commit(seq)
+            if seq.finish_reason is not None:
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.deallocate(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
