@@ -114,7 +114,7 @@ def _kernel(
     kv_at = (page_idx, slot_idx, dim_idx)
     k = plgpu.load(k_ref.at[kv_at], mask=kv_mask3, other=0.0)
     k = k.reshape(block_k, head_dim)
-    s = pl.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32)
+    s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32)
     s = s * scale
     if soft_cap is not None:
       s = jnp.tanh(s * (1.0 / soft_cap)) * (soft_cap * LOG2E)
@@ -129,7 +129,7 @@ def _kernel(
     l_next = l_prev * alpha + jnp.sum(p, axis=1)
     v = plgpu.load(v_ref.at[kv_at], mask=kv_mask3, other=0.0)
     v = v.reshape(block_k, head_dim)
-    pv = pl.dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
     acc = acc * alpha[:, None] + pv
     return acc, m_next, l_next
 

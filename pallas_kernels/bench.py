@@ -1,0 +1,365 @@
+"""Benchmarks of the mtpjax Pallas kernels against peers measured in the same run.
+
+    python -m pallas_kernels.bench [--mode full|tune|check] [--out DIR] [--quick]
+
+Prints one table per kernel: median time, TB/s (TFLOP/s for prefill), % of the
+device-to-device copy bandwidth measured in this run, and peers on the same shapes:
+JAX's `pallas.ops.gpu.paged_attention` (decode, Q=1), cuDNN through
+`jax.nn.dot_product_attention(implementation="cudnn")` on dense KV, and the plain
+XLA reference. Each timed call runs R independent kernel calls inside one jit
+(distinct q per call, so nothing is CSE'd), after warmup; median of repeats.
+GPU only (uses Triton-compiled Pallas kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.draft_roll import draft_roll, draft_roll_reference
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                   ragged_paged_attention_reference)
+
+REPS_IN_JIT = 8
+LOG = []
+
+
+def log(*a):
+  s = " ".join(str(x) for x in a)
+  LOG.append(s)
+  print(s, flush=True)
+
+
+def timeit(fn, qs, rest, repeats=15):
+  """Median seconds of one fn(q, *rest) call; len(qs) calls per jit."""
+  multi = jax.jit(lambda qs, *rest: [fn(q, *rest) for q in qs])
+  out = multi(qs, *rest)
+  jax.block_until_ready(out)
+  for _ in range(2):
+    jax.block_until_ready(multi(qs, *rest))
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(multi(qs, *rest))
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts)) / len(qs), out[0]
+
+
+def copy_bandwidth():
+  x = jax.random.normal(jax.random.key(0), (1 << 29,), jnp.bfloat16)  # 1 GiB
+  f = jax.jit(lambda x: x + jnp.bfloat16(1))
+  jax.block_until_ready(f(x))
+  ts = []
+  for _ in range(20):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    ts.append(time.perf_counter() - t0)
+  t = float(np.median(ts))
+  return 2 * x.nbytes / t
+
+
+def rel_err(out, ref):
+  out = np.asarray(out, np.float32)
+  ref = np.asarray(ref, np.float32)
+  if not np.isfinite(out).all():
+    return float("nan")
+  return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def make_paged(key, b, q_len, h, kvh, d, ctx, page=16, dtype=jnp.bfloat16, extra_pages=8):
+  """Random KV cache with permuted block tables; every request has kv_len = ctx."""
+  m = ctx // page
+  p = b * m + extra_pages
+  ks = jax.random.split(key, 4)
+  k_pages = jax.random.normal(ks[0], (kvh, p, page, d), dtype)
+  v_pages = jax.random.normal(ks[1], (kvh, p, page, d), dtype)
+  bt = jax.random.permutation(ks[2], p)[: b * m].reshape(b, m).astype(jnp.int32)
+  kv_lens = jnp.full((b,), ctx, jnp.int32)
+  qs = [jax.random.normal(k, (b, q_len, h, d), dtype)
+        for k in jax.random.split(ks[3], REPS_IN_JIT)]
+  return qs, k_pages, v_pages, bt, kv_lens
+
+
+def dense_kv(k_pages, bt):
+  kvh, _, page, d = k_pages.shape
+  b, m = bt.shape
+  return jnp.transpose(k_pages[:, bt].reshape(kvh, b, m * page, d), (1, 2, 0, 3))
+
+
+def time_decode(b, q_len, h, kvh, ctx, copy_bw, peers=True, **tuning):
+  d = 128
+  qs, kp, vp, bt, kl = make_paged(jax.random.key(b * 7 + ctx + q_len), b, q_len, h, kvh, d, ctx)
+  kv_bytes = 2 * b * ctx * kvh * d * 2
+  row = dict(B=b, Q=q_len, H=h, KVH=kvh, ctx=ctx)
+  t, out = timeit(functools.partial(paged_attention, **tuning), qs, (kp, vp, bt, kl))
+  row["ours_us"] = t * 1e6
+  row["ours_TBs"] = kv_bytes / t / 1e12
+  row["ours_pct_copy"] = 100 * kv_bytes / t / copy_bw
+  row["floor_us"] = kv_bytes / copy_bw * 1e6
+  if not peers:
+    return row
+  try:
+    ref = paged_attention_reference(qs[0], kp, vp, bt, kl)
+    row["err"] = rel_err(out, ref)
+    t, _ = timeit(paged_attention_reference, qs[:2], (kp, vp, bt, kl), repeats=5)
+    row["xla_us"] = t * 1e6
+  except Exception as e:  # noqa: BLE001  (OOM on the biggest shapes)
+    row["xla_us"] = float("nan")
+    log("xla ref failed", row, repr(e)[:200])
+  if q_len == 1:
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+    best = float("inf")
+    m = bt.shape[1]
+    for ks_, ppcb in ((16, 8), (8, 8), (4, 16), (1, 16)):
+      if m % ks_ or (m // ks_) % min(ppcb, m // ks_):
+        continue
+      try:
+        f = functools.partial(jax_pa.paged_attention, k_splits=ks_, pages_per_compute_block=ppcb)
+        t, _ = timeit(lambda q, *r: f(q[:, 0], *r), qs, (kp, vp, bt, kl), repeats=7)
+        best = min(best, t)
+      except Exception as e:  # noqa: BLE001
+        log("jax paged_attention failed", ks_, ppcb, repr(e)[:200])
+    row["jax_pa_us"] = best * 1e6
+    row["speedup_vs_jax"] = best / (row["ours_us"] * 1e-6)
+  try:
+    kd, vd = dense_kv(kp, bt), dense_kv(vp, bt)
+    f = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
+    t, _ = timeit(lambda q, k, v: f(q, k, v), qs, (kd, vd), repeats=7)
+    row["cudnn_us"] = t * 1e6
+    del kd, vd
+  except Exception as e:  # noqa: BLE001
+    row["cudnn_us"] = float("nan")
+    log("cudnn failed", repr(e)[:300])
+  return row
+
+
+def make_ragged(key, q_lens, kv_lens, h=32, kvh=8, d=128, page=16, dtype=jnp.bfloat16):
+  s = len(q_lens)
+  m = max(-(-k // page) for k in kv_lens)
+  p = s * m + 8
+  ks = jax.random.split(key, 4)
+  kp = jax.random.normal(ks[0], (kvh, p, page, d), dtype)
+  vp = jax.random.normal(ks[1], (kvh, p, page, d), dtype)
+  bt = jax.random.permutation(ks[2], p)[: s * m].reshape(s, m).astype(jnp.int32)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+  t = int(sum(q_lens))
+  qs = [jax.random.normal(k, (t, h, d), dtype) for k in jax.random.split(ks[3], REPS_IN_JIT)]
+  return qs, kp, vp, bt, jnp.asarray(kv_lens, jnp.int32), cu, jnp.int32(s)
+
+
+def causal_flops(q_lens, kv_lens, h, d):
+  f = 0
+  for ql, kl in zip(q_lens, kv_lens):
+    f += sum(kl - ql + j + 1 for j in range(ql))
+  return 4 * f * h * d
+
+
+def time_prefill(n_chunks, chunk, h, kvh, copy_bw, peers=True, **tuning):
+  d = 128
+  q_lens = [chunk] * n_chunks
+  args = make_ragged(jax.random.key(1), q_lens, q_lens, h, kvh, d)
+  flops = causal_flops(q_lens, q_lens, h, d)
+  row = dict(case=f"prefill {n_chunks}x{chunk}", H=h, KVH=kvh)
+  t, out = timeit(functools.partial(ragged_paged_attention, **tuning), args[0], args[1:])
+  row["ours_us"] = t * 1e6
+  row["ours_TFLOPs"] = flops / t / 1e12
+  if not peers:
+    return row
+  ref = ragged_paged_attention_reference(args[0][0], *args[1:])
+  row["err"] = rel_err(out, ref)
+  kd = dense_kv(args[1], args[3])
+  vd = dense_kv(args[2], args[3])
+  qd = [q.reshape(n_chunks, chunk, h, d) for q in args[0]]
+  try:
+    f = functools.partial(jax.nn.dot_product_attention, implementation="cudnn", is_causal=True)
+    t, _ = timeit(lambda q, k, v: f(q, k, v), qd, (kd, vd))
+    row["cudnn_us"] = t * 1e6
+    row["cudnn_TFLOPs"] = flops / t / 1e12
+    row["pct_of_cudnn"] = 100 * row["ours_TFLOPs"] / row["cudnn_TFLOPs"]
+  except Exception as e:  # noqa: BLE001
+    log("cudnn prefill failed", repr(e)[:300])
+  f = functools.partial(jax.nn.dot_product_attention, implementation="xla", is_causal=True)
+  t, _ = timeit(lambda q, k, v: f(q, k, v), qd[:2], (kd, vd), repeats=5)
+  row["xla_dense_us"] = t * 1e6
+  return row
+
+
+def time_mixed(copy_bw, **tuning):
+  """4 prefill chunks of 512 (fresh, kv 512) + 60 verify segments of 4 (kv 4096)."""
+  h, kvh, d = 32, 8, 128
+  q_lens = [512] * 4 + [4] * 60
+  kv_lens = [512] * 4 + [4096] * 60
+  args = make_ragged(jax.random.key(2), q_lens, kv_lens, h, kvh, d)
+  t, out = timeit(functools.partial(ragged_paged_attention, **tuning), args[0], args[1:])
+  ref = ragged_paged_attention_reference(args[0][0][2048:2048 + 40], args[1], args[2],
+                                         args[3][4:14], args[4][4:14],
+                                         args[5][4:15] - 2048, jnp.int32(10))
+  row = dict(case="mixed 4x512 prefill + 60x4 verify (kv 4096)", ours_us=t * 1e6,
+             err_verify_part=rel_err(out[2048:2088], ref))
+  kv_bytes = 2 * 60 * 4096 * kvh * d * 2 + 2 * 4 * 512 * kvh * d * 2
+  row["kv_TBs"] = kv_bytes / t / 1e12
+  t2, _ = timeit(ragged_paged_attention_reference, args[0][:1], args[1:], repeats=3)
+  row["xla_us"] = t2 * 1e6
+  return row
+
+
+def time_draft_roll(num_seg, seg_len, hd, n_new=4, dtype=jnp.bfloat16, copy_bw=None, **tuning):
+  t = num_seg * seg_len
+  key = jax.random.key(3)
+  ks = jax.random.split(key, 8)
+  tokens = jax.random.randint(ks[0], (t,), 0, 1000, jnp.int32)
+  positions = jax.random.randint(ks[1], (t,), 0, 1000, jnp.int32)
+  hiddens = [jax.random.normal(k, (t, hd), dtype) for k in jax.random.split(ks[2], REPS_IN_JIT)]
+  lens = np.asarray(jax.random.randint(ks[3], (num_seg,), 1, 2 * seg_len))
+  lens = (lens * t // lens.sum()).astype(np.int32)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+  nt = jax.random.randint(ks[4], (num_seg, n_new), 0, 1000, jnp.int32)
+  npos = jax.random.randint(ks[5], (num_seg, n_new), 0, 1000, jnp.int32)
+  nh = jax.random.normal(ks[6], (num_seg, n_new, hd), dtype)
+  nn = jax.random.randint(ks[7], (num_seg,), 0, n_new + 1, jnp.int32)
+
+  def ours(hid, *r):
+    return draft_roll(r[0], r[1], hid, *r[2:], **tuning)
+
+  def xla(hid, *r):
+    return draft_roll_reference(r[0], r[1], hid, *r[2:])
+
+  rest = (tokens, positions, cu, nt, npos, nh, nn)
+  t1, o1 = timeit(ours, hiddens, rest)
+  t2, o2 = timeit(xla, hiddens, rest)
+  exact = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(o1, o2))
+  nbytes = 2 * t * hd * jnp.dtype(dtype).itemsize
+  return dict(case=f"draft_roll T={t} Hd={hd} S={num_seg}", ours_us=t1 * 1e6,
+              xla_us=t2 * 1e6, ours_TBs=nbytes / t1 / 1e12, pct_copy=100 * nbytes / t1 / copy_bw,
+              exact=exact)
+
+
+def table(title, rows, cols):
+  log(f"\n## {title}")
+  log("| " + " | ".join(cols) + " |")
+  log("|" + "---|" * len(cols))
+  for r in rows:
+    cells = []
+    for c in cols:
+      v = r.get(c, "")
+      cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+    log("| " + " | ".join(cells) + " |")
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--mode", default="full", choices=["full", "tune", "check"])
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  ap.add_argument("--quick", action="store_true")
+  a = ap.parse_args(argv)
+  log(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
+  copy_bw = copy_bandwidth()
+  log(f"copy bandwidth (read+write, 1 GiB bf16 x+1): {copy_bw / 1e12:.3f} TB/s")
+  rows = {}
+  if a.mode == "tune":
+    res = []
+    for q_len in (1, 4):
+      for ppb in (4, 8, 16):
+        for nw in (4, 8):
+          for st in (2, 3, 4):
+            try:
+              r = time_decode(64, q_len, 32, 8, 4096, copy_bw, peers=False,
+                              pages_per_block=ppb, num_warps=nw, num_stages=st)
+              r.update(ppb=ppb, nw=nw, st=st)
+              res.append(r)
+              log(json.dumps(r))
+            except Exception as e:  # noqa: BLE001
+              log("fail", q_len, ppb, nw, st, repr(e)[:300])
+    table("decode tuning B=64 ctx=4096 32/8", res,
+          ["Q", "ppb", "nw", "st", "ours_us", "ours_TBs", "ours_pct_copy"])
+    res2 = []
+    for bq in (16, 32):
+      for ppb in (2, 4, 8):
+        for nw in (4, 8):
+          for st in (2, 3):
+            try:
+              r = time_prefill(4, 512, 32, 8, copy_bw, peers=False, block_q=bq,
+                               pages_per_block=ppb, num_warps=nw, num_stages=st)
+              r.update(bq=bq, ppb=ppb, nw=nw, st=st)
+              res2.append(r)
+              log(json.dumps(r))
+            except Exception as e:  # noqa: BLE001
+              log("fail prefill", bq, ppb, nw, st, repr(e)[:300])
+    table("prefill tuning 4x512 32/8", res2, ["bq", "ppb", "nw", "st", "ours_us", "ours_TFLOPs"])
+    res3 = []
+    for bt_ in (4, 8, 16):
+      for bh in (512, 1024, 2048):
+        for nw in (4, 8):
+          r = time_draft_roll(256, 16, 7168, copy_bw=copy_bw, block_t=bt_, block_h=bh,
+                              num_warps=nw)
+          r.update(bt=bt_, bh=bh, nw=nw)
+          res3.append(r)
+    table("draft_roll tuning", res3, ["bt", "bh", "nw", "ours_us", "xla_us", "ours_TBs", "exact"])
+  else:
+    dec = []
+    bs = (64,) if a.mode == "check" else (1, 8, 64)
+    ctxs = (4096,) if a.mode == "check" else (1024, 4096, 16384)
+    for b in bs:
+      for ctx in ctxs:
+        for h in (32, 64):
+          for q_len in (1, 2, 4):
+            try:
+              r = time_decode(b, q_len, h, 8, ctx, copy_bw)
+              dec.append(r)
+              log(json.dumps(r))
+            except Exception as e:  # noqa: BLE001
+              log("decode fail", b, ctx, h, q_len, traceback.format_exc()[-1500:])
+    rows["decode"] = dec
+    pre = []
+    for h in (32, 64):
+      try:
+        r = time_prefill(4, 512, h, 8, copy_bw)
+        pre.append(r)
+        log(json.dumps(r))
+      except Exception:  # noqa: BLE001
+        log("prefill fail", traceback.format_exc()[-1500:])
+    try:
+      mixed = time_mixed(copy_bw)
+      log(json.dumps(mixed))
+    except Exception:  # noqa: BLE001
+      mixed = {}
+      log("mixed fail", traceback.format_exc()[-1500:])
+    dr = []
+    for ns, sl, hd in ((64, 8, 4096), (256, 16, 7168)):
+      try:
+        r = time_draft_roll(ns, sl, hd, copy_bw=copy_bw)
+        dr.append(r)
+        log(json.dumps(r))
+      except Exception:  # noqa: BLE001
+        log("draft_roll fail", traceback.format_exc()[-1500:])
+    # Verify-vs-decode ratio on the same KV.
+    by = {(r["B"], r["ctx"], r["H"], r["Q"]): r for r in dec}
+    for r in dec:
+      base = by.get((r["B"], r["ctx"], r["H"], 1))
+      if base:
+        r["t_over_Q1"] = r["ours_us"] / base["ours_us"]
+    table("paged_attention (decode / verify), bf16, page 16, d 128, KVH 8", dec,
+          ["B", "ctx", "H", "Q", "ours_us", "ours_TBs", "ours_pct_copy", "floor_us",
+           "t_over_Q1", "jax_pa_us", "speedup_vs_jax", "cudnn_us", "xla_us", "err"])
+    table("ragged_paged_attention prefill (fresh 512-token chunks, causal)", pre,
+          ["case", "H", "ours_us", "ours_TFLOPs", "cudnn_us", "cudnn_TFLOPs", "pct_of_cudnn",
+           "xla_dense_us", "err"])
+    table("ragged_paged_attention mixed batch (H 32, KVH 8)", [mixed],
+          ["case", "ours_us", "kv_TBs", "xla_us", "err_verify_part"])
+    table("draft_roll (bf16)", dr, ["case", "ours_us", "xla_us", "ours_TBs", "pct_copy", "exact"])
+  with open(os.path.join(a.out, f"bench_{a.mode}.log"), "w") as f:
+    f.write("\n".join(LOG) + "\n")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
