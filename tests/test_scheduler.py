@@ -333,3 +333,24 @@ def test_abort_frees_blocks():
     assert sched.is_finished() and bm.num_used_blocks == 0
     with pytest.raises(ValueError, match="neither waiting nor running"):
         sched.abort(a)
+
+
+def test_docs_worked_example():
+    """docs/engine.md, 'Worked example at a block boundary' (B = 4, K = 3, L = 0)."""
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=16, num_speculative_tokens=3)
+    seq = Sequence([100, 101, 102, 103, 104, 105], sampling_params=params(20))
+    sched.add(seq)
+    out = sched.schedule()
+    b0, b1 = seq.block_table
+    assert (out.requests[0].start_position, out.requests[0].num_query_tokens) == (0, 6)
+    sched.postprocess(out, [[6]])
+    assert (seq.num_computed_tokens, seq.num_tokens, bm.num_cached_blocks) == (6, 7, 1)
+    out = sched.schedule()
+    assert seq.block_table[:2] == [b0, b1] and len(seq.block_table) == 3
+    r = out.requests[0]
+    assert (r.start_position, r.num_query_tokens, r.context_len) == (6, 4, 10)
+    sched.postprocess(out, [[7, 8, 9]])
+    assert (seq.num_computed_tokens, seq.num_tokens, bm.num_cached_blocks) == (9, 10, 2)
+    out = sched.schedule()
+    assert len(seq.block_table) == 4 and out.requests[0].start_position == 9
