@@ -104,39 +104,50 @@ def _kernel(
   dim_idx = lax.broadcasted_iota(jnp.int32, kv_shape, 2)
   tok_in_block = lax.broadcasted_iota(jnp.int32, kv_shape, 0) * page_size + slot_idx
 
-  def body(i, carry):
+  def body(i, carry, masked):
     acc, m_prev, l_prev = carry
     p0 = page_lo + i * pages_per_block
     pages = bt_ref[seq, pl.ds(p0, pages_per_block)]  # [ppb]
     base = p0 * page_size
-    kv_mask3 = base + tok_in_block < kv_hi
     page_idx = jnp.broadcast_to(pages[:, None, None], kv_shape)
     kv_at = (page_idx, slot_idx, dim_idx)
-    k = plgpu.load(k_ref.at[kv_at], mask=kv_mask3, other=0.0)
+    # Interior blocks (every row sees every key) load and compute unmasked;
+    # only boundary blocks pay for the load predicates and the causal mask.
+    kv_mask3 = (base + tok_in_block < kv_hi) if masked else None
+    other = 0.0 if masked else None
+    k = plgpu.load(k_ref.at[kv_at], mask=kv_mask3, other=other)
     k = k.reshape(block_k, head_dim)
     s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32)
     s = s * scale
     if soft_cap is not None:
       s = jnp.tanh(s * (1.0 / soft_cap)) * (soft_cap * LOG2E)
-    kv_pos = base + jnp.arange(block_k, dtype=jnp.int32)
-    mask = (kv_pos[None, :] <= r_pos[:, None]) & r_valid[:, None]
-    s = jnp.where(mask, s, -jnp.inf)
+    if masked:
+      kv_pos = base + jnp.arange(block_k, dtype=jnp.int32)
+      mask = (kv_pos[None, :] <= r_pos[:, None]) & r_valid[:, None]
+      s = jnp.where(mask, s, -jnp.inf)
     m_curr = jnp.max(s, axis=1)
     m_next = jnp.maximum(m_prev, m_curr)
-    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
     alpha = jnp.exp2(m_prev - m_safe)
     p = jnp.exp2(s - m_safe[:, None])
     l_next = l_prev * alpha + jnp.sum(p, axis=1)
-    v = plgpu.load(v_ref.at[kv_at], mask=kv_mask3, other=0.0)
+    v = plgpu.load(v_ref.at[kv_at], mask=kv_mask3, other=other)
     v = v.reshape(block_k, head_dim)
     pv = plgpu.dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
     acc = acc * alpha[:, None] + pv
     return acc, m_next, l_next
 
+  # Keys [0, full_end) are visible to every row of the item.
+  full_end = jnp.maximum(kv_len - q_len + off + 1, 0)
+  n_full = jnp.clip(lax.div(lax.div(full_end, page_size) - page_lo, pages_per_block),
+                    0, n_blocks)
+  n_full = jnp.where(lax.div(full_end, page_size) >= page_lo, n_full, 0)
   acc = jnp.zeros((rows, head_dim), jnp.float32)
   m_i = jnp.full((rows,), -jnp.inf, jnp.float32)
   l_i = jnp.zeros((rows,), jnp.float32)
-  acc, m_i, l_i = lax.fori_loop(0, n_blocks, body, (acc, m_i, l_i))
+  carry = (acc, m_i, l_i)
+  carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+  acc, m_i, l_i = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
 
   nonempty = l_i > 0.0
   inv_l = jnp.where(nonempty, 1.0 / jnp.where(nonempty, l_i, 1.0), 0.0)
@@ -157,8 +168,24 @@ def _kernel(
                 mask=jnp.broadcast_to(tok_valid[:, None], (block_q, g_p)))
 
 
+def pad_group(q, num_kv_heads):
+  """[T, H, D] -> [T, KVH, G_p, D], G_p = G rounded up to a power of 2 (Triton tiles)."""
+  t, h, d = q.shape
+  g = h // num_kv_heads
+  g_p = pl.next_power_of_2(g)
+  q = q.reshape(t, num_kv_heads, g, d)
+  if g_p != g:
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, g_p - g), (0, 0)))
+  return q
+
+
+def unpad_group(out, num_heads):
+  t, kvh, _, d = out.shape
+  return out[:, :, : num_heads // kvh, :].reshape(t, num_heads, d)
+
+
 def paged_core(
-    q,  # [T, KVH, G, D]
+    q,  # [T, KVH, G_p, D] (see pad_group)
     k_pages,  # [KVH, P, S, D]
     v_pages,
     block_tables,  # [num_seqs, M]
@@ -166,6 +193,7 @@ def paged_core(
     seq_qlen,  # [num_seqs]
     item_seq, item_start, item_len, item_off,  # [W]
     *,
+    group: int,
     block_q: int,
     pages_per_block: int,
     num_splits: int,
@@ -174,31 +202,27 @@ def paged_core(
     num_warps: int,
     num_stages: int,
     interpret: bool,
+    out_init=None,
 ):
-  """Runs the kernel over the work list; returns out [T, KVH, G, D] (q dtype)."""
-  t, kvh, group, d = q.shape
+  """Runs the kernel over the work list; returns out [T, KVH, G_p, D] (q dtype).
+
+  Tokens no item covers keep `out_init`'s values (zeros if None). With
+  num_splits > 1 the splits are merged by a small jnp epilogue (log-sum-exp).
+  """
+  t, kvh, g_p, d = q.shape
   _, num_pages, page_size, _ = k_pages.shape
   num_seqs, m = block_tables.shape
   w = item_seq.shape[0]
-
-  # Triton needs power-of-2 tile dims; pad the query-head group if needed.
-  g_p = max(pl.next_power_of_2(group), 1)
   # At least 16 rows per tile for the matrix units.
-  block_q = max(block_q, pl.cdiv(16, g_p))
-  block_q = pl.next_power_of_2(block_q)
-  if g_p != group:
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, g_p - group), (0, 0)))
+  block_q = pl.next_power_of_2(max(block_q, pl.cdiv(16, g_p)))
   # A tail item's tile may run past T: Triton masks those rows, and the CPU
   # interpreter pads the ref before slicing, so no host-side padding is needed.
-  t_buf = t
-
   pages_per_block = max(1, min(pages_per_block, pl.next_power_of_2(m)))
   pages_per_split = pl.cdiv(pl.cdiv(m, num_splits), pages_per_block) * pages_per_block
   m_pad = pages_per_split * num_splits
   if m_pad != m:
     block_tables = jnp.pad(block_tables, ((0, 0), (0, m_pad - m)))
 
-  exact_f32 = q.dtype == jnp.float32
   kernel = functools.partial(
       _kernel,
       block_q=block_q,
@@ -208,7 +232,7 @@ def paged_core(
       num_splits=num_splits,
       sm_scale=float(sm_scale),
       soft_cap=None if soft_cap is None else float(soft_cap),
-      exact_f32=exact_f32,
+      exact_f32=q.dtype == jnp.float32,
   )
 
   def full(shape):
@@ -217,16 +241,16 @@ def paged_core(
   kv_spec = pl.BlockSpec((None, num_pages, page_size, d),
                          lambda i, h, n: (h, 0, 0, 0))
   in_specs = [full((w,))] * 4 + [full((num_seqs,))] * 2 + [
-      full((num_seqs, m_pad)), full((t_buf, kvh, g_p, d)), kv_spec, kv_spec]
+      full((num_seqs, m_pad)), full((t, kvh, g_p, d)), kv_spec, kv_spec]
   args = [item_seq, item_start, item_len, item_off, seq_qlen, kv_lens,
           block_tables, q, k_pages, v_pages]
   if num_splits == 1:
-    out_shape = [jax.ShapeDtypeStruct((t_buf, kvh, g_p, d), q.dtype)]
-    inits = [jnp.zeros((t_buf, kvh, g_p, d), q.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((t, kvh, g_p, d), q.dtype)]
+    inits = [jnp.zeros((t, kvh, g_p, d), q.dtype) if out_init is None else out_init]
   else:
     out_shape = [
-        jax.ShapeDtypeStruct((num_splits, t_buf, kvh, g_p, d), jnp.float32),
-        jax.ShapeDtypeStruct((num_splits, t_buf, kvh, g_p), jnp.float32),
+        jax.ShapeDtypeStruct((num_splits, t, kvh, g_p, d), jnp.float32),
+        jax.ShapeDtypeStruct((num_splits, t, kvh, g_p), jnp.float32),
     ]
     inits = [jnp.zeros(out_shape[0].shape, jnp.float32),
              jnp.full(out_shape[1].shape, -jnp.inf, jnp.float32)]
@@ -246,14 +270,18 @@ def paged_core(
   )(*args, *inits)
 
   if num_splits == 1:
-    out = outs[0]
-  else:
-    o, lse = outs  # [NS, T, KVH, G_p, D], [NS, T, KVH, G_p]
-    m_max = jnp.max(lse, axis=0)
-    m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-    wgt = jnp.exp2(lse - m_safe[None])  # 0 for empty splits
-    den = jnp.sum(wgt, axis=0)
-    num = jnp.sum(o * wgt[..., None], axis=0)
-    out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
-    out = out.astype(q.dtype)
-  return out[:t, :, :group, :]
+    return outs[0]
+  o, lse = outs  # [NS, T, KVH, G_p, D], [NS, T, KVH, G_p]
+  m_max = jnp.max(lse, axis=0)
+  m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+  wgt = jnp.exp2(lse - m_safe[None])  # 0 for empty splits
+  den = jnp.sum(wgt, axis=0)
+  num = jnp.sum(o * wgt[..., None], axis=0)
+  out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+  out = out.astype(q.dtype)
+  if out_init is not None:
+    tok = jnp.arange(t, dtype=jnp.int32)
+    covered = jnp.any((tok[None, :] >= item_start[:, None])
+                      & (tok[None, :] < (item_start + item_len)[:, None]), axis=0)
+    out = jnp.where(covered[:, None, None, None], out, out_init)
+  return out

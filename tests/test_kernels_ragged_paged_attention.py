@@ -39,26 +39,27 @@ def _oracle(q, k, v, bt, kv_lens, cu, n, **kw):
 
 
 CASES = [
-    # dtype, page, d, H, KVH, q_lens, block_q, splits, soft_cap
-    ("float32", 8, 64, 4, 2, [5, 0, 1, 12, 3], 4, 1, None),
-    ("bfloat16", 16, 128, 8, 2, [1, 4, 4, 19, 0, 1], 8, 1, None),
-    ("bfloat16", 32, 64, 6, 2, [7, 1, 2], 2, 2, 25.0),
-    ("float32", 64, 128, 4, 4, [3, 0, 9], 16, 1, None),
-    ("float32", 16, 64, 8, 1, [0, 2, 33, 1], 16, 3, None),
+    # dtype, page, d, H, KVH, q_lens, block_q, small_q, small splits, soft_cap
+    ("float32", 8, 64, 4, 2, [5, 0, 1, 12, 3], 4, 4, 1, None),
+    ("bfloat16", 16, 128, 8, 2, [1, 4, 4, 19, 0, 1], 8, 4, 1, None),
+    ("bfloat16", 32, 64, 6, 2, [7, 1, 2], 2, 2, 2, 25.0),
+    ("float32", 64, 128, 4, 4, [3, 0, 9], 16, 8, 1, None),
+    ("float32", 16, 64, 8, 1, [0, 2, 33, 1], 16, 2, 3, None),
 ]
 
 
-@pytest.mark.parametrize("dtype,page,d,h,kvh,q_lens,block_q,splits,soft_cap", CASES)
+@pytest.mark.parametrize("dtype,page,d,h,kvh,q_lens,block_q,small_q,splits,soft_cap", CASES)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_kernel_matches_reference(seed, dtype, page, d, h, kvh, q_lens, block_q, splits,
-                                  soft_cap):
+def test_kernel_matches_reference(seed, dtype, page, d, h, kvh, q_lens, block_q, small_q,
+                                  splits, soft_cap):
   q, k, v, bt, kv_lens, cu, n = _case(seed, q_lens, len(q_lens) + 2, h, kvh, d, page,
                                       max_pages=5)
   dt = jnp.dtype(dtype)
   args = (jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray(bt),
           jnp.asarray(kv_lens), jnp.asarray(cu), jnp.int32(n))
   out = ragged_paged_attention(*args, soft_cap=soft_cap, interpret=interpret_mode(),
-                               block_q=block_q, num_splits=splits, pages_per_block=2)
+                               block_q=block_q, small_q=small_q, small_num_splits=splits,
+                               pages_per_block=2, small_pages_per_block=2)
   ref = ragged_paged_attention_reference(*args, soft_cap=soft_cap)
   assert out.dtype == dt and out.shape == q.shape
   assert rel_err(out, ref) < TOL[dtype]

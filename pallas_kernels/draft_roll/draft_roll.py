@@ -114,7 +114,7 @@ def draft_roll(tokens, positions, hidden, cu_seq_lens, new_tokens, new_positions
     new_tokens, new_positions: int32 [S, N]. new_hidden: [S, N, Hd].
     num_new: int32 [S], 0 <= num_new <= N (not checked: traced values).
     interpret: run the Pallas kernel in interpret mode (CPU tests).
-    **tuning: block_t (tokens per program, 8), block_h (hidden columns per program,
+    **tuning: block_t (tokens per program, 4), block_h (hidden columns per program,
       min(1024, next_pow2(Hd))), num_warps (4).
   Returns:
     (tokens, positions, hidden) with the input shapes and dtypes.
@@ -135,7 +135,7 @@ def _draft_roll(tokens, positions, hidden, cu_seq_lens, new_tokens, new_position
   tuning = dict(tuning)
   t, hd = hidden.shape
   s, n = new_tokens.shape
-  block_t = tuning.get("block_t", 8)
+  block_t = tuning.get("block_t", 4)
   block_h = tuning.get("block_h", min(1024, pl.next_power_of_2(hd)))
   s_p = pl.next_power_of_2(s)
   ends = jnp.full((s_p,), jnp.iinfo(jnp.int32).max, jnp.int32).at[:s].set(cu_seq_lens[1:])

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _checks
-from pallas_kernels._paged_core import paged_core
+from pallas_kernels._paged_core import pad_group, paged_core, unpad_group
 
 MAX_Q = 8
 _TUNING_KEYS = ("pages_per_block", "num_splits", "num_warps", "num_stages")
@@ -84,13 +84,13 @@ def _paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale, so
   splits = tuning.get("num_splits") or _default_num_splits(b, kvh, m, ppb)
   items = jnp.arange(b, dtype=jnp.int32)
   out = paged_core(
-      q.reshape(b * q_len, kvh, h // kvh, d), k_pages, v_pages, block_tables, kv_lens,
+      pad_group(q.reshape(b * q_len, h, d), kvh), k_pages, v_pages, block_tables, kv_lens,
       jnp.full((b,), q_len, jnp.int32),
       items, items * q_len, jnp.full((b,), q_len, jnp.int32), jnp.zeros((b,), jnp.int32),
-      block_q=q_len, pages_per_block=ppb, num_splits=splits, sm_scale=sm_scale,
+      group=h // kvh, block_q=q_len, pages_per_block=ppb, num_splits=splits, sm_scale=sm_scale,
       soft_cap=soft_cap, num_warps=tuning.get("num_warps", 4),
       num_stages=tuning.get("num_stages", 3), interpret=interpret)
-  return out.reshape(b, q_len, h, d)
+  return unpad_group(out, h).reshape(b, q_len, h, d)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap"))

@@ -15,28 +15,29 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _checks
-from pallas_kernels._paged_core import paged_core
+from pallas_kernels._paged_core import pad_group, paged_core, unpad_group
 
-_TUNING_KEYS = ("block_q", "pages_per_block", "num_splits", "num_warps", "num_stages")
+_TUNING_KEYS = ("block_q", "pages_per_block", "num_warps", "num_stages", "small_q",
+                "small_num_splits", "small_pages_per_block", "small_num_warps",
+                "small_num_stages")
 
 
-def _work_items(cu_q_lens, num_seqs, num_tokens, block_q):
-  """Static-size work list: item w -> (seq, first token, n tokens, offset)."""
-  s = cu_q_lens.shape[0] - 1
-  live = jnp.arange(s, dtype=jnp.int32) < num_seqs
-  q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+def _work_items(q_lens, num_tokens, cu_q_lens, block_q, select):
+  """Static-size work list over the sequences where `select` holds:
+  item w -> (seq, first token, n tokens, offset in seq); unused items have n = 0."""
+  s = q_lens.shape[0]
+  q_lens = jnp.where(select, q_lens, 0)
   n_blocks = (q_lens + block_q - 1) // block_q
   ends = jnp.cumsum(n_blocks)
-  w_max = -(-num_tokens // block_q) + s  # sum(ceil(len/bq)) <= T/bq + S
+  w_max = min(-(-num_tokens // block_q) + s, num_tokens + s)  # >= sum(ceil(len/bq))
   w = jnp.arange(w_max, dtype=jnp.int32)
   seq = jnp.searchsorted(ends, w, side="right").astype(jnp.int32)
   valid = seq < s
   seq = jnp.where(valid, seq, 0)
-  blk = w - (ends[seq] - n_blocks[seq])
-  off = blk * block_q
+  off = (w - (ends[seq] - n_blocks[seq])) * block_q
   start = cu_q_lens[seq] + off
   n_tok = jnp.where(valid, jnp.clip(q_lens[seq] - off, 0, block_q), 0)
-  return seq, start.astype(jnp.int32), n_tok.astype(jnp.int32), off.astype(jnp.int32), q_lens
+  return seq, start.astype(jnp.int32), n_tok.astype(jnp.int32), off.astype(jnp.int32)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
@@ -55,9 +56,12 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
       cu_q_lens[num_seqs] output zeros.
     sm_scale: default 1/sqrt(D). soft_cap: soft_cap * tanh(logits / soft_cap).
     interpret: run the Pallas kernel in interpret mode (CPU tests).
-    **tuning: block_q (query tokens per tile, default 128 // G rounded to a
-      power of 2), pages_per_block (default 64 // S), num_splits (1),
-      num_warps (4), num_stages (3).
+    **tuning: small_q (sequences with <= small_q tokens are decode/verify items
+      of one tile each, default 8), block_q (query tokens per tile for longer
+      sequences, default 64 // G rounded to a power of 2), pages_per_block
+      (default 64 // S), num_warps (4), num_stages (2); small_num_splits (KV
+      splits for the small items, 1), small_pages_per_block (128 // S),
+      small_num_warps (4), small_num_stages (2).
   Returns:
     [T, H, D] in q's dtype.
   """
@@ -82,8 +86,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
   bad = set(tuning) - set(_TUNING_KEYS)
   if bad:
     raise ValueError(f"unknown tuning options {sorted(bad)}; expected {_TUNING_KEYS}")
-  if "block_q" in tuning and not 1 <= tuning["block_q"] <= 256:
-    raise ValueError(f"block_q must be in 1..256, got {tuning['block_q']}")
+  for key in ("block_q", "small_q"):
+    if key in tuning and not 1 <= tuning[key] <= 256:
+      raise ValueError(f"{key} must be in 1..256, got {tuning[key]}")
   sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
   return _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
                  num_seqs.reshape(()), sm_scale=sm_scale, soft_cap=soft_cap,
@@ -98,17 +103,33 @@ def _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *, 
   kvh, _, page_size, _ = k_pages.shape
   g = h // kvh
   g_p = 1 << (g - 1).bit_length()
-  block_q = tuning.get("block_q", max(1, 128 // g_p))
+  s = block_tables.shape[0]
+  live = jnp.arange(s, dtype=jnp.int32) < num_seqs
+  q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+  # Two item classes, two launches into one output buffer: sequences with
+  # <= small_q tokens (decode / verify) get one small tile each (and optional
+  # KV splits); longer ones (prefill chunks) get tiles of block_q tokens.
+  small_q = tuning.get("small_q", 8)
+  block_q = tuning.get("block_q", max(1, 64 // g_p))
   block_q = 1 << (block_q - 1).bit_length()
-  seq, start, n_tok, off, q_lens = _work_items(cu_q_lens, num_seqs, t, block_q)
+  qp = pad_group(q, kvh)
+  common = dict(group=g, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret)
+  out = None
+  if t > small_q:
+    items = _work_items(q_lens, t, cu_q_lens, block_q, q_lens > small_q)
+    out = paged_core(
+        qp, k_pages, v_pages, block_tables, kv_lens, q_lens, *items, block_q=block_q,
+        pages_per_block=tuning.get("pages_per_block", max(1, 64 // page_size)),
+        num_splits=1, num_warps=tuning.get("num_warps", 4),
+        num_stages=tuning.get("num_stages", 2), **common)
+  items = _work_items(q_lens, t, cu_q_lens, small_q, q_lens <= small_q)
   out = paged_core(
-      q.reshape(t, kvh, g, d), k_pages, v_pages, block_tables, kv_lens, q_lens,
-      seq, start, n_tok, off,
-      block_q=block_q, pages_per_block=tuning.get("pages_per_block", max(1, 64 // page_size)),
-      num_splits=tuning.get("num_splits", 1), sm_scale=sm_scale, soft_cap=soft_cap,
-      num_warps=tuning.get("num_warps", 4), num_stages=tuning.get("num_stages", 3),
-      interpret=interpret)
-  return out.reshape(t, h, d)
+      qp, k_pages, v_pages, block_tables, kv_lens, q_lens, *items, block_q=small_q,
+      pages_per_block=tuning.get("small_pages_per_block", max(1, 128 // page_size)),
+      num_splits=tuning.get("small_num_splits", 1),
+      num_warps=tuning.get("small_num_warps", 4),
+      num_stages=tuning.get("small_num_stages", 2), out_init=out, **common)
+  return unpad_group(out, h)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap"))
