@@ -156,7 +156,7 @@ class ModelConfig:
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or hidden // num_heads,
+            head_dim=config.get("head_dim") or None,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta if rope_theta is not None else 10000.0,
             rope_scaling=RopeScaling.from_hf(rope_scaling),
