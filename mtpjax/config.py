@@ -242,6 +242,8 @@ class SpecConfig:
                                              or self.think_end_token_id is None):
             raise ValueError("relaxed acceptance needs think_start_token_id and think_end_token_id")
         rates = self.synthetic_accept_rate
+        if isinstance(rates, list):      # keep the config hashable (it is a static jit argument)
+            object.__setattr__(self, "synthetic_accept_rate", tuple(rates))
         rates = tuple(rates) if isinstance(rates, (tuple, list)) else (rates,)
         for r in rates:
             if not 0.0 <= r <= 1.0:

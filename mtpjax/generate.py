@@ -19,6 +19,7 @@ from flax import struct
 
 from mtpjax.cache import KVCache, PagedBatch, init_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
+from mtpjax.model.attention import resolve_impl
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
 from mtpjax.sampling import SamplingArrays, as_sampling_list, sample, stop_id_array
 
@@ -168,7 +169,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
              sampling: SamplingParams | Sequence[SamplingParams] | None = None,
              spec: SpecConfig | None = None, seed: int = 0, page_size: int = 16,
              num_pages: int | None = None, attention_impl: str = "auto",
-             cache_dtype=None) -> GenerateOutput:
+             cache_dtype=None, draft_source: str = "model",
+             forced_drafts=None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt (fewer when `SamplingParams.max_tokens` is
     smaller or a stop token is produced; the stop token is included in the output).
 
@@ -176,6 +178,9 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     (default greedy). spec: None for autoregressive decoding, else speculative decoding with the
     model's MTP modules. seed: base of per-request keys (a request's own `seed` wins).
     page_size / num_pages size the paged cache (default: exactly what the requests need).
+    attention_impl: "auto" | "reference" | "pallas" (see mtpjax.model.attention).
+    draft_source (experiments and tests): "model" (default), "random" (uniform random drafts) or
+    "forced" (draft at position p is forced_drafts[b, p], e.g. the target's own continuation).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -186,7 +191,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
             raise ValueError(f"spec must be a SpecConfig or None, got {type(spec).__name__}")
         spec.check_model(cfg)
     max_new = [min(max_new_tokens, s.max_tokens or max_new_tokens) for s in sps]
-    lookahead = 0 if spec is None else spec.num_speculative_tokens + 1
+    # chain drafting writes module KV up to position N + 2K - 1 (docs/spec_decoding.md)
+    lookahead = 0 if spec is None else 2 * spec.num_speculative_tokens + 1
     lens = [len(p) for p in prompts]
     tables, num_pages = plan_pages([n + m + lookahead for n, m in zip(lens, max_new)],
                                    page_size, num_pages, seed)
@@ -200,11 +206,18 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
             jnp.asarray(tables))
     if spec is not None:
         from mtpjax.spec.generate import speculative_generate
+        from mtpjax.spec.draft import DRAFT_SOURCES
+        if draft_source not in DRAFT_SOURCES:
+            raise ValueError(f"draft_source {draft_source!r} not in {DRAFT_SOURCES}")
+        if (draft_source == "forced") != (forced_drafts is not None):
+            raise ValueError("forced_drafts must be given exactly when draft_source='forced'")
         return speculative_generate(params, cfg, spec, cache, *args, sp_arrays, limits,
-                                    max_new=max(max_new), impl=attention_impl)
-    state = _ar_prefill(params, cfg, cache, *args, sp_arrays, limits, impl=attention_impl,
+                                    max_new=max(max_new), impl=resolve_impl(attention_impl),
+                                    draft_source=draft_source, forced_tokens=forced_drafts)
+    impl = resolve_impl(attention_impl)
+    state = _ar_prefill(params, cfg, cache, *args, sp_arrays, limits, impl=impl,
                         max_new=max(max_new))
-    state = _ar_loop(params, cfg, state, sp_arrays, limits, impl=attention_impl)
+    state = _ar_loop(params, cfg, state, sp_arrays, limits, impl=impl)
     num_out = np.asarray(state.num_out)
     out = np.asarray(state.out_tokens)
     toks = [out[i, :num_out[i]].tolist() for i in range(len(prompts))]

@@ -94,14 +94,17 @@ def test_mtp_module_cached_matches_dense(order, normed, seed):
         # first 5 positions as one chunk, then the rest one token at a time
         pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (B, 5))
         batch = PagedBatch.uniform(pos, tables)
-        h, lg, cache = mtp_forward_cached(params, cfg, k, cache, hprev[:, :5].reshape(B * 5, -1),
-                                          seqs[:, :5].reshape(-1), batch, impl="reference")
+        h, normed, cache = mtp_forward_cached(params, cfg, k, cache,
+                                              hprev[:, :5].reshape(B * 5, -1),
+                                              seqs[:, :5].reshape(-1), batch, impl="reference")
+        lg = logits_from_hidden(params, normed)
         np.testing.assert_allclose(lg.reshape(B, 5, -1), lg_ref[:, :5], atol=2e-5, rtol=1e-4)
         np.testing.assert_allclose(h.reshape(B, 5, -1), h_ref[:, :5], atol=2e-5, rtol=1e-4)
         for t in range(5, T):
             batch = PagedBatch.uniform(jnp.full((B, 1), t, jnp.int32), tables)
-            h, lg, cache = mtp_forward_cached(params, cfg, k, cache, hprev[:, t], seqs[:, t],
-                                              batch, impl="reference")
+            h, normed, cache = mtp_forward_cached(params, cfg, k, cache, hprev[:, t], seqs[:, t],
+                                                  batch, impl="reference")
+            lg = logits_from_hidden(params, normed)
             np.testing.assert_allclose(lg, lg_ref[:, t], atol=2e-5, rtol=1e-4)
             np.testing.assert_allclose(h, h_ref[:, t], atol=2e-5, rtol=1e-4)
 

@@ -36,10 +36,10 @@ def _module_input(params, mp, cfg: ModelConfig, hidden_prev, tokens, positions):
     return jnp.concatenate(parts, axis=-1) @ mp["eh_proj"]
 
 
-def _module_output(params, mp, cfg: ModelConfig, y):
+def _module_output(mp, cfg: ModelConfig, y):
+    """(hidden handed to the next depth, normed hidden for lm_head)."""
     normed = rms_norm(y, mp["out_norm"], cfg.rms_norm_eps)
-    h_next = normed if cfg.mtp_normed_hidden_to_next else y
-    return h_next, logits_from_hidden(params, normed)
+    return (normed if cfg.mtp_normed_hidden_to_next else y), normed
 
 
 def mtp_forward(params, cfg: ModelConfig, k: int, hidden_prev: jax.Array, tokens: jax.Array,
@@ -55,22 +55,24 @@ def mtp_forward(params, cfg: ModelConfig, k: int, hidden_prev: jax.Array, tokens
     mp = module_params(params, k)
     u = _module_input(params, mp, cfg, hidden_prev, tokens, positions)
     y = decoder_block(mp["block"], u, positions, cfg, dense_causal_attention)
-    return _module_output(params, mp, cfg, y)
+    h_next, normed = _module_output(mp, cfg, y)
+    return h_next, logits_from_hidden(params, normed)
 
 
 def mtp_forward_cached(params, cfg: ModelConfig, k: int, cache: KVCache, hidden_prev: jax.Array,
                        tokens: jax.Array, batch: PagedBatch, *, impl: str = "auto"):
     """Module k over ragged tokens [N] through its own paged KV (same block tables as the target).
 
-    Returns (h^{k+1} [N, E], logits f32[N, V], cache).
+    Returns (h^{k+1} [N, E], normed [N, E] (lm_head input: `logits_from_hidden`), cache).
+    Logits are left to the caller, which usually needs them at a few rows only.
     """
     mp = module_params(params, k)
     page, offset = slot_indices(batch, cache.page_size, cache.num_pages)
     u = _module_input(params, mp, cfg, hidden_prev, tokens, batch.positions)
     ks, vs = list(cache.mtp_k), list(cache.mtp_v)
     y, ks[k], vs[k] = cached_block(mp["block"], u, batch, cfg, ks[k], vs[k], page, offset, impl)
-    h_next, logits = _module_output(params, mp, cfg, y)
-    return h_next, logits, cache.replace(mtp_k=tuple(ks), mtp_v=tuple(vs))
+    h_next, normed = _module_output(mp, cfg, y)
+    return h_next, normed, cache.replace(mtp_k=tuple(ks), mtp_v=tuple(vs))
 
 
 def mtp_forward_cached_switch(params, cfg: ModelConfig, k: jax.Array, cache: KVCache,

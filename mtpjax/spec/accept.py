@@ -1,0 +1,123 @@
+"""Acceptance rules: pure, batched, jittable, with per-request parameters.
+
+All return (accepted_tokens int32[B, K+1], num_accepted int32[B]); num_accepted counts the bonus
+(or correction) token, so it is in 1..num_drafts+1. Row b commits accepted_tokens[b, :num_accepted[b]]:
+the accepted drafts followed by the target's own token at the first rejection (or the bonus
+token after the last draft). A request with num_drafts == 0 (just prefilled) takes one token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtpjax.sampling import sample_from_probs
+
+
+def _prefix_len(ok: jax.Array, num_drafts: jax.Array) -> jax.Array:
+    """Length of the all-True prefix of ok [B, K], limited to num_drafts [B]."""
+    K = ok.shape[1]
+    ok = ok & (jnp.arange(K)[None, :] < num_drafts[:, None])
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+
+
+def accept_greedy(target_logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array):
+    """Exact-match acceptance against the target's argmax (TensorRT-LLM's strict rule).
+
+    target_logits [B, K+1, V]; draft_tokens int32[B, K]; num_drafts int32[B].
+    """
+    target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)          # [B, K+1]
+    n = _prefix_len(draft_tokens == target[:, :-1], num_drafts)
+    return target, (n + 1).astype(jnp.int32)
+
+
+def accept_rejection(target_probs: jax.Array, draft_probs: jax.Array, draft_tokens: jax.Array,
+                     num_drafts: jax.Array, keys: jax.Array):
+    """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    target_probs [B, K+1, V] and draft_probs [B, K, V] are the *filtered* distributions
+    (temperature / top-k / top-p applied identically, see sampling.filtered_probs); draft i was
+    drawn from draft_probs[:, i]. Draft i is kept with probability min(1, p(d)/q(d)); at the first
+    rejection the token is drawn from normalize(max(p - q, 0)); if all drafts are kept the bonus
+    token is drawn from p at position K. keys uint32[B, 2] are this step's per-request keys.
+    Greedy requests have one-hot p and q, which makes this exact-match acceptance.
+    """
+    B, K1, V = target_probs.shape
+    K = K1 - 1
+    k_accept, k_resample = jax.vmap(lambda k: jax.random.split(k, 2))(keys).transpose(1, 0, 2)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(k_accept)                # [B, K]
+    p_d = jnp.take_along_axis(target_probs[:, :K], draft_tokens[..., None], -1)[..., 0]
+    q_d = jnp.take_along_axis(draft_probs, draft_tokens[..., None], -1)[..., 0]
+    ok = u * q_d < p_d                                   # u < p/q without dividing by zero
+    n = _prefix_len(ok, num_drafts)                      # accepted drafts, [B]
+    # Distribution of the token after the accepted drafts: residual at a rejection, p at the end.
+    p_n = jnp.take_along_axis(target_probs, n[:, None, None], 1)[:, 0]           # [B, V]
+    q_pad = jnp.concatenate([draft_probs, jnp.zeros_like(draft_probs[:, :1])], axis=1)
+    q_n = jnp.take_along_axis(q_pad, n[:, None, None], 1)[:, 0]
+    rejected = (n < num_drafts)[:, None]
+    residual = jnp.maximum(p_n - q_n, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    # mass == 0 only when p == q, where a rejection has probability 0; fall back to p then.
+    dist = jnp.where(rejected & (mass > 0), residual / jnp.where(mass > 0, mass, 1.0), p_n)
+    last = sample_from_probs(dist, k_resample)
+    drafts_pad = jnp.concatenate([draft_tokens, jnp.zeros_like(draft_tokens[:, :1])], axis=1)
+    tokens = jnp.where(jnp.arange(K1)[None, :] == n[:, None], last[:, None], drafts_pad)
+    return tokens.astype(jnp.int32), (n + 1).astype(jnp.int32)
+
+
+def accept_relaxed(target_logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
+                   in_thinking: jax.Array, *, topk: int, delta: float, think_start: int,
+                   think_end: int):
+    """Relaxed acceptance for thinking models (TensorRT-LLM's rule; LOSSY, opt-in).
+
+    While a request is inside its thinking phase (after `think_start`, before `think_end`), draft i
+    is accepted if it is among the target's top-`topk` tokens at its position and its probability
+    is at least top-1 probability minus `delta`. Outside thinking, and for the think markers
+    themselves, acceptance is exact-match on the argmax. The correction / bonus token is the
+    target's argmax. in_thinking bool[B] is the phase after the committed tokens; returns
+    (accepted_tokens, num_accepted, in_thinking after the committed tokens).
+    """
+    B, K1, V = target_logits.shape
+    K = K1 - 1
+    probs = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)
+    top_p, top_i = jax.lax.top_k(probs, topk)                                    # [B, K+1, topk]
+    target = top_i[..., 0].astype(jnp.int32)
+
+    def phase_after(phase, tok):
+        return jnp.where(tok == think_start, True, jnp.where(tok == think_end, False, phase))
+
+    def per_position(phase, i):
+        d = draft_tokens[:, i]
+        in_top = jnp.any((top_i[:, i] == d[:, None]) &
+                         (top_p[:, i] >= top_p[:, i, :1] - delta), axis=-1)
+        marker = (d == think_start) | (d == think_end)
+        ok = jnp.where(phase & ~marker, in_top, d == target[:, i])
+        return phase_after(phase, d), ok
+
+    _, ok = jax.lax.scan(per_position, in_thinking, jnp.arange(K))
+    n = _prefix_len(ok.T, num_drafts)
+    drafts_pad = jnp.concatenate([draft_tokens, jnp.zeros_like(draft_tokens[:, :1])], axis=1)
+    pos = jnp.arange(K1)[None, :]
+    tokens = jnp.where(pos < n[:, None], drafts_pad, target).astype(jnp.int32)
+    num = (n + 1).astype(jnp.int32)
+
+    def commit_phase(phase, j):
+        return jnp.where(j < num, phase_after(phase, tokens[:, j]), phase), None
+
+    phase, _ = jax.lax.scan(commit_phase, in_thinking, jnp.arange(K1))
+    return tokens, num, phase
+
+
+def accept_synthetic(target_logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
+                     rates: jax.Array, keys: jax.Array):
+    """BENCHMARK-ONLY: draft i is accepted with probability rates[i] (given the previous ones),
+    whatever the models say, so random-weight models show realistic acceptance lengths. The
+    output is NOT the target's distribution. Correction / bonus token: the target's argmax.
+    """
+    B, K1, V = target_logits.shape
+    u = jax.vmap(lambda k: jax.random.uniform(k, (K1 - 1,)))(keys)
+    n = _prefix_len(u < rates[None, :], num_drafts)
+    target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    drafts_pad = jnp.concatenate([draft_tokens, jnp.zeros_like(draft_tokens[:, :1])], axis=1)
+    tokens = jnp.where(jnp.arange(K1)[None, :] < n[:, None], drafts_pad, target)
+    return tokens.astype(jnp.int32), (n + 1).astype(jnp.int32)

@@ -1,0 +1,46 @@
+"""`mtpjax.generate(..., spec=SpecConfig(...))`: prefill, then a `lax.while_loop` of spec steps."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtpjax.config import ModelConfig, SpecConfig
+from mtpjax.spec.step import Limits, SpecState, spec_prefill, spec_step
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "max_new", "impl", "source"),
+                   donate_argnames=("cache",))
+def _prefill(params, cfg, spec, cache, tokens, positions, lens, tables, sp, limits, forced, *,
+             max_new, impl, source):
+    return spec_prefill(params, cfg, spec, cache, tokens, positions, lens, tables, sp, limits,
+                        max_new=max_new, impl=impl, source=source, forced=forced)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "impl", "source"),
+                   donate_argnames=("state",))
+def _loop(params, cfg, spec, state: SpecState, sp, limits, forced, *, impl, source):
+    return jax.lax.while_loop(
+        lambda s: ~jnp.all(s.done),
+        lambda s: spec_step(params, cfg, spec, s, sp, limits, impl=impl, source=source,
+                            forced=forced),
+        state)
+
+
+def speculative_generate(params, cfg: ModelConfig, spec: SpecConfig, cache, tokens, positions,
+                         lens, tables, sp, limits, *, max_new: int, impl: str,
+                         draft_source: str = "model", forced_tokens=None):
+    from mtpjax.generate import GenerateOutput
+    lim = Limits(max_new=limits.max_new, stop_ids=limits.stop_ids)
+    forced = (jnp.zeros((tokens.shape[0], 1), jnp.int32) if forced_tokens is None
+              else jnp.asarray(forced_tokens, jnp.int32))
+    state = _prefill(params, cfg, spec, cache, tokens, positions, lens, tables, sp, lim, forced,
+                     max_new=max_new, impl=impl, source=draft_source)
+    state = _loop(params, cfg, spec, state, sp, lim, forced, impl=impl, source=draft_source)
+    num_out = np.asarray(state.num_out)
+    out = np.asarray(state.out_tokens)
+    toks = [out[i, :num_out[i]].tolist() for i in range(out.shape[0])]
+    return GenerateOutput(tokens=toks, stats=state.stats.finalize(prefill_tokens=out.shape[0]))

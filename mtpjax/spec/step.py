@@ -1,0 +1,176 @@
+"""The speculative step: verify K+1 tokens, accept, commit, roll draft inputs, draft K more.
+
+One jitted pure function `spec_step(params, state, ...) -> state` (state donated by callers);
+no device-to-host transfer inside. `spec_prefill` builds the first state from prompts, including
+each request's first token and first drafts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from mtpjax.cache import KVCache, PagedBatch
+from mtpjax.config import ModelConfig, SpecConfig
+from mtpjax.model.transformer import forward_cached, logits_from_hidden
+from mtpjax.sampling import SamplingArrays, filtered_probs, position_keys, sample
+from mtpjax.spec.accept import accept_greedy, accept_rejection, accept_relaxed, accept_synthetic
+from mtpjax.spec.draft import run_drafts, window_size
+from mtpjax.spec.metrics import SpecStats
+from mtpjax.spec.roll import roll_draft_inputs
+
+
+@struct.dataclass
+class SpecState:
+    cache: KVCache
+    block_tables: jax.Array    # int32[B, M]
+    seq_len: jax.Array         # int32[B] committed KV count N; pending token at position N
+    hist_tokens: jax.Array     # int32[B, W] tokens at positions N-W+1..N (last = pending token)
+    hist_hidden: jax.Array     # [B, W, E] target hidden h^0 at positions N-W..N-1
+    drafts: jax.Array          # int32[B, K] drafts for positions N+1..N+K
+    draft_probs: jax.Array     # f32[B, K, V] distributions the drafts were drawn from
+    in_thinking: jax.Array     # bool[B] relaxed acceptance: inside the thinking phase
+    out_tokens: jax.Array      # int32[B, max_new + K + 1] generated ids, -1 past num_out
+    num_out: jax.Array         # int32[B]
+    done: jax.Array            # bool[B]
+    stats: SpecStats
+
+    @property
+    def last_token(self):
+        return self.hist_tokens[:, -1]
+
+
+@struct.dataclass
+class Limits:
+    max_new: jax.Array         # int32[B]
+    stop_ids: jax.Array        # int32[B, S], -1 padded
+
+
+def _is_stop(tokens, stop_ids):
+    return jnp.any((tokens[..., None] == stop_ids[:, None, :]) & (stop_ids[:, None, :] >= 0), -1)
+
+
+def window_batch(seq_len, W: int, block_tables) -> PagedBatch:
+    """First-pass batch over positions seq_len-W .. seq_len-1 (negative -> padding)."""
+    pos = seq_len[:, None] - W + jnp.arange(W, dtype=jnp.int32)[None, :]
+    pos = jnp.where(pos >= 0, pos, -1)
+    return PagedBatch(positions=pos.reshape(-1),
+                      seq_ids=jnp.repeat(jnp.arange(seq_len.shape[0], dtype=jnp.int32), W),
+                      block_tables=block_tables, kv_lens=seq_len,
+                      cu_q_lens=jnp.arange(seq_len.shape[0] + 1, dtype=jnp.int32) * W, q_len=W)
+
+
+def accept(spec: SpecConfig, logits, state: SpecState, sp: SamplingArrays):
+    """Dispatches to the configured acceptance rule -> (tokens [B, K+1], num_accepted, in_thinking)."""
+    B, K = state.drafts.shape
+    num_drafts = jnp.full((B,), K, jnp.int32)
+    keys = jax.vmap(jax.random.fold_in)(position_keys(sp.keys, state.seq_len + 1),
+                                        jnp.full((B,), 1, jnp.uint32))
+    if spec.acceptance == "greedy":
+        tok, n = accept_greedy(logits, state.drafts, num_drafts)
+    elif spec.acceptance == "rejection":
+        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
+        tok, n = accept_rejection(p, state.draft_probs, state.drafts, num_drafts, keys)
+    elif spec.acceptance == "relaxed":
+        tok, n, thinking = accept_relaxed(
+            logits, state.drafts, num_drafts, state.in_thinking, topk=spec.relaxed_topk,
+            delta=spec.relaxed_delta, think_start=spec.think_start_token_id,
+            think_end=spec.think_end_token_id)
+        return tok, n, thinking
+    else:
+        rates = jnp.asarray(spec.synthetic_rates(), jnp.float32)
+        tok, n = accept_synthetic(logits, state.drafts, num_drafts, rates, keys)
+    return tok, n, state.in_thinking
+
+
+def commit(state: SpecState, tokens, num_accepted, limits: Limits):
+    """Truncates each accepted run at the first stop token / max_new and appends it to the output.
+
+    Returns (num_committed int32[B] (0 for finished requests), out_tokens, num_out, done).
+    """
+    B, K1 = tokens.shape
+    live = ~state.done
+    j = jnp.arange(K1)[None, :]
+    stop = _is_stop(tokens, limits.stop_ids) & (j < num_accepted[:, None])
+    first_stop = jnp.where(jnp.any(stop, 1), jnp.argmax(stop, 1) + 1, K1 + 1)
+    n = jnp.minimum(jnp.minimum(num_accepted, first_stop), limits.max_new - state.num_out)
+    n = jnp.where(live, n, 0).astype(jnp.int32)
+    cols = state.num_out[:, None] + j
+    cols = jnp.where(j < n[:, None], cols, state.out_tokens.shape[1])       # dropped
+    out = state.out_tokens.at[jnp.arange(B)[:, None], cols].set(tokens, mode="drop")
+    num_out = state.num_out + n
+    done = state.done | (live & ((first_stop <= n) | (num_out >= limits.max_new)))
+    return n, out, num_out, done
+
+
+def spec_step(params, cfg: ModelConfig, spec: SpecConfig, state: SpecState, sp: SamplingArrays,
+              limits: Limits, *, impl: str, source: str = "model", forced=None) -> SpecState:
+    B, K = state.drafts.shape
+    W = state.hist_tokens.shape[1]
+    N = state.seq_len
+    with jax.named_scope("verify"):
+        tokens = jnp.concatenate([state.last_token[:, None], state.drafts], axis=1)   # [B, K+1]
+        pos = N[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None, :]
+        hidden, cache = forward_cached(params, cfg, state.cache, tokens.reshape(-1),
+                                       PagedBatch.uniform(pos, state.block_tables), impl=impl)
+        logits = logits_from_hidden(params, hidden).reshape(B, K + 1, -1)
+    with jax.named_scope("accept"):
+        acc_tokens, num_accepted, thinking = accept(spec, logits, state, sp)
+        n, out, num_out, done = commit(state, acc_tokens, num_accepted, limits)
+    # Rejected KV stays beyond seq_len and is overwritten by later steps.
+    seq_len = N + n
+    hist_tokens, hist_hidden = roll_draft_inputs(
+        state.hist_tokens, state.hist_hidden, acc_tokens,
+        hidden.reshape(B, K + 1, -1), n, impl=impl)
+    with jax.named_scope("draft"):
+        ext = jnp.concatenate([hist_tokens, jnp.zeros((B, K), jnp.int32)], axis=1)
+        cache, drafts, probs = run_drafts(
+            params, cfg, spec, cache, window=window_batch(seq_len, W, state.block_tables),
+            hidden0=hist_hidden, ext=ext, offset=0, last_idx=jnp.full((B,), W - 1, jnp.int32),
+            seq_len=seq_len, block_tables=state.block_tables, sp=sp, impl=impl, source=source,
+            forced=forced)
+    return SpecState(cache=cache, block_tables=state.block_tables, seq_len=seq_len,
+                     hist_tokens=hist_tokens, hist_hidden=hist_hidden, drafts=drafts,
+                     draft_probs=probs, in_thinking=jnp.where(state.done, state.in_thinking, thinking),
+                     out_tokens=out, num_out=num_out, done=done,
+                     stats=state.stats.update(~state.done, num_accepted, n))
+
+
+def spec_prefill(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, tokens, positions,
+                 lens, block_tables, sp: SamplingArrays, limits: Limits, *, max_new: int,
+                 impl: str, source: str = "model", forced=None) -> SpecState:
+    """Prefills right-padded prompts int32[B, T], samples each first token, drafts K tokens."""
+    from mtpjax.generate import prefill_batch
+    B, T = tokens.shape
+    K = spec.num_speculative_tokens
+    W = window_size(spec)
+    rows = jnp.arange(B)
+    batch = prefill_batch(positions, lens, block_tables)
+    hidden, cache = forward_cached(params, cfg, cache, tokens.reshape(-1), batch, impl=impl)
+    hidden = hidden.reshape(B, T, -1)
+    first = sample(logits_from_hidden(params, hidden[rows, lens - 1]), sp, lens)
+    # ext[:, i] = token at position i (prompt, first token at P, then room for K drafts)
+    ext = jnp.concatenate([tokens, jnp.zeros((B, K + 2), jnp.int32)], axis=1)
+    ext = ext.at[rows, lens].set(first)
+    cache, drafts, probs = run_drafts(
+        params, cfg, spec, cache, window=batch, hidden0=hidden, ext=ext, offset=1,
+        last_idx=lens - 1, seq_len=lens, block_tables=block_tables, sp=sp, impl=impl,
+        source=source, forced=forced)
+    # History window: hidden at positions P-W..P-1, tokens at P-W+1..P (zeros before 0).
+    idx = lens[:, None] - W + jnp.arange(W)[None, :]
+    hist_hidden = jnp.where((idx >= 0)[..., None],
+                            hidden[rows[:, None], jnp.clip(idx, 0, T - 1)], 0.0)
+    hist_tokens = jnp.where(idx + 1 >= 0, ext[rows[:, None], jnp.clip(idx + 1, 0, T)], 0)
+    out = jnp.full((B, max_new + K + 1), -1, jnp.int32).at[:, 0].set(first)
+    done = _is_stop(first[:, None], limits.stop_ids)[:, 0] | (limits.max_new <= 1)
+    thinking = jnp.zeros((B,), bool)
+    if spec.acceptance == "relaxed":   # phase after the prompt and the first token
+        marks = jnp.where(jnp.arange(T + K + 2)[None, :] <= lens[:, None], ext, -1)
+        start = jnp.where(marks == spec.think_start_token_id, jnp.arange(T + K + 2), -1).max(1)
+        end = jnp.where(marks == spec.think_end_token_id, jnp.arange(T + K + 2), -1).max(1)
+        thinking = start > end
+    return SpecState(cache=cache, block_tables=block_tables, seq_len=lens,
+                     hist_tokens=hist_tokens.astype(jnp.int32), hist_hidden=hist_hidden,
+                     drafts=drafts, draft_probs=probs, in_thinking=thinking, out_tokens=out,
+                     num_out=jnp.ones((B,), jnp.int32), done=done, stats=SpecStats.zeros(K))
