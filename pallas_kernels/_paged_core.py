@@ -38,7 +38,8 @@ LOG2E = math.log2(math.e)
 
 def _kernel(
     # inputs
-    item_seq_ref, item_start_ref, item_len_ref, item_off_ref,  # [W]
+    item_ends_ref,  # [num_seqs_p] cumulative items per sequence, padded with INT32_MAX
+    cu_q_lens_ref,  # [num_seqs + 1]
     seq_qlen_ref, kv_lens_ref,  # [num_seqs]
     bt_ref,  # [num_seqs, M_pad]
     q_ref,  # [T, KVH, G_p, D]
@@ -66,11 +67,17 @@ def _kernel(
   block_k = pages_per_block * page_size
   rows = block_q * g_p
 
-  seq = item_seq_ref[w]
-  start = item_start_ref[w]
-  n_tok = item_len_ref[w]
-  off = item_off_ref[w]
+  # Work item w -> its sequence (searchsorted on the cumulative item counts)
+  # and its block of <= block_q query tokens inside that sequence.
+  num_seqs = seq_qlen_ref.shape[0]
+  seq = jnp.sum((item_ends_ref[...] <= w).astype(jnp.int32))
+  valid = seq < num_seqs
+  seq = jnp.where(valid, seq, 0)
+  first_item = jnp.where(seq > 0, item_ends_ref[jnp.maximum(seq - 1, 0)], 0)
+  off = (w - first_item) * block_q
+  start = cu_q_lens_ref[seq] + off
   q_len = seq_qlen_ref[seq]
+  n_tok = jnp.where(valid, jnp.clip(q_len - off, 0, block_q), 0)
   kv_len = kv_lens_ref[seq]
 
   # Row r of the tile = token (r // G_p) of the item, query head (r % G_p).
@@ -190,8 +197,10 @@ def paged_core(
     v_pages,
     block_tables,  # [num_seqs, M]
     kv_lens,  # [num_seqs]
-    seq_qlen,  # [num_seqs]
-    item_seq, item_start, item_len, item_off,  # [W]
+    seq_qlen,  # [num_seqs] query tokens per sequence (0 for padding sequences)
+    cu_q_lens,  # [num_seqs + 1]
+    item_ends,  # [num_seqs] cumulative number of work items per sequence
+    num_items: int,  # static grid size, >= item_ends[-1]
     *,
     group: int,
     block_q: int,
@@ -212,7 +221,10 @@ def paged_core(
   t, kvh, g_p, d = q.shape
   _, num_pages, page_size, _ = k_pages.shape
   num_seqs, m = block_tables.shape
-  w = item_seq.shape[0]
+  w = num_items
+  s_p = pl.next_power_of_2(num_seqs)
+  item_ends = jnp.full((s_p,), jnp.iinfo(jnp.int32).max, jnp.int32).at[:num_seqs].set(
+      item_ends.astype(jnp.int32))
   # At least 16 rows per tile for the matrix units.
   block_q = pl.next_power_of_2(max(block_q, pl.cdiv(16, g_p)))
   # A tail item's tile may run past T: Triton masks those rows, and the CPU
@@ -240,9 +252,9 @@ def paged_core(
 
   kv_spec = pl.BlockSpec((None, num_pages, page_size, d),
                          lambda i, h, n: (h, 0, 0, 0))
-  in_specs = [full((w,))] * 4 + [full((num_seqs,))] * 2 + [
+  in_specs = [full((s_p,)), full((num_seqs + 1,))] + [full((num_seqs,))] * 2 + [
       full((num_seqs, m_pad)), full((t, kvh, g_p, d)), kv_spec, kv_spec]
-  args = [item_seq, item_start, item_len, item_off, seq_qlen, kv_lens,
+  args = [item_ends, cu_q_lens, seq_qlen, kv_lens,
           block_tables, q, k_pages, v_pages]
   if num_splits == 1:
     out_shape = [jax.ShapeDtypeStruct((t, kvh, g_p, d), q.dtype)]
@@ -280,8 +292,10 @@ def paged_core(
   out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
   out = out.astype(q.dtype)
   if out_init is not None:
+    # Tokens of sequences that have items in this launch take the merged value.
+    n_items = jnp.diff(item_ends[:num_seqs], prepend=0)
     tok = jnp.arange(t, dtype=jnp.int32)
-    covered = jnp.any((tok[None, :] >= item_start[:, None])
-                      & (tok[None, :] < (item_start + item_len)[:, None]), axis=0)
+    covered = jnp.any((n_items[:, None] > 0) & (tok[None, :] >= cu_q_lens[:-1, None])
+                      & (tok[None, :] < cu_q_lens[1:, None]), axis=0)
     out = jnp.where(covered[:, None, None, None], out, out_init)
   return out

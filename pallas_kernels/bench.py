@@ -298,24 +298,25 @@ def main(argv=None):
   rows = {}
   if a.mode == "tune":
     res = []
-    for b, q_len, splits in ((64, 1, 1), (64, 1, 2), (64, 1, 4), (64, 4, 1), (64, 4, 2),
-                             (8, 1, 4), (8, 1, 8), (8, 1, 16)):
-      for nw in (4, 8):
-        for st in (2, 3):
+    for b, q_len, ppb, splits, nw, st in (
+        [(64, 1, ppb, 1, nw, st) for ppb in (4, 8, 16) for nw in (2, 4, 8) for st in (1, 2)]
+        + [(64, 4, 8, 1, nw, st) for nw in (2, 4) for st in (1, 2)]):
+      if True:
+        if True:
           try:
-            r = time_decode(b, q_len, 32, 8, 4096, copy_bw, peers=False, pages_per_block=8,
+            r = time_decode(b, q_len, 32, 8, 4096, copy_bw, peers=False, pages_per_block=ppb,
                             num_warps=nw, num_stages=st, num_splits=splits)
-            r.update(ns=splits, nw=nw, st=st)
+            r.update(ppb=ppb, ns=splits, nw=nw, st=st)
             res.append(r)
             log(json.dumps(r))
           except Exception as e:  # noqa: BLE001
             log("fail", b, q_len, splits, nw, st, repr(e)[:300])
-    table("decode tuning ctx=4096 32/8 ppb=8", res,
-          ["B", "Q", "ns", "nw", "st", "ours_us", "ours_TBs", "ours_pct_copy"])
+    table("decode tuning ctx=4096 32/8", res,
+          ["B", "Q", "ppb", "ns", "nw", "st", "ours_us", "ours_TBs", "ours_pct_copy"])
     res2 = []
     for bq in (16, 32):
-      for ppb in (4, 8):
-        for nw in (4, 8):
+      for ppb in (2, 4):
+        for nw in (4,):
           for st in (2, 3):
             try:
               r = time_prefill(4, 512, 32, 8, copy_bw, peers=False, block_q=bq,

@@ -170,7 +170,7 @@ def draft_roll_reference(tokens, positions, hidden, cu_seq_lens, new_tokens, new
   t = tokens.shape[0]
   s, n = new_tokens.shape
   idx = jnp.arange(t, dtype=jnp.int32)
-  seg = jnp.searchsorted(cu_seq_lens[1:], idx, side="right").astype(jnp.int32)
+  seg = jnp.searchsorted(cu_seq_lens[1:], idx, side="right", method="compare_all").astype(jnp.int32)
   live = seg < s
   seg_c = jnp.where(live, seg, 0)
   start = cu_seq_lens[seg_c]

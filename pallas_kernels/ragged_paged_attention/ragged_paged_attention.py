@@ -22,22 +22,18 @@ _TUNING_KEYS = ("block_q", "pages_per_block", "num_warps", "num_stages", "small_
                 "small_num_stages")
 
 
-def _work_items(q_lens, num_tokens, cu_q_lens, block_q, select):
-  """Static-size work list over the sequences where `select` holds:
-  item w -> (seq, first token, n tokens, offset in seq); unused items have n = 0."""
+def _work_items(q_lens, num_tokens, block_q, select):
+  """Cumulative work-item counts per sequence (items of <= block_q tokens for the
+  sequences where `select` holds) and a static upper bound on their number.
+
+  The kernel maps a program id back to (sequence, token block) itself, so this is
+  the only per-step index work done outside the kernel (one small fusion).
+  """
   s = q_lens.shape[0]
-  q_lens = jnp.where(select, q_lens, 0)
-  n_blocks = (q_lens + block_q - 1) // block_q
-  ends = jnp.cumsum(n_blocks)
+  n_blocks = jnp.where(select, (q_lens + block_q - 1) // block_q, 0)
+  ends = jnp.cumsum(n_blocks).astype(jnp.int32)
   w_max = min(-(-num_tokens // block_q) + s, num_tokens + s)  # >= sum(ceil(len/bq))
-  w = jnp.arange(w_max, dtype=jnp.int32)
-  seq = jnp.searchsorted(ends, w, side="right").astype(jnp.int32)
-  valid = seq < s
-  seq = jnp.where(valid, seq, 0)
-  off = (w - (ends[seq] - n_blocks[seq])) * block_q
-  start = cu_q_lens[seq] + off
-  n_tok = jnp.where(valid, jnp.clip(q_lens[seq] - off, 0, block_q), 0)
-  return seq, start.astype(jnp.int32), n_tok.astype(jnp.int32), off.astype(jnp.int32)
+  return ends, w_max
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
@@ -60,8 +56,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
       of one tile each, default 8), block_q (query tokens per tile for longer
       sequences, default 64 // G rounded to a power of 2), pages_per_block
       (default 64 // S), num_warps (4), num_stages (2); small_num_splits (KV
-      splits for the small items, 1), small_pages_per_block (128 // S),
-      small_num_warps (4), small_num_stages (2).
+      splits for the small items, 1), small_pages_per_block (64 // S),
+      small_num_warps (4), small_num_stages (1).
   Returns:
     [T, H, D] in q's dtype.
   """
@@ -116,19 +112,21 @@ def _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *, 
   common = dict(group=g, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret)
   out = None
   if t > small_q:
-    items = _work_items(q_lens, t, cu_q_lens, block_q, q_lens > small_q)
+    ends, w_max = _work_items(q_lens, t, block_q, q_lens > small_q)
     out = paged_core(
-        qp, k_pages, v_pages, block_tables, kv_lens, q_lens, *items, block_q=block_q,
+        qp, k_pages, v_pages, block_tables, kv_lens, q_lens, cu_q_lens, ends, w_max,
+        block_q=block_q,
         pages_per_block=tuning.get("pages_per_block", max(1, 64 // page_size)),
         num_splits=1, num_warps=tuning.get("num_warps", 4),
         num_stages=tuning.get("num_stages", 2), **common)
-  items = _work_items(q_lens, t, cu_q_lens, small_q, q_lens <= small_q)
+  ends, _ = _work_items(q_lens, t, small_q, q_lens <= small_q)
   out = paged_core(
-      qp, k_pages, v_pages, block_tables, kv_lens, q_lens, *items, block_q=small_q,
-      pages_per_block=tuning.get("small_pages_per_block", max(1, 128 // page_size)),
+      qp, k_pages, v_pages, block_tables, kv_lens, q_lens, cu_q_lens, ends, min(s, t),
+      block_q=small_q,
+      pages_per_block=tuning.get("small_pages_per_block", max(1, 64 // page_size)),
       num_splits=tuning.get("small_num_splits", 1),
       num_warps=tuning.get("small_num_warps", 4),
-      num_stages=tuning.get("small_num_stages", 2), out_init=out, **common)
+      num_stages=tuning.get("small_num_stages", 1), out_init=out, **common)
   return unpad_group(out, h)
 
 
@@ -146,7 +144,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens,
   scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
   num_seqs = jnp.asarray(num_seqs).reshape(())
   tok = jnp.arange(t, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), 0, s - 1)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right", method="compare_all"), 0, s - 1)
   live = (tok < cu_q_lens[jnp.minimum(num_seqs, s)]) & (seq < num_seqs)
   q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
   pos = kv_lens[seq] - q_len + (tok - cu_q_lens[seq])  # [T]
