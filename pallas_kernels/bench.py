@@ -288,7 +288,9 @@ def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--mode", default="full", choices=["full", "tune", "check"])
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
-  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--batches", default="1,8,64", help="decode batch sizes (full mode)")
+  ap.add_argument("--no-extra", action="store_true",
+                  help="full mode: decode table only (skip prefill, mixed, draft_roll)")
   a = ap.parse_args(argv)
   log(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
   copy_bw, all_bw = copy_bandwidth()
@@ -329,7 +331,7 @@ def main(argv=None):
     table("prefill tuning 4x512 32/8", res2, ["bq", "ppb", "nw", "st", "ours_us", "ours_TFLOPs"])
   else:
     dec = []
-    bs = (64,) if a.mode == "check" else (1, 8, 64)
+    bs = (64,) if a.mode == "check" else tuple(int(x) for x in a.batches.split(","))
     ctxs = (4096,) if a.mode == "check" else (1024, 4096, 16384)
     for b in bs:
       for ctx in ctxs:
@@ -343,7 +345,7 @@ def main(argv=None):
               log("decode fail", b, ctx, h, q_len, traceback.format_exc()[-1500:])
     rows["decode"] = dec
     pre = []
-    for h in (32, 64):
+    for h in (() if a.no_extra else (32, 64)):
       try:
         r = time_prefill(4, 512, h, 8, copy_bw)
         pre.append(r)
@@ -351,13 +353,15 @@ def main(argv=None):
       except Exception:  # noqa: BLE001
         log("prefill fail", traceback.format_exc()[-1500:])
     try:
+      if a.no_extra:
+        raise RuntimeError("skipped")
       mixed = time_mixed(copy_bw)
       log(json.dumps(mixed))
     except Exception:  # noqa: BLE001
       mixed = {}
       log("mixed fail", traceback.format_exc()[-1500:])
     dr = []
-    for ns, sl, hd in ((64, 8, 4096), (256, 16, 7168)):
+    for ns, sl, hd in (() if a.no_extra else ((64, 8, 4096), (256, 16, 7168))):
       try:
         r = time_draft_roll(ns, sl, hd, copy_bw=copy_bw)
         dr.append(r)
@@ -379,7 +383,8 @@ def main(argv=None):
     table("ragged_paged_attention mixed batch (H 32, KVH 8)", [mixed],
           ["case", "ours_us", "kv_TBs", "xla_us", "err_verify_part"])
     table("draft_roll (bf16)", dr, ["case", "ours_us", "xla_us", "ours_TBs", "pct_copy", "exact"])
-  with open(os.path.join(a.out, f"bench_{a.mode}.log"), "w") as f:
+  tag = a.mode + ("" if a.mode != "full" else "_b" + a.batches.replace(",", "-"))
+  with open(os.path.join(a.out, f"bench_{tag}.log"), "w") as f:
     f.write("\n".join(LOG) + "\n")
 
 
