@@ -7,3 +7,8 @@ from mtpjax.generate import GenerateOutput, generate
 __all__ = ["ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig", "forward", "init_params",
            "mtp_forward", "generate", "GenerateOutput"]
 __version__ = "0.1.0"
+
+from mtpjax.engine import BlockManager, Sequence  # noqa: E402
+from mtpjax.engine.llm import LLM, RequestOutput  # noqa: E402
+
+__all__ += ["BlockManager", "Sequence", "LLM", "RequestOutput"]

@@ -13,8 +13,8 @@ derived from target states only (docs/spec_decoding.md, "KV consistency").
                (the draft-input roll by one, new draft at the tail) and the hidden states of
                module k-1 at the same positions; its output at position N-1 gives d_{k+1}.
 
-`ext` holds the tokens the window needs plus room for the drafts: the token at window index j for
-module k is ext[:, j + k + offset]; d_i is written at ext[:, last_idx + i + offset].
+The first pass is a flat ragged batch (uniform windows in `generate`, prefill chunks and
+verify windows mixed in the engine); the multi_layer token shift is `roll_by_one`.
 """
 
 from __future__ import annotations
@@ -53,65 +53,79 @@ def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=Non
     raise ValueError(f"draft source {source!r} not in {DRAFT_SOURCES}")
 
 
+def roll_by_one(tokens: jax.Array, next_same: jax.Array, new: jax.Array, row_of: jax.Array):
+    """The draft-input roll by one over a flat ragged batch: every segment shifts left by one
+    and takes its row's new token at the tail. tokens int32[F]; next_same bool[F] (entry f+1 is
+    in f's segment); new int32[R]; row_of int32[F]."""
+    shifted = jnp.concatenate([tokens[1:], tokens[:1]])
+    return jnp.where(next_same, shifted, new[row_of])
+
+
 def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
-               window: PagedBatch, hidden0: jax.Array, ext: jax.Array, offset: int,
-               last_idx: jax.Array, seq_len: jax.Array, block_tables: jax.Array,
-               sp: SamplingArrays, impl: str, source: str = "model", forced=None):
-    """Drafts d_1..d_K for every request.
+               window: PagedBatch, hidden0: jax.Array, tokens0: jax.Array,
+               next_same: jax.Array, last_rows: jax.Array, seq_len: jax.Array,
+               block_tables: jax.Array, sp: SamplingArrays, impl: str,
+               drafting: jax.Array | None = None, fixed_next: jax.Array | None = None,
+               source: str = "model", forced=None):
+    """Drafts d_1..d_K for R requests from a first pass over a flat ragged window.
 
-    window: ragged batch of the first pass (B requests x Tw positions, -1 = padding).
-    hidden0 [B, Tw, E]: target hidden states at the window positions. ext int32[B, >= Tw+K+offset].
-    last_idx int32[B]: window index of position seq_len-1. seq_len int32[B]: committed KV count N
-    (the pending token sits at N, draft i at N+i).
-    Returns (cache, drafts int32[B, K], draft_probs f32[B, K, V]).
+    window: first-pass batch of F tokens (segments end at each request's position seq_len-1;
+    positions -1 are padding). hidden0 [F, E]: target hidden states there. tokens0 int32[F]: the
+    token one past each position (x_{p+1}). next_same bool[F]: f+1 lies in f's segment.
+    last_rows int32[R]: flat row of position seq_len-1. seq_len int32[R]: committed KV count N
+    (pending token at N, draft i at N+i). drafting bool[R]: rows that draft (others, e.g.
+    non-final prefill chunks, only write their first-pass KV). fixed_next int32[R, K] (multi_layer):
+    where >= 0, the token to roll in after module k instead of the draft (the prompt's next tokens
+    of a non-final chunk). Returns (cache, drafts int32[R, K], draft_probs f32[R, K, V]).
     """
-    B, Tw, E = hidden0.shape
+    F, E = hidden0.shape
+    R = seq_len.shape[0]
     K, D, V = spec.num_speculative_tokens, cfg.num_mtp_layers, cfg.vocab_size
-    rows = jnp.arange(B)
-    drafts = jnp.zeros((B, K), jnp.int32)
-    probs = jnp.zeros((B, K, V), jnp.float32)
+    drafting = jnp.ones((R,), bool) if drafting is None else drafting
+    drafts = jnp.zeros((R, K), jnp.int32)
+    probs = jnp.zeros((R, K, V), jnp.float32)
 
-    def tokens_for(ext, k):
-        return jax.lax.dynamic_slice_in_dim(ext, k + offset, Tw, axis=1)
+    def draw(normed_rows, i):
+        return draw_draft(logits_from_hidden(params, normed_rows), sp, seq_len + 1 + i,
+                          source=source, forced=forced)
 
-    def draft_at(normed_last, i, drafts, probs, ext):
-        """Draws d_{i+1} from lm_head(normed_last), records it; i traced or static."""
-        tok, q = draw_draft(logits_from_hidden(params, normed_last), sp, seq_len + 1 + i,
-                            source=source, forced=forced)
-        drafts = drafts.at[:, i].set(tok)
-        probs = probs.at[:, i].set(q)
-        ext = ext.at[rows, last_idx + 1 + i + offset].set(tok, mode="drop")
-        return drafts, probs, ext
+    def record(drafts, probs, tok, q, i):
+        drafts = jax.lax.dynamic_update_index_in_dim(drafts, tok, i, axis=1)
+        probs = jax.lax.dynamic_update_index_in_dim(probs, q, i, axis=1)
+        return drafts, probs
 
     if spec.method == "multi_layer":
         def module_pass(k, carry):
-            cache, hidden, ext, drafts, probs = carry
+            cache, hidden, tokens, drafts, probs = carry
             h_next, normed, cache = mtp_forward_cached_switch(
-                params, cfg, k, cache, hidden.reshape(B * Tw, E),
-                tokens_for(ext, k).reshape(-1), window, impl=impl)
-            normed_last = normed.reshape(B, Tw, E)[rows, last_idx]
-            drafts, probs, ext = draft_at(normed_last, k, drafts, probs, ext)
-            return cache, h_next.reshape(B, Tw, E).astype(hidden.dtype), ext, drafts, probs
+                params, cfg, k, cache, hidden, tokens, window, impl=impl)
+            tok, q = draw(normed[last_rows], k)
+            drafts, probs = record(drafts, probs, tok, q, k)
+            new = tok
+            if fixed_next is not None:
+                fixed = jax.lax.dynamic_index_in_dim(fixed_next, k, axis=1, keepdims=False)
+                new = jnp.where(fixed >= 0, fixed, tok)
+            tokens = roll_by_one(tokens, next_same, new, window.seq_ids)
+            return cache, h_next.astype(hidden.dtype), tokens, drafts, probs
 
         cache, _, _, drafts, probs = jax.lax.fori_loop(
-            0, K, module_pass, (cache, hidden0, ext, drafts, probs))
+            0, K, module_pass, (cache, hidden0, tokens0, drafts, probs))
         return cache, drafts, probs
 
     # chain: first pass of every module that the K steps will use
-    tokens0 = tokens_for(ext, 0).reshape(-1)
     h_last = normed_last = None
     for m in range(min(K, D)):
-        h_next, normed, cache = mtp_forward_cached(params, cfg, m, cache,
-                                                   hidden0.reshape(B * Tw, E), tokens0, window,
-                                                   impl=impl)
+        h_next, normed, cache = mtp_forward_cached(params, cfg, m, cache, hidden0, tokens0,
+                                                   window, impl=impl)
         if m == 0:
-            h_last = h_next.reshape(B, Tw, E)[rows, last_idx]
-            normed_last = normed.reshape(B, Tw, E)[rows, last_idx]
-    drafts, probs, ext = draft_at(normed_last, 0, drafts, probs, ext)
+            h_last, normed_last = h_next[last_rows], normed[last_rows]
+    tok, q = draw(normed_last, 0)
+    drafts, probs = record(drafts, probs, tok, q, 0)
 
     def chain_step(s, carry):
         cache, h_prev, drafts, probs = carry
-        batch = PagedBatch.uniform((seq_len - 1 + s)[:, None], block_tables)
+        pos = jnp.where(drafting, seq_len - 1 + s, -1)
+        batch = PagedBatch.uniform(pos[:, None], block_tables)
         # Every module in use writes its KV at this position (so none later reads a stale
         # slot); module s % D's output continues the chain.
         outs = []
@@ -120,10 +134,8 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
                                                        drafts[:, s - 1], batch, impl=impl)
             outs.append((h_next, normed))
         h_next, normed = jax.tree.map(lambda *xs: jnp.stack(xs)[s % len(outs)], *outs)
-        tok, q = draw_draft(logits_from_hidden(params, normed), sp, seq_len + 1 + s,
-                            source=source, forced=forced)
-        drafts = jax.lax.dynamic_update_index_in_dim(drafts, tok, s, axis=1)
-        probs = jax.lax.dynamic_update_index_in_dim(probs, q, s, axis=1)
+        tok, q = draw(normed, s)
+        drafts, probs = record(drafts, probs, tok, q, s)
         return cache, h_next.astype(h_prev.dtype), drafts, probs
 
     cache, _, drafts, probs = jax.lax.fori_loop(1, K, chain_step, (cache, h_last, drafts, probs))

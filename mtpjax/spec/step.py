@@ -124,12 +124,12 @@ def spec_step(params, cfg: ModelConfig, spec: SpecConfig, state: SpecState, sp: 
         state.hist_tokens, state.hist_hidden, acc_tokens,
         hidden.reshape(B, K + 1, -1), n, impl=impl)
     with jax.named_scope("draft"):
-        ext = jnp.concatenate([hist_tokens, jnp.zeros((B, K), jnp.int32)], axis=1)
+        j = jnp.arange(B * W) % W
         cache, drafts, probs = run_drafts(
             params, cfg, spec, cache, window=window_batch(seq_len, W, state.block_tables),
-            hidden0=hist_hidden, ext=ext, offset=0, last_idx=jnp.full((B,), W - 1, jnp.int32),
-            seq_len=seq_len, block_tables=state.block_tables, sp=sp, impl=impl, source=source,
-            forced=forced)
+            hidden0=hist_hidden.reshape(B * W, -1), tokens0=hist_tokens.reshape(-1),
+            next_same=j < W - 1, last_rows=jnp.arange(B) * W + W - 1, seq_len=seq_len,
+            block_tables=state.block_tables, sp=sp, impl=impl, source=source, forced=forced)
     return SpecState(cache=cache, block_tables=state.block_tables, seq_len=seq_len,
                      hist_tokens=hist_tokens, hist_hidden=hist_hidden, drafts=drafts,
                      draft_probs=probs, in_thinking=jnp.where(state.done, state.in_thinking, thinking),
@@ -153,10 +153,12 @@ def spec_prefill(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, tok
     # ext[:, i] = token at position i (prompt, first token at P, then room for K drafts)
     ext = jnp.concatenate([tokens, jnp.zeros((B, K + 2), jnp.int32)], axis=1)
     ext = ext.at[rows, lens].set(first)
+    j = jnp.arange(B * T) % T
     cache, drafts, probs = run_drafts(
-        params, cfg, spec, cache, window=batch, hidden0=hidden, ext=ext, offset=1,
-        last_idx=lens - 1, seq_len=lens, block_tables=block_tables, sp=sp, impl=impl,
-        source=source, forced=forced)
+        params, cfg, spec, cache, window=batch, hidden0=hidden.reshape(B * T, -1),
+        tokens0=ext[:, 1:T + 1].reshape(-1), next_same=j + 1 < jnp.repeat(lens, T),
+        last_rows=rows * T + lens - 1, seq_len=lens, block_tables=block_tables, sp=sp,
+        impl=impl, source=source, forced=forced)
     # History window: hidden at positions P-W..P-1, tokens at P-W+1..P (zeros before 0).
     idx = lens[:, None] - W + jnp.arange(W)[None, :]
     hist_hidden = jnp.where((idx >= 0)[..., None],

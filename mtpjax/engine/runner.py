@@ -1,0 +1,162 @@
+"""Model runner: packs a SchedulerOutput into a padded, bucketed ragged batch, runs the jitted
+mixed step (state donated), and returns each request's committed tokens.
+
+Buckets: rows are always `max_num_seqs` (+1 scratch slot for padding rows), tokens and the MTP
+first pass are padded to powers of two, block tables to a fixed width, so only a handful of
+programs are ever compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtpjax.cache import init_cache
+from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
+from mtpjax.engine.scheduler import SchedulerOutput
+from mtpjax.model.attention import resolve_impl
+from mtpjax.sampling import SamplingArrays
+from mtpjax.spec.draft import window_size
+from mtpjax.spec.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
+                                    MixedBatch, SlotState, mixed_step)
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "first_pass_len", "impl"),
+                   donate_argnames=("state",))
+def _step(params, cfg, spec, state, batch, *, first_pass_len, impl):
+    return mixed_step(params, cfg, spec, state, batch, first_pass_len=first_pass_len, impl=impl)
+
+
+class ModelRunner:
+    def __init__(self, params, cfg: ModelConfig, spec: SpecConfig | None, *, num_pages: int,
+                 page_size: int, max_num_seqs: int, max_blocks_per_seq: int, seed: int = 0,
+                 attention_impl: str = "auto", cache_dtype=None):
+        self.params, self.cfg, self.spec = params, cfg, spec
+        self.K = spec.num_speculative_tokens if spec else 0
+        self.W = window_size(spec) if spec else 1
+        self.max_num_seqs = max_num_seqs
+        self.page_size = page_size
+        self.max_blocks = max_blocks_per_seq
+        self.impl = resolve_impl(attention_impl)
+        self.seed = seed
+        dtype = cache_dtype or params["embed"].dtype
+        cache = init_cache(cfg, num_pages, page_size, dtype)
+        self.num_slots = max_num_seqs + 1                 # last slot: scratch for padding rows
+        self.state = SlotState.create(cfg, spec, cache, self.num_slots, dtype)
+        self.free_slots = list(range(max_num_seqs))
+        self.slot_of: dict[int, int] = {}                 # seq_id -> slot
+        self.hist_from: dict[int, int] = {}               # seq_id -> first self-computed position
+
+    # ---- slots ---------------------------------------------------------------------------------
+    def release(self, seq_id: int) -> None:
+        """Frees a finished or preempted request's slot (its device draft state is dropped)."""
+        slot = self.slot_of.pop(seq_id, None)
+        self.hist_from.pop(seq_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    def _slot(self, req) -> int:
+        sid = req.seq_id
+        if sid not in self.slot_of:
+            if not self.free_slots:
+                raise RuntimeError("no free engine slot: more running requests than max_num_seqs")
+            self.slot_of[sid] = self.free_slots.pop(0)
+            self.hist_from[sid] = req.start_position
+        return self.slot_of[sid]
+
+    # ---- packing -------------------------------------------------------------------------------
+    def _request_key(self, seq) -> np.ndarray:
+        sp = seq.sampling_params or SamplingParams()
+        key = jax.random.PRNGKey(sp.seed) if sp.seed is not None else \
+            jax.random.fold_in(jax.random.PRNGKey(self.seed), seq.seq_id)
+        return np.asarray(key, np.uint32)
+
+    def pack(self, out: SchedulerOutput) -> tuple[MixedBatch, int]:
+        K, R, bs = self.K, self.max_num_seqs, self.page_size
+        reqs = out.requests
+        if len(reqs) > R:
+            raise ValueError(f"step has {len(reqs)} requests, more than max_num_seqs={R}")
+        q = [r.num_query_tokens for r in reqs]
+        T = _bucket(sum(q))
+        tokens = np.zeros(T, np.int32)
+        positions = np.full(T, -1, np.int32)
+        seq_ids = np.zeros(T, np.int32)
+        cu = np.zeros(R + 1, np.int32)
+        kv_lens = np.zeros(R, np.int32)
+        tables = np.zeros((R, self.max_blocks), np.int32)
+        slots = np.full(R, self.num_slots - 1, np.int32)
+        kinds = np.full(R, KIND_PAD, np.int32)
+        next_tokens = np.full((R, K + 1), -1, np.int32)
+        thinking = np.zeros(R, bool)
+        hist_from = np.zeros(R, np.int32)
+        temp = np.zeros(R, np.float32)
+        top_k = np.zeros(R, np.int32)
+        top_p = np.ones(R, np.float32)
+        keys = np.zeros((R, 2), np.uint32)
+        off = 0
+        first_pass = 0
+        for i, req in enumerate(reqs):
+            seq, n = req.seq, req.num_query_tokens
+            s = req.start_position
+            positions[off:off + n] = np.arange(s, s + n)
+            seq_ids[off:off + n] = i
+            if req.is_prefill:
+                tokens[off:off + n] = req.token_ids
+                kinds[i] = KIND_LAST_CHUNK if req.is_last_chunk else KIND_CHUNK
+                after = seq.token_ids[s + n:s + n + K + 1]
+                next_tokens[i, :len(after)] = after
+                first_pass += max(self.W, n)
+                if self.spec is not None and self.spec.acceptance == "relaxed":
+                    thinking[i] = _thinking_after(seq.token_ids[:s + n], self.spec)
+            else:
+                tokens[off] = req.token_ids[0]
+                kinds[i] = KIND_DECODE
+                first_pass += self.W
+            off += n
+            cu[i + 1] = off
+            kv_lens[i] = s + n
+            if len(seq.block_table) > self.max_blocks:
+                raise ValueError(f"request {seq.seq_id} holds {len(seq.block_table)} blocks, more "
+                                 f"than the runner's max_blocks_per_seq={self.max_blocks}")
+            tables[i, :len(seq.block_table)] = seq.block_table
+            slots[i] = self._slot(req)
+            hist_from[i] = self.hist_from[seq.seq_id]
+            sp = seq.sampling_params or SamplingParams()
+            temp[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
+            keys[i] = self._request_key(seq)
+        cu[len(reqs) + 1:] = off
+        batch = MixedBatch(
+            tokens=jnp.asarray(tokens), positions=jnp.asarray(positions),
+            seq_ids=jnp.asarray(seq_ids), cu_q_lens=jnp.asarray(cu), kv_lens=jnp.asarray(kv_lens),
+            block_tables=jnp.asarray(tables), slots=jnp.asarray(slots), kinds=jnp.asarray(kinds),
+            next_tokens=jnp.asarray(next_tokens), thinking=jnp.asarray(thinking),
+            hist_from=jnp.asarray(hist_from),
+            sampling=SamplingArrays(temperature=jnp.asarray(temp), top_k=jnp.asarray(top_k),
+                                    top_p=jnp.asarray(top_p), keys=jnp.asarray(keys)))
+        return batch, _bucket(first_pass)
+
+    def run(self, out: SchedulerOutput) -> list[list[int]]:
+        """Runs one step; returns each scheduled request's committed tokens (before the
+        scheduler's stop / max_tokens truncation)."""
+        batch, F = self.pack(out)
+        self.state, acc, num = _step(self.params, self.cfg, self.spec, self.state, batch,
+                                     first_pass_len=F, impl=self.impl)
+        acc, num = np.asarray(acc), np.asarray(num)        # the step's only device->host copy
+        return [acc[i, :num[i]].tolist() for i in range(len(out.requests))]
+
+
+def _thinking_after(tokens, spec: SpecConfig) -> bool:
+    start = end = -1
+    for i, t in enumerate(tokens):
+        if t == spec.think_start_token_id:
+            start = i
+        elif t == spec.think_end_token_id:
+            end = i
+    return start > end

@@ -1,0 +1,190 @@
+"""The engine's jitted step over a ragged batch mixing prefill chunks and speculative decodes.
+
+Each row r of a `MixedBatch` is one scheduled request, living in engine slot `slots[r]`:
+  KIND_DECODE      q_len = K+1: [pending token, d_1..d_K] at positions N..N+K (drafts are
+                   filled in on device from the slot's state)
+  KIND_CHUNK       a non-final prefill chunk: writes KV, commits nothing
+  KIND_LAST_CHUNK  the final prefill chunk: commits the first sampled token
+  KIND_PAD         padding row (q_len 0)
+One ragged target forward serves every row; acceptance treats a final chunk as a request with
+0 drafts. The MTP first pass is ragged too: for every row it covers the positions
+[N' - L, N' - 1], L = W for decodes and max(W, q_len) for chunks, taking inputs from this step's
+rows and, before them, from the slot's draft-input history. Its last W entries become the new
+history. Then the shared draft loop (`run_drafts`) drafts K tokens for decodes and final chunks.
+The host reads only `committed_tokens` and `num_committed`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from mtpjax.cache import KVCache, PagedBatch
+from mtpjax.config import ModelConfig, SpecConfig
+from mtpjax.model.transformer import forward_cached, logits_from_hidden
+from mtpjax.sampling import SamplingArrays, filtered_probs, position_keys, sample
+from mtpjax.spec.accept import accept_greedy, accept_rejection, accept_relaxed, accept_synthetic
+from mtpjax.spec.draft import run_drafts, window_size
+
+KIND_PAD, KIND_DECODE, KIND_CHUNK, KIND_LAST_CHUNK = 0, 1, 2, 3
+
+
+@struct.dataclass
+class SlotState:
+    """Device state of the engine: the paged cache and per-slot draft state."""
+
+    cache: KVCache
+    hist_tokens: jax.Array    # int32[S, W]   x at positions N-W+1..N of the slot's request
+    hist_hidden: jax.Array    # [S, W, E]     target hidden at positions N-W..N-1
+    drafts: jax.Array         # int32[S, K]
+    draft_probs: jax.Array    # f32[S, K, V]
+    in_thinking: jax.Array    # bool[S]
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, num_slots: int,
+               dtype=jnp.float32) -> "SlotState":
+        W, K = (window_size(spec), spec.num_speculative_tokens) if spec else (1, 0)
+        return cls(cache=cache,
+                   hist_tokens=jnp.zeros((num_slots, W), jnp.int32),
+                   hist_hidden=jnp.zeros((num_slots, W, cfg.hidden_size), dtype),
+                   drafts=jnp.zeros((num_slots, K), jnp.int32),
+                   draft_probs=jnp.zeros((num_slots, K, cfg.vocab_size), jnp.float32),
+                   in_thinking=jnp.zeros((num_slots,), bool))
+
+
+@struct.dataclass
+class MixedBatch:
+    tokens: jax.Array         # int32[T]     token ids (decode draft slots are placeholders)
+    positions: jax.Array      # int32[T]     -1 = padding
+    seq_ids: jax.Array        # int32[T]     row of each token
+    cu_q_lens: jax.Array      # int32[R+1]
+    kv_lens: jax.Array        # int32[R]     N + q_len
+    block_tables: jax.Array   # int32[R, M]
+    slots: jax.Array          # int32[R]     engine slot of each row (padding -> a scratch slot)
+    kinds: jax.Array          # int32[R]     KIND_*
+    next_tokens: jax.Array    # int32[R, K+1] prompt tokens at positions end..end+K of a
+                              #              non-final chunk (-1 past the prompt)
+    thinking: jax.Array       # bool[R]      phase after the prompt (final chunks, relaxed rule)
+    hist_from: jax.Array      # int32[R]     first position this residency computed itself;
+                              #              earlier KV came from the prefix cache (no history)
+    sampling: SamplingArrays  # per row
+
+
+def _accept(spec: SpecConfig, logits, drafts, probs, num_drafts, thinking, sp, key_pos):
+    keys = jax.vmap(jax.random.fold_in)(position_keys(sp.keys, key_pos),
+                                        jnp.full(key_pos.shape, 1, jnp.uint32))
+    if spec.acceptance == "greedy":
+        return (*accept_greedy(logits, drafts, num_drafts), thinking)
+    if spec.acceptance == "rejection":
+        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
+        return (*accept_rejection(p, probs, drafts, num_drafts, keys), thinking)
+    if spec.acceptance == "relaxed":
+        return accept_relaxed(logits, drafts, num_drafts, thinking, topk=spec.relaxed_topk,
+                              delta=spec.relaxed_delta, think_start=spec.think_start_token_id,
+                              think_end=spec.think_end_token_id)
+    rates = jnp.asarray(spec.synthetic_rates(), jnp.float32)
+    return (*accept_synthetic(logits, drafts, num_drafts, rates, keys), thinking)
+
+
+def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, batch: MixedBatch,
+               *, first_pass_len: int, impl: str):
+    """-> (state, committed_tokens int32[R, K+1], num_committed int32[R]).
+
+    spec=None: plain autoregressive decoding (decode rows carry one token, no drafting).
+    """
+    K, W = (spec.num_speculative_tokens, window_size(spec)) if spec else (0, 1)
+    T = batch.tokens.shape[0]
+    R = batch.kinds.shape[0]
+    F = first_pass_len
+    cu = batch.cu_q_lens
+    q_len = cu[1:] - cu[:-1]
+    start = batch.kv_lens - q_len                                  # N before the step
+    is_dec = batch.kinds == KIND_DECODE
+    is_last = batch.kinds == KIND_LAST_CHUNK
+    is_chunk = (batch.kinds == KIND_CHUNK) | is_last
+    drafts = state.drafts[batch.slots]
+    probs = state.draft_probs[batch.slots]
+
+    with jax.named_scope("verify"):
+        j = jnp.arange(T) - cu[batch.seq_ids]
+        fill = is_dec[batch.seq_ids] & (j >= 1) & (j <= K) & (batch.positions >= 0)
+        tokens = batch.tokens
+        if K:
+            tokens = jnp.where(fill, drafts[batch.seq_ids, jnp.clip(j - 1, 0, K - 1)], tokens)
+        pb = PagedBatch(positions=batch.positions, seq_ids=batch.seq_ids,
+                        block_tables=batch.block_tables, kv_lens=batch.kv_lens, cu_q_lens=cu)
+        hidden, cache = forward_cached(params, cfg, state.cache, tokens, pb, impl=impl)
+        rows = jnp.where(is_dec[:, None], cu[:-1, None] + jnp.arange(K + 1)[None, :],
+                         (cu[1:] - 1)[:, None])
+        logits = logits_from_hidden(params, hidden[jnp.clip(rows, 0, T - 1)])   # [R, K+1, V]
+
+    if spec is None:
+        key_pos = jnp.where(is_dec, start + 1, batch.kv_lens)
+        tok = sample(logits[:, 0], batch.sampling, key_pos)
+        committed = (is_dec | is_last).astype(jnp.int32)
+        return state.replace(cache=cache), tok[:, None], committed
+
+    with jax.named_scope("accept"):
+        num_drafts = jnp.where(is_dec, K, 0).astype(jnp.int32)
+        key_pos = jnp.where(is_dec, start + 1, batch.kv_lens)
+        thinking_in = jnp.where(is_dec, state.in_thinking[batch.slots], batch.thinking)
+        acc, num_acc, thinking = _accept(spec, logits, drafts, probs, num_drafts, thinking_in,
+                                         batch.sampling, key_pos)
+        committed = jnp.where(is_dec, num_acc, jnp.where(is_last, 1, 0)).astype(jnp.int32)
+        new_len = jnp.where(is_dec, start + num_acc, jnp.where(is_chunk, batch.kv_lens, 0))
+        pending = jnp.where(is_dec, jnp.take_along_axis(acc, (num_acc - 1)[:, None], 1)[:, 0],
+                            jnp.where(is_last, acc[:, 0], batch.next_tokens[:, 0]))
+
+    with jax.named_scope("draft_inputs"):
+        # ragged first pass: row r covers positions [new_len - L, new_len - 1]
+        L = jnp.where(is_dec, W, jnp.where(is_chunk, jnp.maximum(W, q_len), 0))
+        cu_f = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(L).astype(jnp.int32)])
+        f = jnp.arange(F)
+        r_of = jnp.clip(jnp.searchsorted(cu_f, f, side="right") - 1, 0, R - 1)
+        in_batch = f < cu_f[R]
+        pos = new_len[r_of] - L[r_of] + (f - cu_f[r_of])
+        valid = in_batch & (pos >= 0) & (pos >= batch.hist_from[r_of])
+        from_step = pos >= start[r_of]
+        step_row = jnp.clip(cu[r_of] + pos - start[r_of], 0, T - 1)
+        hist_idx = jnp.clip(W - (start[r_of] - pos), 0, W - 1)
+        slot_f = batch.slots[r_of]
+        h0 = jnp.where(from_step[:, None], hidden[step_row],
+                       state.hist_hidden[slot_f, hist_idx].astype(hidden.dtype))
+        # the token one past each position
+        acc_idx = jnp.clip(pos - start[r_of], 0, K)
+        chunk_next = jnp.where(pos + 1 < batch.kv_lens[r_of],
+                               tokens[jnp.clip(step_row + 1, 0, T - 1)], pending[r_of])
+        tok_step = jnp.where(is_dec[r_of], acc[r_of, acc_idx], chunk_next)
+        t0 = jnp.where(from_step, tok_step, state.hist_tokens[slot_f, hist_idx])
+        pos = jnp.where(valid, pos, -1)
+        t0 = jnp.where(valid, t0, 0)
+        h0 = jnp.where(valid[:, None], h0, 0)
+        window = PagedBatch(positions=pos, seq_ids=r_of, block_tables=batch.block_tables,
+                            kv_lens=new_len, cu_q_lens=cu_f)
+        next_same = (f + 1 < cu_f[r_of + 1]) & in_batch
+        last_rows = jnp.clip(cu_f[1:] - 1, 0, F - 1)
+        # new history = last W entries of each row's first-pass window
+        tail = jnp.clip(cu_f[1:, None] - W + jnp.arange(W)[None, :], 0, F - 1)     # [R, W]
+        live = (batch.kinds != KIND_PAD)[:, None]
+        hist_tokens = jnp.where(live, t0[tail], state.hist_tokens[batch.slots])
+        hist_hidden = jnp.where(live[..., None], h0[tail], state.hist_hidden[batch.slots])
+
+    with jax.named_scope("draft"):
+        fixed = jnp.where((batch.kinds == KIND_CHUNK)[:, None], batch.next_tokens[:, 1:], -1)
+        cache, new_drafts, new_probs = run_drafts(
+            params, cfg, spec, cache, window=window, hidden0=h0, tokens0=t0,
+            next_same=next_same, last_rows=last_rows, seq_len=new_len,
+            block_tables=batch.block_tables, sp=batch.sampling, impl=impl,
+            drafting=is_dec | is_last, fixed_next=fixed)
+
+    s = batch.slots
+    state = SlotState(
+        cache=cache,
+        hist_tokens=state.hist_tokens.at[s].set(hist_tokens),
+        hist_hidden=state.hist_hidden.at[s].set(hist_hidden.astype(state.hist_hidden.dtype)),
+        drafts=state.drafts.at[s].set(new_drafts),
+        draft_probs=state.draft_probs.at[s].set(new_probs),
+        in_thinking=state.in_thinking.at[s].set(jnp.where(is_dec | is_last, thinking,
+                                                          state.in_thinking[s])))
+    return state, acc, committed
