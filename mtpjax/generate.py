@@ -96,18 +96,22 @@ def _bucket(n: int, minimum: int = 8) -> int:
 
 
 def pack_prompts(prompts: list[list[int]]):
-    """Right-padded tokens int32[B, T] (T bucketed) and positions (-1 at padding)."""
+    """Left-padded tokens int32[B, T] (T bucketed) and positions (-1 at padding).
+
+    Left padding aligns every prompt to the end of its row, so a prefill is a uniform batch whose
+    queries end at each request's KV length (what the decode/verify kernels expect).
+    """
     T = _bucket(max(len(p) for p in prompts))
     tokens = np.zeros((len(prompts), T), np.int32)
     positions = np.full((len(prompts), T), -1, np.int32)
     for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
-        positions[i, :len(p)] = np.arange(len(p))
+        tokens[i, T - len(p):] = p
+        positions[i, T - len(p):] = np.arange(len(p))
     return tokens, positions
 
 
 def prefill_batch(positions: jax.Array, lens: jax.Array, block_tables: jax.Array) -> PagedBatch:
-    """Ragged batch for a right-padded prefill: request i owns T slots, lens[i] of them real."""
+    """Batch for a left-padded prefill: request i owns T slots, its lens[i] tokens at the end."""
     B, T = positions.shape
     return PagedBatch(
         positions=positions.reshape(-1),
@@ -115,6 +119,7 @@ def prefill_batch(positions: jax.Array, lens: jax.Array, block_tables: jax.Array
         block_tables=block_tables,
         kv_lens=lens,
         cu_q_lens=jnp.arange(B + 1, dtype=jnp.int32) * T,
+        q_len=T,
     )
 
 
@@ -130,7 +135,7 @@ def _ar_prefill(params, cfg: ModelConfig, cache: KVCache, tokens, positions, len
     B, T = tokens.shape
     batch = prefill_batch(positions, lens, block_tables)
     hidden, cache = forward_cached(params, cfg, cache, tokens.reshape(-1), batch, impl=impl)
-    last = hidden.reshape(B, T, -1)[jnp.arange(B), lens - 1]
+    last = hidden.reshape(B, T, -1)[:, T - 1]
     first = sample(logits_from_hidden(params, last), sp, lens)
     out = jnp.full((B, max_new), -1, jnp.int32).at[:, 0].set(first)
     done = is_stop(first, limits.stop_ids) | (limits.max_new <= 1)

@@ -1,6 +1,7 @@
 """Autoregressive generate: greedy == naive greedy over `forward`, batching invariance, errors."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +13,19 @@ from mtpjax import SamplingParams
 from tests.conftest import tiny_config
 
 
+@functools.lru_cache(maxsize=None)
+def _jit_forward(cfg):
+    return jax.jit(lambda p, t: mtpjax.forward(p, cfg, t))
+
+
 def naive_greedy(params, cfg, prompt, n, stop=()):
+    """Greedy decoding by re-running the plain forward (right-padded to 64: causal, so inert)."""
     seq = list(prompt)
     out = []
+    fwd = _jit_forward(cfg)
     for _ in range(n):
-        tok = int(jnp.argmax(mtpjax.forward(params, cfg, jnp.asarray([seq]))[0, -1]))
+        padded = jnp.zeros((1, 64), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
+        tok = int(jnp.argmax(fwd(params, padded)[0, len(seq) - 1]))
         out.append(tok)
         seq.append(tok)
         if tok in stop:
@@ -47,17 +56,13 @@ def test_batch_equals_each_prompt_alone(seed):
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, cfg.vocab_size, size=int(n)).tolist() for n in (3, 11, 1, 6)]
     for sampling in (SamplingParams(), SamplingParams(temperature=0.9, top_k=20, top_p=0.9)):
-        batched = mtpjax.generate(params, cfg, prompts, max_new_tokens=8, sampling=sampling,
-                                  seed=seed)
+        # a request's key is fold_in(base, index) unless it has a seed: give each its own seed
+        sps = [dataclasses.replace(sampling, seed=1000 + j) for j in range(len(prompts))]
+        batched = mtpjax.generate(params, cfg, prompts, max_new_tokens=8, sampling=sps, seed=seed)
         for i, p in enumerate(prompts):
-            # a request's key is fold_in(base, index): keep the index by giving it its own seed
-            sp = dataclasses.replace(sampling, seed=None)
-            alone = mtpjax.generate(params, cfg, [p], max_new_tokens=8,
-                                    sampling=[dataclasses.replace(sp, seed=1000 + i)], seed=seed)
-            again = mtpjax.generate(params, cfg, prompts, max_new_tokens=8, seed=seed,
-                                    sampling=[dataclasses.replace(sp, seed=1000 + j)
-                                              for j in range(len(prompts))])
-            assert again.tokens[i] == alone.tokens[0]
+            alone = mtpjax.generate(params, cfg, [p], max_new_tokens=8, sampling=[sps[i]],
+                                    seed=seed)
+            assert batched.tokens[i] == alone.tokens[0]
         if sampling.temperature == 0:
             for p, o in zip(prompts, batched.tokens):
                 assert o == naive_greedy(params, cfg, p, 8)

@@ -55,15 +55,15 @@ def test_prefill_then_decode_matches_forward(variant, seed):
     T = int(lens.max())
     tok = np.zeros((3, T), np.int32)
     pos = np.full((3, T), -1, np.int32)
-    for i, n in enumerate(lens):
-        tok[i, :n] = seqs[i, :n]
-        pos[i, :n] = np.arange(n)
+    for i, n in enumerate(lens):           # left padded, as generate packs prompts
+        tok[i, T - n:] = seqs[i, :n]
+        pos[i, T - n:] = np.arange(n)
     batch = prefill_batch(jnp.asarray(pos), jnp.asarray(lens, jnp.int32), tables)
     hidden, cache = forward_cached(params, cfg, cache, jnp.asarray(tok).reshape(-1), batch,
                                    impl="reference")
     logits = logits_from_hidden(params, hidden).reshape(3, T, -1)
     for i, n in enumerate(lens):
-        np.testing.assert_allclose(logits[i, :n], ref_logits[i, :n], atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(logits[i, T - n:], ref_logits[i, :n], atol=2e-5, rtol=1e-4)
 
     seq_len = jnp.asarray(lens, jnp.int32)
     for _ in range(6):

@@ -19,8 +19,7 @@ from tests.test_accept import chi2_pvalue
 
 # (method, K, D)
 CASES = [("chain", 1, 1), ("chain", 2, 1), ("chain", 3, 2), ("chain", 4, 1),
-         ("multi_layer", 1, 1), ("multi_layer", 2, 2), ("multi_layer", 3, 3),
-         ("multi_layer", 4, 4)]
+         ("multi_layer", 2, 2), ("multi_layer", 3, 3)]
 
 
 def _model(V, D, seed):
@@ -119,6 +118,22 @@ def test_lossless_sampling_distribution(method, K, D, sp):
 
 # ---------------------------------------------------------------- incremental == from scratch
 
+LMAX = 64   # reference inputs are right-padded to one length: causal, so padding is inert
+
+
+def _pad(a, axis=1):
+    width = [(0, 0)] * a.ndim
+    width[axis] = (0, LMAX - a.shape[axis])
+    return jnp.pad(a, width)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(cfg):
+    fwd = jax.jit(lambda p, t: mtpjax.forward(p, cfg, t, return_hidden=True))
+    mtp = jax.jit(lambda p, k, h, t: mtp_forward(p, cfg, k, h, t), static_argnums=1)
+    return fwd, mtp
+
+
 def _reference_draft_probs(params, cfg, spec, seq, drafts, sp):
     """From-scratch draft distributions for one request, from DESIGN.md's formulas.
 
@@ -126,7 +141,8 @@ def _reference_draft_probs(params, cfg, spec, seq, drafts, sp):
     """
     K, D = spec.num_speculative_tokens, cfg.num_mtp_layers
     N = len(seq) - 1
-    _, h0 = mtpjax.forward(params, cfg, jnp.asarray([seq[:N]]), return_hidden=True)  # [1, N, E]
+    fwd, mtp = _jitted(cfg)
+    _, h0 = fwd(params, _pad(jnp.asarray([seq[:N]])))                   # [1, LMAX, E]
     filt = lambda lg: np.asarray(filtered_probs(lg[None], jnp.asarray([sp.temperature]),
                                                 jnp.asarray([sp.top_k]),
                                                 jnp.asarray([sp.top_p])))[0]
@@ -135,23 +151,21 @@ def _reference_draft_probs(params, cfg, spec, seq, drafts, sp):
     if spec.method == "multi_layer":
         h = h0
         for k in range(K):
-            toks = jnp.asarray([ext[k + 1:k + 1 + N]])
-            h, lg = mtp_forward(params, cfg, k, h, toks)
+            h, lg = mtp(params, k, h, _pad(jnp.asarray([ext[k + 1:k + 1 + N]])))
             probs.append(filt(lg[0, N - 1]))
         return np.stack(probs)
     # chain: positions < N take (h0_p, x_{p+1}); position N-1+s takes (hc_{s-1}, d_s)
-    hid = [h0[0]]
-    tok = [jnp.asarray(ext[1:N + 1])]
-    h_next, lg = mtp_forward(params, cfg, 0, h0, tok[0][None])
+    hid = h0[0, :N]
+    tok = jnp.asarray(ext[1:N + 1])
+    h_next, lg = mtp(params, 0, h0, _pad(tok[None]))
     probs.append(filt(lg[0, N - 1]))
     hc = h_next[0, N - 1]
     for s in range(1, K):
-        hid.append(hc[None])
-        tok.append(jnp.asarray([drafts[s - 1]]))
-        h_next, lg = mtp_forward(params, cfg, s % D, jnp.concatenate(hid)[None],
-                                 jnp.concatenate(tok)[None])
-        probs.append(filt(lg[0, -1]))
-        hc = h_next[0, -1]
+        hid = jnp.concatenate([hid, hc[None]])
+        tok = jnp.concatenate([tok, jnp.asarray([drafts[s - 1]])])
+        h_next, lg = mtp(params, s % D, _pad(hid[None]), _pad(tok[None]))
+        probs.append(filt(lg[0, N - 1 + s]))
+        hc = h_next[0, N - 1 + s]
     return np.stack(probs)
 
 
@@ -181,11 +195,12 @@ def test_incremental_drafts_equal_from_scratch(method, K, D):
                                          np.asarray(state.drafts[b]).tolist(), sp)
             np.testing.assert_allclose(np.asarray(state.draft_probs[b]), ref, atol=2e-5)
             # the cached target hidden window equals the from-scratch target hidden states
-            _, h0 = mtpjax.forward(params, cfg, jnp.asarray([seq[:-1]]), return_hidden=True)
+            _, h0 = _jitted(cfg)[0](params, _pad(jnp.asarray([seq[:-1]])))
             W = state.hist_hidden.shape[1]
-            n = min(W, len(seq) - 1)
+            N = len(seq) - 1
+            n = min(W, N)
             np.testing.assert_allclose(np.asarray(state.hist_hidden[b, W - n:]),
-                                       np.asarray(h0[0, -n:]), atol=2e-5)
+                                       np.asarray(h0[0, N - n:N]), atol=2e-5)
         before = np.asarray(state.num_out)
         state = step(params, cfg, spec, state, spa, lim, impl="reference")
         patterns.update((np.asarray(state.num_out) - before).tolist())

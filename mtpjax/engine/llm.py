@@ -85,6 +85,7 @@ class LLM:
         self._ids = itertools.count()
         self._metrics: dict[int, list[int]] = {}
         self.num_steps = 0
+        self.num_preemptions = 0
 
     # ---- requests ------------------------------------------------------------------------------
     def _encode(self, prompt) -> list[int]:
@@ -121,6 +122,7 @@ class LLM:
         out = self.scheduler.schedule()
         for seq in out.preempted:
             self.runner.release(seq.seq_id)
+        self.num_preemptions += len(out.preempted)
         if out.is_empty:
             if out.preempted:
                 return []

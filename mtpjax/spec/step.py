@@ -140,7 +140,7 @@ def spec_step(params, cfg: ModelConfig, spec: SpecConfig, state: SpecState, sp: 
 def spec_prefill(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, tokens, positions,
                  lens, block_tables, sp: SamplingArrays, limits: Limits, *, max_new: int,
                  impl: str, source: str = "model", forced=None) -> SpecState:
-    """Prefills right-padded prompts int32[B, T], samples each first token, drafts K tokens."""
+    """Prefills left-padded prompts int32[B, T], samples each first token, drafts K tokens."""
     from mtpjax.generate import prefill_batch
     B, T = tokens.shape
     K = spec.num_speculative_tokens
@@ -149,28 +149,27 @@ def spec_prefill(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, tok
     batch = prefill_batch(positions, lens, block_tables)
     hidden, cache = forward_cached(params, cfg, cache, tokens.reshape(-1), batch, impl=impl)
     hidden = hidden.reshape(B, T, -1)
-    first = sample(logits_from_hidden(params, hidden[rows, lens - 1]), sp, lens)
-    # ext[:, i] = token at position i (prompt, first token at P, then room for K drafts)
-    ext = jnp.concatenate([tokens, jnp.zeros((B, K + 2), jnp.int32)], axis=1)
-    ext = ext.at[rows, lens].set(first)
+    first = sample(logits_from_hidden(params, hidden[:, T - 1]), sp, lens)
+    # the token one past each position: the prompt shifted by one, the first token at the end
+    ahead = jnp.concatenate([tokens[:, 1:], first[:, None]], axis=1)             # [B, T]
     j = jnp.arange(B * T) % T
     cache, drafts, probs = run_drafts(
         params, cfg, spec, cache, window=batch, hidden0=hidden.reshape(B * T, -1),
-        tokens0=ext[:, 1:T + 1].reshape(-1), next_same=j + 1 < jnp.repeat(lens, T),
-        last_rows=rows * T + lens - 1, seq_len=lens, block_tables=block_tables, sp=sp,
-        impl=impl, source=source, forced=forced)
-    # History window: hidden at positions P-W..P-1, tokens at P-W+1..P (zeros before 0).
-    idx = lens[:, None] - W + jnp.arange(W)[None, :]
-    hist_hidden = jnp.where((idx >= 0)[..., None],
-                            hidden[rows[:, None], jnp.clip(idx, 0, T - 1)], 0.0)
-    hist_tokens = jnp.where(idx + 1 >= 0, ext[rows[:, None], jnp.clip(idx + 1, 0, T)], 0)
+        tokens0=ahead.reshape(-1), next_same=j < T - 1, last_rows=rows * T + T - 1,
+        seq_len=lens, block_tables=block_tables, sp=sp, impl=impl, source=source, forced=forced)
+    # History window: the last W rows (positions P-W..P-1; zeros before position 0).
+    valid = (positions >= 0)[..., None]
+    pad = lambda a: jnp.concatenate([jnp.zeros_like(a[:, :W]), a], axis=1)[:, -W:]
+    hist_hidden = pad(jnp.where(valid, hidden, 0.0))
+    hist_tokens = pad(jnp.where(valid[..., 0], ahead, 0))
     out = jnp.full((B, max_new + K + 1), -1, jnp.int32).at[:, 0].set(first)
     done = _is_stop(first[:, None], limits.stop_ids)[:, 0] | (limits.max_new <= 1)
     thinking = jnp.zeros((B,), bool)
     if spec.acceptance == "relaxed":   # phase after the prompt and the first token
-        marks = jnp.where(jnp.arange(T + K + 2)[None, :] <= lens[:, None], ext, -1)
-        start = jnp.where(marks == spec.think_start_token_id, jnp.arange(T + K + 2), -1).max(1)
-        end = jnp.where(marks == spec.think_end_token_id, jnp.arange(T + K + 2), -1).max(1)
+        seen = jnp.concatenate([jnp.where(positions >= 0, tokens, -1), first[:, None]], axis=1)
+        idx = jnp.arange(T + 1)
+        start = jnp.where(seen == spec.think_start_token_id, idx, -1).max(1)
+        end = jnp.where(seen == spec.think_end_token_id, idx, -1).max(1)
         thinking = start > end
     return SpecState(cache=cache, block_tables=block_tables, seq_len=lens,
                      hist_tokens=hist_tokens.astype(jnp.int32), hist_hidden=hist_hidden,

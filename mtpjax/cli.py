@@ -1,0 +1,157 @@
+"""`mtpjax` command line.
+
+    mtpjax generate [--model DIR | --random] [--prompt TEXT | --prompt-ids 1,2,3 ...] [options]
+    mtpjax bench engine [options]       engine steps/s vs the bare jitted step (host overhead)
+    mtpjax bench kernels [options]      the Pallas kernel tables (python -m pallas_kernels.bench)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import numpy as np
+
+
+def _model_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("model")
+    g.add_argument("--model", metavar="DIR",
+                   help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")
+    g.add_argument("--random", action="store_true",
+                   help="use a small random-weight model instead of --model (for trying things out)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    g.add_argument("--num-mtp-layers", type=int, default=None,
+                   help="override the checkpoint's MTP module count (random model: default K or 1)")
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("-k", "--num-speculative-tokens", type=int, default=0,
+                   help="drafts per step, K (0 = no speculation)")
+    g.add_argument("--method", choices=["chain", "multi_layer"], default="chain")
+    g.add_argument("--acceptance", choices=["rejection", "greedy", "relaxed", "synthetic"],
+                   default="rejection")
+    g.add_argument("--synthetic-accept-rate", type=float, default=0.7,
+                   help="benchmark-only acceptance probability per draft (with --acceptance synthetic)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--num-pages", type=int, default=2048)
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=32)
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--attention", choices=["auto", "reference", "pallas"], default="auto")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _build(args):
+    import mtpjax
+    dtype = jax.numpy.bfloat16 if args.dtype == "bfloat16" else jax.numpy.float32
+    K = args.num_speculative_tokens
+    tokenizer = None
+    if args.model:
+        from mtpjax.checkpoint.hf_dir import load_hf_dir, load_tokenizer
+        overrides = {} if args.num_mtp_layers is None else {"num_mtp_layers": args.num_mtp_layers}
+        cfg, params = load_hf_dir(args.model, dtype, **overrides)
+        tokenizer = load_tokenizer(args.model)
+    elif args.random:
+        D = args.num_mtp_layers or (K if args.method == "multi_layer" and K else 1)
+        cfg = mtpjax.ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                                 num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                                 num_mtp_layers=D)
+        params = mtpjax.init_params(cfg, jax.random.PRNGKey(args.seed), dtype, std=0.05)
+    else:
+        raise SystemExit("give --model DIR or --random")
+    spec = None
+    if K:
+        spec = mtpjax.SpecConfig(num_speculative_tokens=K, method=args.method,
+                                 acceptance=args.acceptance,
+                                 synthetic_accept_rate=args.synthetic_accept_rate)
+    llm = mtpjax.LLM(params, cfg, spec, num_pages=args.num_pages, page_size=args.page_size,
+                     max_num_seqs=args.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens,
+                     enable_prefix_caching=not args.no_prefix_caching, tokenizer=tokenizer,
+                     attention_impl=args.attention, seed=args.seed)
+    return cfg, llm
+
+
+def _prompts(args, cfg):
+    prompts = list(args.prompt or [])
+    for ids in args.prompt_ids or []:
+        prompts.append([int(t) for t in ids.split(",") if t.strip()])
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if args.num_random_prompts:
+        rng = np.random.default_rng(args.seed)
+        prompts += [rng.integers(0, cfg.vocab_size, size=int(n)).tolist()
+                    for n in rng.integers(8, 128, size=args.num_random_prompts)]
+    if not prompts:
+        raise SystemExit("no prompts: give --prompt, --prompt-ids, --prompts-file or "
+                         "--num-random-prompts")
+    return prompts
+
+
+def cmd_generate(args):
+    import mtpjax
+    cfg, llm = _build(args)
+    prompts = _prompts(args, cfg)
+    sp = mtpjax.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                               max_tokens=args.max_tokens)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, progress=len(prompts) > 1)
+    dt = time.perf_counter() - t0
+    for o in outs:
+        shown = o.text if o.text is not None else o.token_ids
+        print(f"[{o.request_id}] ({o.finish_reason}) {shown}")
+    n_tok = sum(len(o.token_ids) for o in outs)
+    steps = sum(o.num_verify_steps for o in outs)
+    print(f"\n{len(outs)} requests, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.1f} tok/s, "
+          f"compile included), {llm.num_steps} engine steps, {llm.num_preemptions} preemptions")
+    if llm.spec is not None and steps:
+        prop = sum(o.num_draft_tokens for o in outs)
+        acc = sum(o.num_accepted_draft_tokens for o in outs)
+        print(f"acceptance rate {acc / max(prop, 1):.3f} ({acc}/{prop} drafts); mean acceptance "
+              f"length {(acc + steps) / steps:.2f} tokens per verify step")
+
+
+def cmd_bench(args):
+    if args.what == "kernels":
+        from pallas_kernels import bench
+        return bench.main(args.rest)
+    from mtpjax.engine.bench import main as engine_bench
+    return engine_bench(args.rest)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="mtpjax", description="Multi-token-prediction speculative decoding in JAX.",
+        epilog="Example: mtpjax generate --random -k 3 --num-random-prompts 16 --max-tokens 64")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text / tokens with the LLM engine",
+                       description="Generate with continuous batching and (with -k) MTP "
+                                   "speculative decoding; prints outputs and acceptance stats.")
+    _model_args(g)
+    g.add_argument("--prompt", action="append", help="a text prompt (needs a tokenizer); repeatable")
+    g.add_argument("--prompt-ids", action="append", metavar="1,2,3",
+                   help="a prompt as comma-separated token ids; repeatable")
+    g.add_argument("--prompts-file", help="one text prompt per line")
+    g.add_argument("--num-random-prompts", type=int, default=0,
+                   help="add this many random token-id prompts")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.set_defaults(fn=cmd_generate)
+    b = sub.add_parser("bench", help="benchmarks (GPU machine)")
+    b.add_argument("what", choices=["engine", "kernels"])
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
+    b.set_defaults(fn=cmd_bench)
+    args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except ValueError as e:
+        print(f"mtpjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""LLM engine: greedy output == mtpjax.generate without speculation, on random workloads."""
+
+import jax
+import numpy as np
+import pytest
+
+import mtpjax
+from mtpjax import SamplingParams, SpecConfig
+from mtpjax.engine.scheduler import SchedulerOutput
+from tests.conftest import tiny_config
+
+V = 32
+
+
+def _model(D, seed=1):
+    cfg = tiny_config(vocab_size=V, num_mtp_layers=D)
+    return cfg, mtpjax.init_params(cfg, jax.random.PRNGKey(seed), std=0.3)
+
+
+def _workload(seed, n=7):
+    """Prompts of different lengths, several sharing a prefix longer than a block."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, V, size=11).tolist()
+    prompts = []
+    for i in range(n):
+        tail = rng.integers(0, V, size=int(rng.integers(1, 9))).tolist()
+        prompts.append(shared + tail if i % 2 else tail + shared[: int(rng.integers(0, 5))])
+    max_tokens = rng.integers(3, 14, size=n).tolist()
+    return prompts, max_tokens
+
+
+def _reference(params, cfg, prompts, max_tokens):
+    out = mtpjax.generate(params, cfg, prompts, max_new_tokens=max(max_tokens))
+    return [t[:m] for t, m in zip(out.tokens, max_tokens)]
+
+
+@pytest.mark.parametrize("method,K,D,prefix,pages", [
+    ("chain", 1, 1, True, 80),
+    ("chain", 3, 1, False, 80),
+    ("chain", 2, 2, True, 13),          # small cache: forces preemption
+    ("multi_layer", 2, 2, True, 80),
+    ("multi_layer", 3, 3, False, 13),   # small cache: forces preemption
+])
+def test_llm_greedy_equals_generate(method, K, D, prefix, pages):
+    cfg, params = _model(D)
+    prompts, max_tokens = _workload(K + 7 * D)
+    want = _reference(params, cfg, prompts, max_tokens)
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=K, method=method),
+                     num_pages=pages, page_size=4, max_num_seqs=3, max_num_batched_tokens=24,
+                     enable_prefix_caching=prefix)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+    assert [o.token_ids for o in outs] == want
+    assert all(o.finish_reason == "length" for o in outs)
+    for o in outs:
+        assert o.num_draft_tokens == K * o.num_verify_steps
+        assert 0 <= o.num_accepted_draft_tokens <= o.num_draft_tokens
+    bm = llm.block_manager
+    assert llm.scheduler.is_finished() and bm.num_used_blocks == 0   # nothing leaked
+    bm.check_invariants([])
+    if pages < 40:
+        assert llm.num_preemptions > 0                                # the small cache preempted
+
+
+def test_llm_without_spec_and_prefix_hits():
+    cfg, params = _model(1)
+    prompts, max_tokens = _workload(3, n=6)
+    want = _reference(params, cfg, prompts, max_tokens)
+    llm = mtpjax.LLM(params, cfg, None, num_pages=60, page_size=4, max_num_seqs=4,
+                     max_num_batched_tokens=16)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+    assert [o.token_ids for o in outs] == want
+    again = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+    assert [o.token_ids for o in again] == want
+    assert llm.block_manager.num_cached_blocks > 0
+
+
+def test_a_step_mixes_prefill_chunks_and_speculative_decodes():
+    cfg, params = _model(1)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    want = _reference(params, cfg, prompts, [8, 8])
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), num_pages=40,
+                     page_size=4, max_num_seqs=2, max_num_batched_tokens=8)
+    seen_mixed = False
+    schedule = llm.scheduler.schedule
+
+    def spy() -> SchedulerOutput:
+        nonlocal seen_mixed
+        out = schedule()
+        if out.decodes and any(r.is_prefill for r in out.requests):
+            seen_mixed = True
+        return out
+
+    llm.scheduler.schedule = spy
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8))
+    assert seen_mixed
+    assert [o.token_ids for o in outs] == want
+
+
+def test_streaming_matches_generate():
+    cfg, params = _model(1)
+    prompts, max_tokens = _workload(5, n=4)
+    want = _reference(params, cfg, prompts, max_tokens)
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), num_pages=60,
+                     page_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+    got = [[] for _ in prompts]
+    finished = set()
+    for ev in llm.generate_stream(prompts, [SamplingParams(max_tokens=m) for m in max_tokens]):
+        got[ev.request_index] += ev.new_token_ids
+        if ev.finished:
+            finished.add(ev.request_index)
+            assert ev.output.token_ids == got[ev.request_index]
+    assert got == want and finished == set(range(len(prompts)))
+
+
+def test_bad_inputs_leave_the_engine_serving():
+    cfg, params = _model(1)
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), num_pages=12,
+                     page_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate([[1, 2], []])
+    with pytest.raises(ValueError, match="token id 32 outside"):
+        llm.generate([[1, 32]])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["hello"])
+    with pytest.raises(ValueError, match="can never be served"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=200))
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate([[1]], SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="method 'beam'"):
+        SpecConfig(method="beam")
+    assert llm.scheduler.is_finished()              # nothing half-queued
+    out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=5))
+    assert [o.token_ids for o in out] == _reference(params, cfg, [[1, 2, 3], [4, 5]], [5, 5])
