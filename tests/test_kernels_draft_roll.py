@@ -82,3 +82,17 @@ def test_wrapper_value_errors(change, match):
   a = {**_good(), **change}
   with pytest.raises(ValueError, match=match):
     draft_roll(*a.values(), interpret=True)
+
+
+@pytest.mark.parametrize("lens,n_max,hd,tail,block_t,block_h,h_loop", [
+    ([3, 0, 5, 1, 4], 3, 40, 2, 4, 16, 2),   # last column block fully past Hd
+    ([16, 8], 8, 128, 0, 8, 32, 4),          # unmasked fast path (block_t | T, 4*32 | Hd)
+    ([9, 2, 0, 0, 6, 3, 1], 2, 100, 5, 8, 32, 3),
+])
+def test_kernel_h_loop_matches_oracle(lens, n_max, hd, tail, block_t, block_h, h_loop):
+  arrs = _case(2, lens, n_max, hd, tail, np.float32)
+  want = _oracle(*arrs)
+  out = draft_roll(*[jnp.asarray(a) for a in arrs], interpret=interpret_mode(),
+                   block_t=block_t, block_h=block_h, h_loop=h_loop)
+  for o, w in zip(out, want):
+    np.testing.assert_array_equal(np.asarray(o), w)

@@ -103,3 +103,14 @@ def test_bad_options():
     paged_attention(*a.values(), soft_cap=-1.0, interpret=True)
   with pytest.raises(ValueError, match="unknown tuning"):
     paged_attention(*a.values(), interpret=True, block_k=3)
+
+
+@pytest.mark.parametrize("q_len,h", [(1, 8), (4, 16)])
+def test_direct_items_equals_item_search(q_len, h):
+  """The uniform fast path (no item search, no output memset) == the ragged item path."""
+  q, k, v, bt, kv_lens = _case(3, 4, q_len, h, 2, 64, 16, max_pages=4)
+  args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16),
+          jnp.asarray(v, jnp.bfloat16), jnp.asarray(bt), jnp.asarray(kv_lens))
+  a = paged_attention(*args, interpret=interpret_mode())
+  b = paged_attention(*args, interpret=interpret_mode(), direct_items=False)
+  np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -21,20 +21,25 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _checks
 
-_TUNING_KEYS = ("block_t", "block_h", "num_warps")
+_TUNING_KEYS = ("block_t", "block_h", "h_loop", "num_warps")
 
 
 
 
 def _kernel(ends_ref, cu_ref, num_new_ref, tok_ref, pos_ref, hid_ref,
             new_tok_ref, new_pos_ref, new_hid_ref,
-            out_tok_ref, out_pos_ref, out_hid_ref, *, block_t, block_h, n_max,
+            out_tok_ref, out_pos_ref, out_hid_ref, *, block_t, block_h, h_loop, n_max,
             num_tokens, hidden_size, num_segments):
   tb = pl.program_id(0)
   hb = pl.program_id(1)
   t = tb * block_t + jnp.arange(block_t, dtype=jnp.int32)
+  # Static: when block_t divides T (block_h * h_loop divides Hd) the token (column)
+  # bounds masks are all-true and are left out of the loads and stores.
+  mask_t = num_tokens % block_t != 0
+  mask_h = hidden_size % (block_h * h_loop) != 0
   in_range = t < num_tokens
   ends = ends_ref[...]  # [S_p] segment ends, padded with INT32_MAX
+  # One segment search per token block, shared by the h_loop column blocks.
   seg = jnp.sum((ends[None, :] <= t[:, None]).astype(jnp.int32), axis=1)
   live = (seg < num_segments) & in_range
   seg_c = jnp.where(live, seg, 0)
@@ -53,19 +58,28 @@ def _kernel(ends_ref, cu_ref, num_new_ref, tok_ref, pos_ref, hid_ref,
       old = plgpu.load(ref.at[old_idx], mask=use_old, other=0)
       new = plgpu.load(new_ref.at[new_idx], mask=use_new, other=0)
       plgpu.store(out_ref.at[pl.ds(tb * block_t, block_t)], jnp.where(use_old, old, new),
-                  mask=in_range)
+                  mask=in_range if mask_t else None)
 
   shape = (block_t, block_h)
-  col = hb * block_h + lax.broadcasted_iota(jnp.int32, shape, 1)
-  col_ok = col < hidden_size
-  old = plgpu.load(hid_ref.at[jnp.broadcast_to(old_idx[:, None], shape), col],
-                   mask=use_old[:, None] & col_ok, other=0)
-  new = plgpu.load(new_hid_ref.at[jnp.broadcast_to(new_idx[:, None], shape), col],
-                   mask=use_new[:, None] & col_ok, other=0)
-  # Stores use slices (not clamped index vectors, whose duplicates would race).
-  plgpu.store(out_hid_ref.at[pl.ds(tb * block_t, block_t), pl.ds(hb * block_h, block_h)],
-              jnp.where(use_old[:, None], old, new),
-              mask=in_range[:, None] & col_ok)
+  old_rows = jnp.broadcast_to(old_idx[:, None], shape)
+  new_rows = jnp.broadcast_to(new_idx[:, None], shape)
+  m_old = jnp.broadcast_to(use_old[:, None], shape)
+  m_new = jnp.broadcast_to(use_new[:, None], shape)
+  m_row = jnp.broadcast_to(in_range[:, None], shape)
+  sel = jnp.broadcast_to(use_old[:, None], shape)
+  for j in range(h_loop):
+    c0 = (hb * h_loop + j) * block_h
+    col = c0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+    mo, mn, ms = m_old, m_new, (m_row if mask_t else None)
+    if mask_h:
+      col_ok = col < hidden_size
+      mo, mn = mo & col_ok, mn & col_ok
+      ms = col_ok if ms is None else ms & col_ok
+    old = plgpu.load(hid_ref.at[old_rows, col], mask=mo, other=0)
+    new = plgpu.load(new_hid_ref.at[new_rows, col], mask=mn, other=0)
+    # Stores use slices (not clamped index vectors, whose duplicates would race).
+    plgpu.store(out_hid_ref.at[pl.ds(tb * block_t, block_t), pl.ds(c0, block_h)],
+                jnp.where(sel, old, new), mask=ms)
 
 
 def _check(tokens, positions, hidden, cu_seq_lens, new_tokens, new_positions, new_hidden,
@@ -115,7 +129,8 @@ def draft_roll(tokens, positions, hidden, cu_seq_lens, new_tokens, new_positions
     num_new: int32 [S], 0 <= num_new <= N (not checked: traced values).
     interpret: run the Pallas kernel in interpret mode (CPU tests).
     **tuning: block_t (tokens per program, 4), block_h (hidden columns per program,
-      min(1024, next_pow2(Hd))), num_warps (4).
+      min(1024, next_pow2(Hd))), h_loop (column blocks per program, 1),
+      num_warps (4).
   Returns:
     (tokens, positions, hidden) with the input shapes and dtypes.
   """
@@ -139,7 +154,8 @@ def _draft_roll(tokens, positions, hidden, cu_seq_lens, new_tokens, new_position
   block_h = tuning.get("block_h", min(1024, pl.next_power_of_2(hd)))
   s_p = pl.next_power_of_2(s)
   ends = jnp.full((s_p,), jnp.iinfo(jnp.int32).max, jnp.int32).at[:s].set(cu_seq_lens[1:])
-  kernel = functools.partial(_kernel, block_t=block_t, block_h=block_h, n_max=n,
+  h_loop = max(1, min(tuning.get("h_loop", 1), pl.cdiv(hd, block_h)))
+  kernel = functools.partial(_kernel, block_t=block_t, block_h=block_h, h_loop=h_loop, n_max=n,
                              num_tokens=t, hidden_size=hd, num_segments=s)
 
   def full(shape):
@@ -152,7 +168,7 @@ def _draft_roll(tokens, positions, hidden, cu_seq_lens, new_tokens, new_position
                jax.ShapeDtypeStruct((t, hd), hidden.dtype))
   return pl.pallas_call(
       kernel,
-      grid=(pl.cdiv(t, block_t), pl.cdiv(hd, block_h)),
+      grid=(pl.cdiv(t, block_t), pl.cdiv(hd, block_h * h_loop)),
       in_specs=[full(a.shape) for a in args],
       out_specs=[full(o.shape) for o in out_shape],
       out_shape=out_shape,

@@ -16,7 +16,7 @@ from pallas_kernels import _checks
 from pallas_kernels._paged_core import pad_group, paged_core, unpad_group
 
 MAX_Q = 8
-_TUNING_KEYS = ("pages_per_block", "num_splits", "num_warps", "num_stages")
+_TUNING_KEYS = ("pages_per_block", "num_splits", "num_warps", "num_stages", "direct_items")
 _NUM_SMS = 132  # H100 / H200
 
 
@@ -44,10 +44,12 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale=None
     soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap)
       (applied after sm_scale).
     interpret: run the Pallas kernel in interpret mode (CPU tests).
-    **tuning: pages_per_block (KV pages per inner step, default 64 // S),
-      num_splits (KV splits; default from batch size), num_warps (4),
+    **tuning: pages_per_block (KV pages per inner step, default 64 // S; 128 // S
+      for tiles of >= 32 rows, Q * G_p), num_splits (KV splits; default from
+      batch size), num_warps (4; 8 for tiles of >= 32 rows),
       num_stages (1: no shared-memory pipelining; measured best on H100, see
-      docs/kernels.md).
+      docs/kernels.md), direct_items (True: one work item per request, no
+      in-kernel item search and no output memset; False is the ragged path).
   Returns:
     [B, Q, H, D] in q's dtype (accumulation in f32).
   """
@@ -80,7 +82,13 @@ def _paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale, so
   b, q_len, h, d = q.shape
   kvh, _, page_size, _ = k_pages.shape
   m = block_tables.shape[1]
-  ppb = tuning.get("pages_per_block", max(1, 64 // page_size))
+  # Tiles of >= 32 rows (Q * G_p, e.g. Q=4 at G=8) need ~175 registers/thread at
+  # 4 warps and 64-token KV blocks: 2 CTAs/SM, 1.94 waves at B=64, KVH=8 (ncu, H100).
+  # 8 warps and 128-token blocks measured faster there (docs/kernels.md).
+  g_p = 1 << (h // kvh - 1).bit_length()
+  rows = g_p * (1 << (max(q_len, -(-16 // g_p)) - 1).bit_length())
+  big = rows >= 32
+  ppb = tuning.get("pages_per_block", max(1, (128 if big else 64) // page_size))
   ppb = max(1, min(ppb, 1 << (m - 1).bit_length()))
   splits = tuning.get("num_splits") or _default_num_splits(b, kvh, m, ppb)
   items = jnp.arange(b + 1, dtype=jnp.int32)  # one work item per request
@@ -88,8 +96,9 @@ def _paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale, so
       pad_group(q.reshape(b * q_len, h, d), kvh), k_pages, v_pages, block_tables, kv_lens,
       jnp.full((b,), q_len, jnp.int32), items * q_len, items[1:], b,
       group=h // kvh, block_q=q_len, pages_per_block=ppb, num_splits=splits, sm_scale=sm_scale,
-      soft_cap=soft_cap, num_warps=tuning.get("num_warps", 4),
-      num_stages=tuning.get("num_stages", 1), interpret=interpret)
+      soft_cap=soft_cap, num_warps=tuning.get("num_warps", 8 if big else 4),
+      num_stages=tuning.get("num_stages", 1), interpret=interpret,
+      direct_items=tuning.get("direct_items", True))
   return unpad_group(out, h).reshape(b, q_len, h, d)
 
 

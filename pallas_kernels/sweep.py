@@ -1,0 +1,256 @@
+"""Targeted sweeps for the kernel targets (one device call; GPU only).
+
+    python3 -m pallas_kernels.sweep --out $OUT [--sections decode,verify,prefill,roll]
+    python3 -m pallas_kernels.sweep --ncu-target      # one decode launch, for ncu
+
+Same timing method as `pallas_kernels.bench` (marginal time per call between
+jits of 32 and 8 independent calls; `us_r8` = the pre-round-2 method, t(8) / 8), same inputs (random, permuted block
+tables). Every variant's output is compared with the jnp reference (`err`) or
+with the XLA path bit for bit (`exact`). Prints one short table last; the JSON
+rows go to $OUT/sweep.json.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import bench
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+
+ROWS = []
+
+
+def add(row):
+  ROWS.append(row)
+  bench.log(json.dumps(row))
+
+
+def decode_variants(copy_bw, b, q_len, h, ctx, variants, jax_peer=False):
+  kvh, d = 8, 128
+  qs, kp, vp, bt, kl = bench.make_paged(jax.random.key(b * 7 + ctx + q_len), b, q_len, h, kvh,
+                                        d, ctx)
+  kv_bytes = 2 * b * ctx * kvh * d * 2
+  ref = paged_attention_reference(qs[0], kp, vp, bt, kl)
+  for name, tuning in variants:
+    try:
+      t, out = bench.timeit(functools.partial(paged_attention, **tuning), qs, (kp, vp, bt, kl))
+      add(dict(sec="decode", B=b, Q=q_len, H=h, ctx=ctx, var=name, us=t * 1e6,
+               us_r8=bench.LAST["single"] * 1e6, pct_copy=100 * kv_bytes / t / copy_bw, err=bench.rel_err(out, ref)))
+    except Exception:  # noqa: BLE001
+      bench.log("fail", name, traceback.format_exc()[-1200:])
+  if jax_peer:
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+    m = bt.shape[1]
+    for ks_, ppcb in ((16, 8), (8, 8), (4, 16), (1, 16)):
+      if m % ks_ or (m // ks_) % min(ppcb, m // ks_):
+        continue
+      f = functools.partial(jax_pa.paged_attention, k_splits=ks_, pages_per_compute_block=ppcb)
+      t, _ = bench.timeit(lambda q, *r: f(q[:, 0], *r), qs, (kp, vp, bt, kl), repeats=7)
+      add(dict(sec="decode", B=b, Q=q_len, H=h, ctx=ctx, var=f"jax_pa ks{ks_} ppcb{ppcb}",
+               us=t * 1e6, pct_copy=100 * kv_bytes / t / copy_bw))
+
+
+def sec_decode(copy_bw):
+  v = [("default", {}),
+       ("old path (search+memset)", dict(direct_items=False)),
+       ("ppb2", dict(pages_per_block=2)), ("ppb8", dict(pages_per_block=8)),
+       ("nw2", dict(num_warps=2)), ("nw8", dict(num_warps=8)),
+       ("ppb8 nw8", dict(pages_per_block=8, num_warps=8)),
+       ("ppb2 nw2", dict(pages_per_block=2, num_warps=2)),
+       ("splits2", dict(num_splits=2))]
+  decode_variants(copy_bw, 64, 1, 32, 4096, v, jax_peer=True)
+  for ctx in (1024, 2048, 8192, 16384):
+    decode_variants(copy_bw, 64, 1, 32, ctx, [("default", {})])
+  decode_variants(copy_bw, 32, 1, 32, 8192, [("default", {})])
+  decode_variants(copy_bw, 128, 1, 32, 2048, [("default", {})])
+
+
+def sec_verify(copy_bw):
+  from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+  def split_items(q, kp, vp, bt, kl, **tuning):
+    # Q=4 as two 2-token items per request (16-row tiles at G=8) via the ragged path.
+    b, q_len, h, d = q.shape
+    cu = jnp.arange(b + 1, dtype=jnp.int32) * q_len
+    out = ragged_paged_attention(q.reshape(b * q_len, h, d), kp, vp, bt, kl, cu,
+                                 jnp.int32(b), **tuning)
+    return out.reshape(q.shape)
+
+  decode_variants(copy_bw, 64, 1, 64, 4096, [("default", {})])
+  decode_variants(copy_bw, 64, 4, 64, 4096, [
+      ("default", {}), ("ppb2", dict(pages_per_block=2)),
+      ("st2", dict(num_stages=2)), ("ppb8 nw8", dict(pages_per_block=8, num_warps=8))])
+  global paged_attention
+  keep = paged_attention
+  paged_attention = split_items
+  try:
+    decode_variants(copy_bw, 64, 4, 64, 4096, [
+        ("2 items of 2 tokens", dict(small_q=2, block_q=2, pages_per_block=4, num_stages=1))])
+  finally:
+    paged_attention = keep
+
+
+def sec_prefill(copy_bw):
+  for bq, ppb, nw, st in ((8, 4, 4, 2), (8, 4, 4, 3), (16, 4, 4, 3), (16, 2, 4, 3),
+                          (8, 8, 4, 2), (8, 8, 8, 2), (8, 4, 4, 1)):
+    try:
+      r = bench.time_prefill(4, 512, 64, 8, copy_bw, peers=False, block_q=bq,
+                             pages_per_block=ppb, num_warps=nw, num_stages=st)
+      r.update(sec="prefill", var=f"bq{bq} ppb{ppb} nw{nw} st{st}")
+      add(r)
+    except Exception:  # noqa: BLE001
+      bench.log("fail prefill", bq, ppb, nw, st, traceback.format_exc()[-800:])
+
+
+def sec_roll(copy_bw):
+  cfgs = [(4, 1024, 1, 4), (4, 1024, 1, 8), (4, 512, 1, 4), (2, 1024, 1, 4), (2, 512, 1, 2),
+          (2, 2048, 1, 8), (4, 2048, 1, 8), (8, 1024, 1, 8), (1, 1024, 1, 4)]
+  for bt_, bh, hl, nw in cfgs:
+    try:
+      r = bench.time_draft_roll(256, 16, 7168, copy_bw=copy_bw, block_t=bt_, block_h=bh,
+                                h_loop=hl, num_warps=nw)
+      r.update(sec="roll", var=f"bt{bt_} bh{bh} hl{hl} nw{nw}")
+      add(r)
+    except Exception:  # noqa: BLE001
+      bench.log("fail roll", bt_, bh, hl, nw, traceback.format_exc()[-800:])
+
+
+def _marginal(fn, qs, rest):
+  """Returns once(repeats): marginal seconds per call, as bench.timeit, but with the
+  two jits built once so that variants can be timed in interleaved rounds."""
+  multi = jax.jit(lambda qs, *rest: [fn(q, *rest) for q in qs])
+  n, n1 = len(qs), len(qs) // 4
+  jax.block_until_ready(multi(qs, *rest))
+  jax.block_until_ready(multi(qs[:n1], *rest))
+
+  def once(repeats=15):
+    t_n = bench._median_wall(multi, qs, rest, repeats)
+    t_1 = bench._median_wall(multi, qs[:n1], rest, repeats)
+    return (t_n - t_1) / (n - n1)
+  return once
+
+
+def _rounds(group, variants, rounds=3, **extra):
+  """Times the variants in `rounds` interleaved rounds (A B C A B C ...)."""
+  ts = {name: [] for name in variants}
+  for _ in range(rounds):
+    for name, once in variants.items():
+      ts[name].append(once() * 1e6)
+  for name, v in ts.items():
+    v = sorted(v)
+    add(dict(sec="final", case=group, var=name, us=v[len(v) // 2], us_min=v[0], us_max=v[-1],
+             **extra))
+
+
+def sec_final(copy_bw):
+  """Target comparisons, each variant timed in 3 interleaved rounds (median, min, max)."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+  # 1. decode B=64 ctx 4k 32/8 vs JAX's Pallas paged_attention.
+  qs, kp, vp, bt, kl = bench.make_paged(jax.random.key(11), 64, 1, 32, 8, 128, 4096)
+  rest = (kp, vp, bt, kl)
+  v = {"ours": _marginal(paged_attention, qs, rest)}
+  for ks_, ppcb in ((4, 16), (1, 16), (8, 8)):
+    f = functools.partial(jax_pa.paged_attention, k_splits=ks_, pages_per_compute_block=ppcb)
+    v[f"jax_pa ks{ks_} ppcb{ppcb}"] = _marginal(lambda q, *r, f=f: f(q[:, 0], *r), qs, rest)
+  _rounds("decode B64 4k 32/8 Q1", v, floor_us=2 * 64 * 4096 * 8 * 128 * 2 / copy_bw * 1e6)
+
+
+def sec_final_q4(copy_bw):
+  # 2. 64/8: Q=4 vs Q=1 on the same KV.
+  qs1, kp, vp, bt, kl = bench.make_paged(jax.random.key(12), 64, 1, 64, 8, 128, 4096)
+  qs4 = [jax.random.normal(k, (64, 4, 64, 128), jnp.bfloat16)
+         for k in jax.random.split(jax.random.key(13), len(qs1))]
+  rest = (kp, vp, bt, kl)
+  ref = paged_attention_reference(qs4[0], *rest)
+  bench.log("Q4 default err", bench.rel_err(paged_attention(qs4[0], *rest), ref))
+  v = {"Q1 default": _marginal(paged_attention, qs1, rest),
+       "Q4 default": _marginal(paged_attention, qs4, rest),
+       "Q4 ppb4 nw4 (round-1 default)": _marginal(
+           functools.partial(paged_attention, pages_per_block=4, num_warps=4), qs4, rest)}
+  _rounds("decode B64 4k 64/8", v)
+
+
+def sec_final_roll(copy_bw):
+  from pallas_kernels.draft_roll import draft_roll, draft_roll_reference
+  # 3. draft_roll T=4096 Hd=7168 vs XLA.
+  t, hd, ns = 4096, 7168, 256
+  ks = jax.random.split(jax.random.key(3), 8)
+  hiddens = [jax.random.normal(k, (t, hd), jnp.bfloat16) for k in jax.random.split(ks[2], 32)]
+  lens = jax.random.randint(ks[3], (ns,), 1, 32)
+  lens = (lens * t // lens.sum()).astype(jnp.int32)
+  cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens).astype(jnp.int32)])
+  rest = (jax.random.randint(ks[0], (t,), 0, 1000, jnp.int32),
+          jax.random.randint(ks[1], (t,), 0, 1000, jnp.int32), cu,
+          jax.random.randint(ks[4], (ns, 4), 0, 1000, jnp.int32),
+          jax.random.randint(ks[5], (ns, 4), 0, 1000, jnp.int32),
+          jax.random.normal(ks[6], (ns, 4, hd), jnp.bfloat16),
+          jax.random.randint(ks[7], (ns,), 0, 5, jnp.int32))
+
+  def roll(f, **kw):
+    return lambda h, *r: f(r[0], r[1], h, *r[2:], **kw)
+  v = {"ours bt4 bh1024 (default)": _marginal(roll(draft_roll), hiddens, rest),
+       "ours bt2 bh1024": _marginal(roll(draft_roll, block_t=2), hiddens, rest),
+       "xla": _marginal(roll(draft_roll_reference), hiddens, rest)}
+  _rounds("draft_roll T4096 Hd7168", v, floor_us=2 * t * hd * 2 / copy_bw * 1e6)
+
+
+def sec_final_prefill(copy_bw):
+  from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+  # 4. prefill 4 x 512 vs cuDNN.
+  for h in (64, 32):
+    q_lens = [512] * 4
+    args = bench.make_ragged(jax.random.key(1), q_lens, q_lens, h, 8, 128)
+    kd, vd = bench.dense_kv(args[1], args[3]), bench.dense_kv(args[2], args[3])
+    qd = [q.reshape(4, 512, h, 128) for q in args[0]]
+    cud = functools.partial(jax.nn.dot_product_attention, implementation="cudnn", is_causal=True)
+    v = {"ours default": _marginal(ragged_paged_attention, args[0], args[1:]),
+         "ours st3": _marginal(functools.partial(ragged_paged_attention, num_stages=3),
+                               args[0], args[1:]),
+         "cudnn": _marginal(lambda q, k, vv: cud(q, k, vv), qd, (kd, vd))}
+    _rounds(f"prefill 4x512 {h}/8", v)
+
+
+def ncu_target(q_len, h):
+  qs, kp, vp, bt, kl = bench.make_paged(jax.random.key(1), 64, q_len, h, 8, 128, 4096)
+  f = jax.jit(paged_attention)
+  for _ in range(3):
+    jax.block_until_ready(f(qs[0], kp, vp, bt, kl))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  ap.add_argument("--sections", default="verify,prefill,roll")
+  ap.add_argument("--ncu-target", default="", help="Q,H: one decode launch for ncu")
+  a = ap.parse_args(argv)
+  if a.ncu_target:
+    return ncu_target(*(int(x) for x in a.ncu_target.split(",")))
+  bench.log(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
+  copy_bw, all_bw = bench.copy_bandwidth()
+  bench.log("copy TB/s " + ", ".join(f"{k} {v / 1e12:.3f}" for k, v in all_bw.items()))
+  for sec in a.sections.split(","):
+    try:
+      globals()["sec_" + sec](copy_bw)
+    except Exception:  # noqa: BLE001
+      bench.log("section fail", sec, traceback.format_exc()[-1500:])
+  with open(os.path.join(a.out, "sweep.json"), "w") as f:
+    json.dump(ROWS, f, indent=1)
+  cols = ["sec", "B", "Q", "H", "ctx", "case", "var", "us", "us_min", "us_max", "floor_us",
+          "us_r8", "ours_us", "ours_us_r8",
+          "pct_copy",
+          "ours_TFLOPs", "pct_of_cudnn", "cudnn_us", "xla_us", "err", "exact"]
+  used = [c for c in cols if any(c in r for r in ROWS)]
+  bench.table(f"sweep (copy {copy_bw / 1e12:.3f} TB/s)", ROWS, used)
+  with open(os.path.join(a.out, "sweep.log"), "w") as f:
+    f.write("\n".join(bench.LOG) + "\n")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
