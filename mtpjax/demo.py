@@ -28,7 +28,7 @@ def main(argv=None):
     K = args.num_speculative_tokens
     D = K if args.method == "multi_layer" else 1
     cfg = mtpjax.ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4,
-                             num_heads=4, num_kv_heads=2, num_mtp_layers=D)
+                             num_heads=4, num_kv_heads=2, head_dim=64, num_mtp_layers=D)
     params = mtpjax.init_params(cfg, jax.random.PRNGKey(args.seed), std=0.05)
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, cfg.vocab_size, size=int(n)).tolist()

@@ -10,17 +10,42 @@ whose position is negative get zeros, like the reference.
 
 from __future__ import annotations
 
+import warnings
+
 import jax.numpy as jnp
 
 from mtpjax.cache import PagedBatch
 
 MAX_UNIFORM_Q = 8
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_PAGE_SIZES = (8, 16, 32, 64)
+_warned: set = set()
+
+
+def unsupported_reason(q, k_pages) -> str | None:
+    hd, page = q.shape[-1], k_pages.shape[2]
+    if hd not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {hd} (kernels support {SUPPORTED_HEAD_DIMS})"
+    if page not in SUPPORTED_PAGE_SIZES:
+        return f"page size {page} (kernels support {SUPPORTED_PAGE_SIZES})"
+    if q.dtype != k_pages.dtype or q.dtype not in (jnp.bfloat16, jnp.float32):
+        return f"dtypes q {q.dtype} / cache {k_pages.dtype} (kernels need one of bf16, f32)"
+    return None
 
 
 def paged_attention(q, k_pages, v_pages, batch: PagedBatch, *, sm_scale=None, soft_cap=None,
                     interpret: bool = False):
-    """q [N, NH, hd] -> [N, NH, hd]."""
+    """q [N, NH, hd] -> [N, NH, hd]. Shapes the kernels do not support fall back to the
+    reference (with a warning once per reason)."""
     N, NH, hd = q.shape
+    reason = unsupported_reason(q, k_pages)
+    if reason is not None:
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"Pallas attention does not support {reason}; using the reference")
+        from mtpjax.model.attention import paged_attention_reference
+        return paged_attention_reference(q, k_pages, v_pages, batch, sm_scale=sm_scale,
+                                         soft_cap=soft_cap)
     if batch.q_len is not None and batch.q_len <= MAX_UNIFORM_Q:
         from pallas_kernels.paged_attention import paged_attention as kernel
         R, T = batch.block_tables.shape[0], batch.q_len
