@@ -19,9 +19,9 @@ def main():
                              num_mtp_layers=2)
     params = mtpjax.init_params(cfg, jax.random.PRNGKey(0), jnp.float32, std=0.05)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(5, 300, 12)]
+    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(5, 120, 8)]
     rows = []
-    for method, K in (("chain", 3), ("multi_layer", 2)):
+    for method, K in (("chain", 3),):
         spec = mtpjax.SpecConfig(num_speculative_tokens=K, method=method)
         ref = mtpjax.generate(params, cfg, prompts, max_new_tokens=24, spec=spec,
                               attention_impl="reference").tokens

@@ -53,12 +53,14 @@ class ModelRunner:
         self.free_slots = list(range(max_num_seqs))
         self.slot_of: dict[int, int] = {}                 # seq_id -> slot
         self.hist_from: dict[int, int] = {}               # seq_id -> first self-computed position
+        self.keys: dict[int, np.ndarray] = {}             # seq_id -> uint32[2] PRNG key (host)
 
     # ---- slots ---------------------------------------------------------------------------------
     def release(self, seq_id: int) -> None:
         """Frees a finished or preempted request's slot (its device draft state is dropped)."""
         slot = self.slot_of.pop(seq_id, None)
         self.hist_from.pop(seq_id, None)
+        self.keys.pop(seq_id, None)
         if slot is not None:
             self.free_slots.append(slot)
 
@@ -69,6 +71,7 @@ class ModelRunner:
                 raise RuntimeError("no free engine slot: more running requests than max_num_seqs")
             self.slot_of[sid] = self.free_slots.pop(0)
             self.hist_from[sid] = req.start_position
+            self.keys[sid] = self._request_key(req.seq)   # once per residency, not per step
         return self.slot_of[sid]
 
     # ---- packing -------------------------------------------------------------------------------
@@ -130,17 +133,14 @@ class ModelRunner:
             hist_from[i] = self.hist_from[seq.seq_id]
             sp = seq.sampling_params or SamplingParams()
             temp[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
-            keys[i] = self._request_key(seq)
+            keys[i] = self.keys[seq.seq_id]
         cu[len(reqs) + 1:] = off
         batch = MixedBatch(
-            tokens=jnp.asarray(tokens), positions=jnp.asarray(positions),
-            seq_ids=jnp.asarray(seq_ids), cu_q_lens=jnp.asarray(cu), kv_lens=jnp.asarray(kv_lens),
-            block_tables=jnp.asarray(tables), slots=jnp.asarray(slots), kinds=jnp.asarray(kinds),
-            next_tokens=jnp.asarray(next_tokens), thinking=jnp.asarray(thinking),
-            hist_from=jnp.asarray(hist_from),
-            sampling=SamplingArrays(temperature=jnp.asarray(temp), top_k=jnp.asarray(top_k),
-                                    top_p=jnp.asarray(top_p), keys=jnp.asarray(keys)))
-        return batch, _bucket(first_pass)
+            tokens=tokens, positions=positions, seq_ids=seq_ids, cu_q_lens=cu, kv_lens=kv_lens,
+            block_tables=tables, slots=slots, kinds=kinds, next_tokens=next_tokens,
+            thinking=thinking, hist_from=hist_from,
+            sampling=SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, keys=keys))
+        return jax.device_put(batch), _bucket(first_pass)      # one host->device transfer call
 
     def run(self, out: SchedulerOutput) -> list[list[int]]:
         """Runs one step; returns each scheduled request's committed tokens (before the
