@@ -185,7 +185,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     page_size / num_pages size the paged cache (default: exactly what the requests need).
     attention_impl: "auto" | "reference" | "pallas" (see mtpjax.model.attention).
     draft_source (experiments and tests): "model" (default), "random" (uniform random drafts) or
-    "forced" (draft at position p is forced_drafts[b, p], e.g. the target's own continuation).
+    "forced" (draft at position p is forced_drafts[b, p], e.g. the target's own continuation);
+    a list gives one source per prompt (one compiled program serves them all).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -212,10 +213,14 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     if spec is not None:
         from mtpjax.spec.generate import speculative_generate
         from mtpjax.spec.draft import DRAFT_SOURCES
-        if draft_source not in DRAFT_SOURCES:
-            raise ValueError(f"draft_source {draft_source!r} not in {DRAFT_SOURCES}")
-        if (draft_source == "forced") != (forced_drafts is not None):
-            raise ValueError("forced_drafts must be given exactly when draft_source='forced'")
+        sources = [draft_source] if isinstance(draft_source, str) else list(draft_source)
+        if len(sources) not in (1, len(prompts)):
+            raise ValueError(f"draft_source has {len(sources)} entries for {len(prompts)} prompts")
+        for src in sources:
+            if src not in DRAFT_SOURCES:
+                raise ValueError(f"draft_source {src!r} not in {DRAFT_SOURCES}")
+        if ("forced" in sources) != (forced_drafts is not None):
+            raise ValueError("forced_drafts must be given exactly when a draft_source is 'forced'")
         return speculative_generate(params, cfg, spec, cache, *args, sp_arrays, limits,
                                     max_new=max(max_new), impl=resolve_impl(attention_impl),
                                     draft_source=draft_source, forced_tokens=forced_drafts)

@@ -19,7 +19,8 @@ from tests.test_accept import chi2_pvalue
 
 # (method, K, D)
 CASES = [("chain", 1, 1), ("chain", 2, 1), ("chain", 3, 2), ("chain", 4, 1),
-         ("multi_layer", 2, 2), ("multi_layer", 3, 3)]
+         ("multi_layer", 1, 1), ("multi_layer", 2, 2), ("multi_layer", 3, 3),
+         ("multi_layer", 4, 4)]
 
 
 def _model(V, D, seed):
@@ -29,28 +30,29 @@ def _model(V, D, seed):
 
 @pytest.mark.parametrize("method,K,D", CASES)
 def test_lossless_greedy(method, K, D):
+    """Model drafts (partial acceptance), random drafts (mostly rejected) and the target's own
+    continuation as drafts (all accepted), one batch with prompts of different lengths."""
     seed = K + 10 * D
     cfg, params = _model(16, D, seed)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 16, size=n).tolist() for n in (5, 1, 9)]
     spec = SpecConfig(num_speculative_tokens=K, method=method)
     n_new = 12
-    ref = mtpjax.generate(params, cfg, prompts, max_new_tokens=n_new + K, page_size=4)
+    ref = mtpjax.generate(params, cfg, prompts, max_new_tokens=n_new + 4, page_size=4)
     want = [r[:n_new] for r in ref.tokens]
-    out = mtpjax.generate(params, cfg, prompts, max_new_tokens=n_new, spec=spec, page_size=4)
-    assert out.tokens == want
-    rand = mtpjax.generate(params, cfg, prompts, max_new_tokens=n_new, spec=spec, page_size=4,
-                           draft_source="random")
-    assert rand.tokens == want
-    # the target's own continuation as drafts: every draft is accepted
-    forced = np.zeros((3, 9 + n_new + 2 * K + 2), np.int32)
+    sources = ["model"] * 3 + ["random"] * 3 + ["forced"] * 3
+    forced = np.zeros((9, 9 + n_new + 4 + 2 * K + 2), np.int32)
     for i, (p, r) in enumerate(zip(prompts, ref.tokens)):
-        forced[i, :len(p) + len(r)] = p + r
+        forced[6 + i, :len(p) + len(r)] = p + r
+    out = mtpjax.generate(params, cfg, prompts * 3, max_new_tokens=n_new, spec=spec,
+                          page_size=4, draft_source=sources, forced_drafts=forced)
+    assert out.tokens == want * 3
+    # separately for the stats: the oracle alone accepts every draft
     oracle = mtpjax.generate(params, cfg, prompts, max_new_tokens=n_new, spec=spec, page_size=4,
-                             draft_source="forced", forced_drafts=forced)
+                             draft_source="forced", forced_drafts=forced[6:])
     assert oracle.tokens == want
     assert oracle.stats["acceptance_rate"] == 1.0
-    for o in (out, rand, oracle):
+    for o in (out, oracle):
         s = o.stats
         assert s["generated_tokens"] == sum(len(t) for t in o.tokens)
         assert sum(s["num_accepted_histogram"]) == s["verify_steps"]

@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flax import struct
+
 from mtpjax.cache import KVCache, PagedBatch
 from mtpjax.config import ModelConfig, SpecConfig
 from mtpjax.model.mtp import mtp_forward_cached, mtp_forward_cached_switch
@@ -31,11 +33,20 @@ from mtpjax.sampling import SamplingArrays, filtered_probs, position_keys, sampl
 DRAFT_SOURCES = ("model", "random", "forced")
 
 
+@struct.dataclass
+class DraftOverride:
+    """Test hook: per-request draft source (index into DRAFT_SOURCES) and forced tokens."""
+
+    modes: jax.Array      # int32[B]
+    tokens: jax.Array     # int32[B, L] draft at position p is tokens[b, p] (mode "forced")
+
+
 def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=None):
     """Draft token for each request at `positions` [B] and the distribution it was drawn from.
 
     source "model": sampled from the filtered draft distribution (argmax for greedy requests).
-    "random" (tests): uniform over the vocabulary. "forced" (tests): forced[b, position].
+    "random" (tests): uniform over the vocabulary. "forced" (tests): forced.tokens[b, position].
+    "mixed" (tests): per request, the source forced.modes[b] names.
     """
     B, V = logits.shape
     keys = jax.vmap(jax.random.fold_in)(position_keys(sp.keys, positions),
@@ -47,9 +58,13 @@ def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=Non
         tok = jax.vmap(lambda k: jax.random.randint(k, (), 0, V))(keys).astype(jnp.int32)
         return tok, jnp.full((B, V), 1.0 / V, jnp.float32)
     if source == "forced":
-        idx = jnp.clip(positions, 0, forced.shape[1] - 1)
-        tok = forced[jnp.arange(B), idx].astype(jnp.int32)
+        idx = jnp.clip(positions, 0, forced.tokens.shape[1] - 1)
+        tok = forced.tokens[jnp.arange(B), idx].astype(jnp.int32)
         return tok, jax.nn.one_hot(tok, V, dtype=jnp.float32)
+    if source == "mixed":
+        outs = [draw_draft(logits, sp, positions, source=s, forced=forced) for s in DRAFT_SOURCES]
+        pick = lambda *xs: jnp.stack(xs)[forced.modes, jnp.arange(B)]
+        return jax.tree.map(pick, *outs)
     raise ValueError(f"draft source {source!r} not in {DRAFT_SOURCES}")
 
 

@@ -35,8 +35,14 @@ def speculative_generate(params, cfg: ModelConfig, spec: SpecConfig, cache, toke
                          draft_source: str = "model", forced_tokens=None):
     from mtpjax.generate import GenerateOutput
     lim = Limits(max_new=limits.max_new, stop_ids=limits.stop_ids)
-    forced = (jnp.zeros((tokens.shape[0], 1), jnp.int32) if forced_tokens is None
-              else jnp.asarray(forced_tokens, jnp.int32))
+    from mtpjax.spec.draft import DRAFT_SOURCES, DraftOverride
+    B = tokens.shape[0]
+    sources = [draft_source] * B if isinstance(draft_source, str) else list(draft_source)
+    forced = DraftOverride(
+        modes=jnp.asarray([DRAFT_SOURCES.index(s) for s in sources], jnp.int32),
+        tokens=(jnp.zeros((B, 1), jnp.int32) if forced_tokens is None
+                else jnp.asarray(forced_tokens, jnp.int32)))
+    draft_source = sources[0] if len(set(sources)) == 1 else "mixed"
     state = _prefill(params, cfg, spec, cache, tokens, positions, lens, tables, sp, lim, forced,
                      max_new=max_new, impl=impl, source=draft_source)
     state = _loop(params, cfg, spec, state, sp, lim, forced, impl=impl, source=draft_source)
