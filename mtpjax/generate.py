@@ -21,19 +21,14 @@ from mtpjax.cache import KVCache, PagedBatch, init_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.model.attention import resolve_impl
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
-from mtpjax.sampling import SamplingArrays, as_sampling_list, sample, stop_id_array
+from mtpjax.sampling import (Limits, SamplingArrays, as_sampling_list, is_stop, sample,
+                             stop_id_array)
 
 
 @dataclasses.dataclass
 class GenerateOutput:
     tokens: list[list[int]]          # generated ids per prompt (prompt excluded)
     stats: dict[str, Any]            # see docs/spec_decoding.md ("Statistics")
-
-
-@struct.dataclass
-class RequestLimits:
-    max_new: jax.Array      # int32[B] tokens to generate at most
-    stop_ids: jax.Array     # int32[B, S] stop token ids, -1 padded
 
 
 @struct.dataclass
@@ -123,15 +118,9 @@ def prefill_batch(positions: jax.Array, lens: jax.Array, block_tables: jax.Array
     )
 
 
-def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
-    """tokens int32[B, ...] vs stop_ids int32[B, S] -> bool[B, ...]."""
-    stops = stop_ids.reshape(stop_ids.shape[:1] + (1,) * (tokens.ndim - 1) + stop_ids.shape[1:])
-    return jnp.any((tokens[..., None] == stops) & (stops >= 0), axis=-1)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "impl", "max_new"), donate_argnames=("cache",))
 def _ar_prefill(params, cfg: ModelConfig, cache: KVCache, tokens, positions, lens, block_tables,
-                sp: SamplingArrays, limits: RequestLimits, *, impl: str, max_new: int):
+                sp: SamplingArrays, limits: Limits, *, impl: str, max_new: int):
     B, T = tokens.shape
     batch = prefill_batch(positions, lens, block_tables)
     hidden, cache = forward_cached(params, cfg, cache, tokens.reshape(-1), batch, impl=impl)
@@ -145,7 +134,7 @@ def _ar_prefill(params, cfg: ModelConfig, cache: KVCache, tokens, positions, len
 
 
 def ar_step(params, cfg: ModelConfig, state: DecodeState, sp: SamplingArrays,
-            limits: RequestLimits, *, impl: str) -> DecodeState:
+            limits: Limits, *, impl: str) -> DecodeState:
     """One autoregressive step for every request (finished ones are frozen)."""
     B = state.seq_len.shape[0]
     live = ~state.done
@@ -206,7 +195,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     cache = init_cache(cfg, num_pages, page_size, dtype)
     tokens, positions = pack_prompts(prompts)
     sp_arrays = SamplingArrays.build(sps, seed)
-    limits = RequestLimits(max_new=jnp.asarray(max_new, jnp.int32),
+    limits = Limits(max_new=jnp.asarray(max_new, jnp.int32),
                            stop_ids=jnp.asarray(stop_id_array(sps)))
     args = (jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(lens, jnp.int32),
             jnp.asarray(tables))

@@ -111,3 +111,17 @@ def stop_id_array(params: Sequence[SamplingParams]) -> np.ndarray:
     for i, p in enumerate(params):
         out[i, :len(p.stop_token_ids)] = p.stop_token_ids
     return out
+
+
+def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """tokens int32[B, ...] vs per-request stop ids int32[B, S] (-1 = none) -> bool[B, ...]."""
+    stops = stop_ids.reshape(stop_ids.shape[:1] + (1,) * (tokens.ndim - 1) + stop_ids.shape[1:])
+    return jnp.any((tokens[..., None] == stops) & (stops >= 0), axis=-1)
+
+
+@struct.dataclass
+class Limits:
+    """When each request stops: after max_new tokens, or at (and including) a stop token."""
+
+    max_new: jax.Array        # int32[B]
+    stop_ids: jax.Array       # int32[B, S], -1 padded

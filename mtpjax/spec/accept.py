@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mtpjax.sampling import sample_from_probs
+from mtpjax.sampling import filtered_probs, position_keys, sample_from_probs
 
 
 def _prefix_len(ok: jax.Array, num_drafts: jax.Array) -> jax.Array:
@@ -121,3 +121,26 @@ def accept_synthetic(target_logits: jax.Array, draft_tokens: jax.Array, num_draf
     drafts_pad = jnp.concatenate([draft_tokens, jnp.zeros_like(draft_tokens[:, :1])], axis=1)
     tokens = jnp.where(jnp.arange(K1)[None, :] < n[:, None], drafts_pad, target)
     return tokens.astype(jnp.int32), (n + 1).astype(jnp.int32)
+
+
+def apply_acceptance(spec, logits, drafts, draft_probs, num_drafts, in_thinking, sp, key_positions):
+    """The rule `spec.acceptance` names, for every request of a batch.
+
+    logits f32[B, K+1, V]; drafts int32[B, K]; draft_probs f32[B, K, V]; num_drafts int32[B];
+    in_thinking bool[B]; sp: SamplingArrays; key_positions int32[B]: position of the first token
+    this step commits (its key is fold_in(request key, position), stream 1).
+    Returns (accepted_tokens [B, K+1], num_accepted [B], in_thinking [B]).
+    """
+    keys = jax.vmap(jax.random.fold_in)(position_keys(sp.keys, key_positions),
+                                        jnp.full(key_positions.shape, 1, jnp.uint32))
+    if spec.acceptance == "greedy":
+        return (*accept_greedy(logits, drafts, num_drafts), in_thinking)
+    if spec.acceptance == "rejection":
+        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
+        return (*accept_rejection(p, draft_probs, drafts, num_drafts, keys), in_thinking)
+    if spec.acceptance == "relaxed":
+        return accept_relaxed(logits, drafts, num_drafts, in_thinking, topk=spec.relaxed_topk,
+                              delta=spec.relaxed_delta, think_start=spec.think_start_token_id,
+                              think_end=spec.think_end_token_id)
+    rates = jnp.asarray(spec.synthetic_rates(), jnp.float32)
+    return (*accept_synthetic(logits, drafts, num_drafts, rates, keys), in_thinking)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtpjax.config import ModelConfig, SpecConfig
-from mtpjax.spec.step import Limits, SpecState, spec_prefill, spec_step
+from mtpjax.spec.step import SpecState, spec_prefill, spec_step
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "max_new", "impl", "source"),
@@ -34,7 +34,7 @@ def speculative_generate(params, cfg: ModelConfig, spec: SpecConfig, cache, toke
                          lens, tables, sp, limits, *, max_new: int, impl: str,
                          draft_source: str = "model", forced_tokens=None):
     from mtpjax.generate import GenerateOutput
-    lim = Limits(max_new=limits.max_new, stop_ids=limits.stop_ids)
+    lim = limits
     from mtpjax.spec.draft import DRAFT_SOURCES, DraftOverride
     B = tokens.shape[0]
     sources = [draft_source] * B if isinstance(draft_source, str) else list(draft_source)

@@ -23,8 +23,8 @@ from flax import struct
 from mtpjax.cache import KVCache, PagedBatch
 from mtpjax.config import ModelConfig, SpecConfig
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
-from mtpjax.sampling import SamplingArrays, filtered_probs, position_keys, sample
-from mtpjax.spec.accept import accept_greedy, accept_rejection, accept_relaxed, accept_synthetic
+from mtpjax.sampling import SamplingArrays, sample
+from mtpjax.spec.accept import apply_acceptance
 from mtpjax.spec.draft import run_drafts, window_size
 
 KIND_PAD, KIND_DECODE, KIND_CHUNK, KIND_LAST_CHUNK = 0, 1, 2, 3
@@ -71,22 +71,6 @@ class MixedBatch:
     sampling: SamplingArrays  # per row
 
 
-def _accept(spec: SpecConfig, logits, drafts, probs, num_drafts, thinking, sp, key_pos):
-    keys = jax.vmap(jax.random.fold_in)(position_keys(sp.keys, key_pos),
-                                        jnp.full(key_pos.shape, 1, jnp.uint32))
-    if spec.acceptance == "greedy":
-        return (*accept_greedy(logits, drafts, num_drafts), thinking)
-    if spec.acceptance == "rejection":
-        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-        return (*accept_rejection(p, probs, drafts, num_drafts, keys), thinking)
-    if spec.acceptance == "relaxed":
-        return accept_relaxed(logits, drafts, num_drafts, thinking, topk=spec.relaxed_topk,
-                              delta=spec.relaxed_delta, think_start=spec.think_start_token_id,
-                              think_end=spec.think_end_token_id)
-    rates = jnp.asarray(spec.synthetic_rates(), jnp.float32)
-    return (*accept_synthetic(logits, drafts, num_drafts, rates, keys), thinking)
-
-
 def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, batch: MixedBatch,
                *, first_pass_len: int, impl: str):
     """-> (state, committed_tokens int32[R, K+1], num_committed int32[R]).
@@ -129,8 +113,8 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         num_drafts = jnp.where(is_dec, K, 0).astype(jnp.int32)
         key_pos = jnp.where(is_dec, start + 1, batch.kv_lens)
         thinking_in = jnp.where(is_dec, state.in_thinking[batch.slots], batch.thinking)
-        acc, num_acc, thinking = _accept(spec, logits, drafts, probs, num_drafts, thinking_in,
-                                         batch.sampling, key_pos)
+        acc, num_acc, thinking = apply_acceptance(spec, logits, drafts, probs, num_drafts,
+                                                  thinking_in, batch.sampling, key_pos)
         committed = jnp.where(is_dec, num_acc, jnp.where(is_last, 1, 0)).astype(jnp.int32)
         new_len = jnp.where(is_dec, start + num_acc, jnp.where(is_chunk, batch.kv_lens, 0))
         pending = jnp.where(is_dec, jnp.take_along_axis(acc, (num_acc - 1)[:, None], 1)[:, 0],

@@ -14,8 +14,8 @@ from flax import struct
 from mtpjax.cache import KVCache, PagedBatch
 from mtpjax.config import ModelConfig, SpecConfig
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
-from mtpjax.sampling import SamplingArrays, filtered_probs, position_keys, sample
-from mtpjax.spec.accept import accept_greedy, accept_rejection, accept_relaxed, accept_synthetic
+from mtpjax.sampling import Limits, SamplingArrays, is_stop, sample
+from mtpjax.spec.accept import apply_acceptance
 from mtpjax.spec.draft import run_drafts, window_size
 from mtpjax.spec.metrics import SpecStats
 from mtpjax.spec.roll import roll_draft_inputs
@@ -41,16 +41,6 @@ class SpecState:
         return self.hist_tokens[:, -1]
 
 
-@struct.dataclass
-class Limits:
-    max_new: jax.Array         # int32[B]
-    stop_ids: jax.Array        # int32[B, S], -1 padded
-
-
-def _is_stop(tokens, stop_ids):
-    return jnp.any((tokens[..., None] == stop_ids[:, None, :]) & (stop_ids[:, None, :] >= 0), -1)
-
-
 def window_batch(seq_len, W: int, block_tables) -> PagedBatch:
     """First-pass batch over positions seq_len-W .. seq_len-1 (negative -> padding)."""
     pos = seq_len[:, None] - W + jnp.arange(W, dtype=jnp.int32)[None, :]
@@ -61,29 +51,6 @@ def window_batch(seq_len, W: int, block_tables) -> PagedBatch:
                       cu_q_lens=jnp.arange(seq_len.shape[0] + 1, dtype=jnp.int32) * W, q_len=W)
 
 
-def accept(spec: SpecConfig, logits, state: SpecState, sp: SamplingArrays):
-    """Dispatches to the configured acceptance rule -> (tokens [B, K+1], num_accepted, in_thinking)."""
-    B, K = state.drafts.shape
-    num_drafts = jnp.full((B,), K, jnp.int32)
-    keys = jax.vmap(jax.random.fold_in)(position_keys(sp.keys, state.seq_len + 1),
-                                        jnp.full((B,), 1, jnp.uint32))
-    if spec.acceptance == "greedy":
-        tok, n = accept_greedy(logits, state.drafts, num_drafts)
-    elif spec.acceptance == "rejection":
-        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-        tok, n = accept_rejection(p, state.draft_probs, state.drafts, num_drafts, keys)
-    elif spec.acceptance == "relaxed":
-        tok, n, thinking = accept_relaxed(
-            logits, state.drafts, num_drafts, state.in_thinking, topk=spec.relaxed_topk,
-            delta=spec.relaxed_delta, think_start=spec.think_start_token_id,
-            think_end=spec.think_end_token_id)
-        return tok, n, thinking
-    else:
-        rates = jnp.asarray(spec.synthetic_rates(), jnp.float32)
-        tok, n = accept_synthetic(logits, state.drafts, num_drafts, rates, keys)
-    return tok, n, state.in_thinking
-
-
 def commit(state: SpecState, tokens, num_accepted, limits: Limits):
     """Truncates each accepted run at the first stop token / max_new and appends it to the output.
 
@@ -92,7 +59,7 @@ def commit(state: SpecState, tokens, num_accepted, limits: Limits):
     B, K1 = tokens.shape
     live = ~state.done
     j = jnp.arange(K1)[None, :]
-    stop = _is_stop(tokens, limits.stop_ids) & (j < num_accepted[:, None])
+    stop = is_stop(tokens, limits.stop_ids) & (j < num_accepted[:, None])
     first_stop = jnp.where(jnp.any(stop, 1), jnp.argmax(stop, 1) + 1, K1 + 1)
     n = jnp.minimum(jnp.minimum(num_accepted, first_stop), limits.max_new - state.num_out)
     n = jnp.where(live, n, 0).astype(jnp.int32)
@@ -116,7 +83,9 @@ def spec_step(params, cfg: ModelConfig, spec: SpecConfig, state: SpecState, sp: 
                                        PagedBatch.uniform(pos, state.block_tables), impl=impl)
         logits = logits_from_hidden(params, hidden).reshape(B, K + 1, -1)
     with jax.named_scope("accept"):
-        acc_tokens, num_accepted, thinking = accept(spec, logits, state, sp)
+        acc_tokens, num_accepted, thinking = apply_acceptance(
+            spec, logits, state.drafts, state.draft_probs, jnp.full((B,), K, jnp.int32),
+            state.in_thinking, sp, N + 1)
         n, out, num_out, done = commit(state, acc_tokens, num_accepted, limits)
     # Rejected KV stays beyond seq_len and is overwritten by later steps.
     seq_len = N + n
@@ -163,7 +132,7 @@ def spec_prefill(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, tok
     hist_hidden = pad(jnp.where(valid, hidden, 0.0))
     hist_tokens = pad(jnp.where(valid[..., 0], ahead, 0))
     out = jnp.full((B, max_new + K + 1), -1, jnp.int32).at[:, 0].set(first)
-    done = _is_stop(first[:, None], limits.stop_ids)[:, 0] | (limits.max_new <= 1)
+    done = is_stop(first, limits.stop_ids) | (limits.max_new <= 1)
     thinking = jnp.zeros((B,), bool)
     if spec.acceptance == "relaxed":   # phase after the prompt and the first token
         seen = jnp.concatenate([jnp.where(positions >= 0, tokens, -1), first[:, None]], axis=1)
