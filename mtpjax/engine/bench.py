@@ -60,22 +60,23 @@ def main(argv=None):
     out = llm.scheduler.schedule()                       # one more decode step, packed once
     batch, F = llm.runner.pack(out)
     r = llm.runner
+    batch = r.device_inputs(batch)
     state = r.state
     for _ in range(3):
-        state, acc, num = runner_mod._step(r.params, r.cfg, r.spec, state, batch,
-                                           first_pass_len=F, impl=r.impl)
+        state, res = runner_mod._step(r.params, r.cfg, r.spec, state, batch,
+                                      first_pass_len=F, impl=r.impl)
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        state, acc, num = runner_mod._step(r.params, r.cfg, r.spec, state, batch,
-                                           first_pass_len=F, impl=r.impl)
-    jax.block_until_ready((state, acc, num))
+        state, res = runner_mod._step(r.params, r.cfg, r.spec, state, batch,
+                                      first_pass_len=F, impl=r.impl)
+    jax.block_until_ready((state, res))
     bare_s = (time.perf_counter() - t0) / args.steps
     t0 = time.perf_counter()
     for _ in range(args.steps):                          # with the engine's one readback
-        state, acc, num = runner_mod._step(r.params, r.cfg, r.spec, state, batch,
-                                           first_pass_len=F, impl=r.impl)
-        np.asarray(acc), np.asarray(num)
+        state, res = runner_mod._step(r.params, r.cfg, r.spec, state, batch,
+                                      first_pass_len=F, impl=r.impl)
+        np.asarray(res)
     sync_s = (time.perf_counter() - t0) / args.steps
     overhead = engine_s / bare_s - 1
     print(f"device: {jax.devices()[0].device_kind}; batch {B}, K={K}, prompt {args.prompt_len}, "

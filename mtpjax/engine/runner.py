@@ -28,10 +28,37 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+def pack_host(batch: MixedBatch):
+    """MixedBatch of numpy arrays -> 5 host arrays (few transfers per step)."""
+    per_token = np.stack([batch.tokens, batch.positions, batch.seq_ids])             # [3, T]
+    R = batch.kinds.shape[0]
+    per_row = np.concatenate([
+        batch.cu_q_lens[1:, None], batch.kv_lens[:, None], batch.slots[:, None],
+        batch.kinds[:, None], batch.thinking[:, None].astype(np.int32), batch.hist_from[:, None],
+        batch.sampling.top_k[:, None], batch.next_tokens], axis=1).astype(np.int32)
+    floats = np.stack([batch.sampling.temperature, batch.sampling.top_p], 1).astype(np.float32)
+    return per_token, per_row, batch.block_tables, floats, batch.sampling.keys
+
+
+def unpack_device(per_token, per_row, tables, floats, keys) -> MixedBatch:
+    """Inverse of pack_host, inside the jitted step (slices are free)."""
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), per_row[:, 0]])   # column 0: segment ends
+    return MixedBatch(
+        tokens=per_token[0], positions=per_token[1], seq_ids=per_token[2],
+        cu_q_lens=cu, kv_lens=per_row[:, 1], block_tables=tables, slots=per_row[:, 2],
+        kinds=per_row[:, 3], thinking=per_row[:, 4].astype(bool), hist_from=per_row[:, 5],
+        next_tokens=per_row[:, 7:],
+        sampling=SamplingArrays(temperature=floats[:, 0], top_k=per_row[:, 6],
+                                top_p=floats[:, 1], keys=keys))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "first_pass_len", "impl"),
                    donate_argnames=("state",))
-def _step(params, cfg, spec, state, batch, *, first_pass_len, impl):
-    return mixed_step(params, cfg, spec, state, batch, first_pass_len=first_pass_len, impl=impl)
+def _step(params, cfg, spec, state, host_arrays, *, first_pass_len, impl):
+    batch = unpack_device(*host_arrays)
+    state, acc, num = mixed_step(params, cfg, spec, state, batch, first_pass_len=first_pass_len,
+                                 impl=impl)
+    return state, jnp.concatenate([acc, num[:, None]], axis=1)     # one array to read back
 
 
 class ModelRunner:
@@ -82,6 +109,7 @@ class ModelRunner:
         return np.asarray(key, np.uint32)
 
     def pack(self, out: SchedulerOutput) -> tuple[MixedBatch, int]:
+        """Host (numpy) MixedBatch for one scheduled step, and the first-pass bucket."""
         K, R, bs = self.K, self.max_num_seqs, self.page_size
         reqs = out.requests
         if len(reqs) > R:
@@ -140,16 +168,20 @@ class ModelRunner:
             block_tables=tables, slots=slots, kinds=kinds, next_tokens=next_tokens,
             thinking=thinking, hist_from=hist_from,
             sampling=SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, keys=keys))
-        return jax.device_put(batch), _bucket(first_pass)      # one host->device transfer call
+        return batch, _bucket(first_pass)
+
+    def device_inputs(self, batch: MixedBatch):
+        """The packed batch as 5 device arrays, sent in one device_put."""
+        return jax.device_put(pack_host(batch))
 
     def run(self, out: SchedulerOutput) -> list[list[int]]:
         """Runs one step; returns each scheduled request's committed tokens (before the
         scheduler's stop / max_tokens truncation)."""
         batch, F = self.pack(out)
-        self.state, acc, num = _step(self.params, self.cfg, self.spec, self.state, batch,
-                                     first_pass_len=F, impl=self.impl)
-        acc, num = np.asarray(acc), np.asarray(num)        # the step's only device->host copy
-        return [acc[i, :num[i]].tolist() for i in range(len(out.requests))]
+        self.state, result = _step(self.params, self.cfg, self.spec, self.state,
+                                   self.device_inputs(batch), first_pass_len=F, impl=self.impl)
+        result = np.asarray(result)                        # the step's only device->host copy
+        return [result[i, :result[i, -1]].tolist() for i in range(len(out.requests))]
 
 
 def _thinking_after(tokens, spec: SpecConfig) -> bool:
