@@ -39,6 +39,7 @@ LOG2E = math.log2(math.e)
 def _kernel(
     # inputs
     item_ends_ref,  # [num_seqs_p] cumulative items per sequence, padded with INT32_MAX
+                    # (+ [2] tail token bounds lo, hi with tail_items)
     cu_q_lens_ref,  # [num_seqs + 1]
     seq_qlen_ref, kv_lens_ref,  # [num_seqs]
     bt_ref,  # [num_seqs, M_pad]
@@ -55,6 +56,7 @@ def _kernel(
     soft_cap: float | None,
     exact_f32: bool,
     direct_items: bool,
+    tail_items: bool,
 ):
   n_out = 1 if num_splits == 1 else 2
   out_refs = refs[-n_out:]
@@ -75,7 +77,8 @@ def _kernel(
     # One item per sequence (uniform batches): no search, no dependent load.
     seq, valid, off = w, True, 0
   else:
-    seq = jnp.sum((item_ends_ref[...] <= w).astype(jnp.int32))
+    s_p = item_ends_ref.shape[0] - (2 if tail_items else 0)
+    seq = jnp.sum((item_ends_ref[pl.ds(0, s_p)] <= w).astype(jnp.int32))
     valid = seq < num_seqs
     seq = jnp.where(valid, seq, 0)
     first_item = jnp.where(seq > 0, item_ends_ref[jnp.maximum(seq - 1, 0)], 0)
@@ -86,6 +89,16 @@ def _kernel(
   if not direct_items:
     n_tok = jnp.where(valid, n_tok, 0)
   kv_len = kv_lens_ref[seq]
+  if tail_items:
+    # Programs past the last item cover the tail tokens [lo, hi) (item_ends_ref
+    # carries lo, hi after its s_p entries) in blocks of block_q and store zeros
+    # there: no KV (kv_len 0), so the loop below does not run. This replaces
+    # zero-initializing the whole output buffer (an extra pass over it).
+    t_start = item_ends_ref[s_p] + (w - item_ends_ref[num_seqs - 1]) * block_q
+    start = jnp.where(valid, start, t_start)
+    n_tok = jnp.where(valid, n_tok, jnp.clip(item_ends_ref[s_p + 1] - t_start, 0, block_q))
+    kv_len = jnp.where(valid, kv_len, 0)
+    q_len = jnp.where(valid, q_len, 0)
 
   # Row r of the tile = token (r // G_p) of the item, query head (r % G_p).
   tok = jnp.arange(block_q, dtype=jnp.int32)
@@ -220,6 +233,7 @@ def paged_core(
     interpret: bool,
     out_init=None,
     direct_items: bool = False,
+    tail_bounds=None,
 ):
   """Runs the kernel over the work list; returns out [T, KVH, G_p, D] (q dtype).
 
@@ -230,6 +244,12 @@ def paged_core(
   <= block_q tokens (num_items == num_seqs, item_ends == 1..num_seqs). The
   kernel then skips the item search, and since every token is written, the
   output buffer is not initialized (no memset launch; out_init must be None).
+
+  tail_bounds: int32 [2] = (lo, hi): the programs past the last item store zeros
+  for tokens [lo, hi) (blocks of block_q; num_items must leave enough of them), and
+  the output buffer is not initialized: the caller guarantees that every token is
+  covered by an item of this launch, the tail, or a later launch aliasing this
+  output (num_splits == 1, out_init None).
   """
   t, kvh, g_p, d = q.shape
   _, num_pages, page_size, _ = k_pages.shape
@@ -238,6 +258,9 @@ def paged_core(
   s_p = pl.next_power_of_2(num_seqs)
   item_ends = jnp.full((s_p,), jnp.iinfo(jnp.int32).max, jnp.int32).at[:num_seqs].set(
       item_ends.astype(jnp.int32))
+  if tail_bounds is not None:
+    # In the same small array (one XLA fusion, no extra launch before the kernel).
+    item_ends = jnp.concatenate([item_ends, tail_bounds.astype(jnp.int32)])
   # At least 16 rows per tile for the matrix units.
   block_q = pl.next_power_of_2(max(block_q, pl.cdiv(16, g_p)))
   # A tail item's tile may run past T: Triton masks those rows, and the CPU
@@ -259,14 +282,18 @@ def paged_core(
       soft_cap=None if soft_cap is None else float(soft_cap),
       exact_f32=q.dtype == jnp.float32,
       direct_items=direct_items,
+      tail_items=tail_bounds is not None,
   )
+  if tail_bounds is not None:
+    if out_init is not None or num_splits != 1 or direct_items:
+      raise ValueError("tail_bounds needs num_splits == 1, no out_init, no direct_items")
 
   def full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
   kv_spec = pl.BlockSpec((None, num_pages, page_size, d),
                          lambda i, h, n: (h, 0, 0, 0))
-  in_specs = [full((s_p,)), full((num_seqs + 1,))] + [full((num_seqs,))] * 2 + [
+  in_specs = [full(item_ends.shape), full((num_seqs + 1,))] + [full((num_seqs,))] * 2 + [
       full((num_seqs, m_pad)), full((t, kvh, g_p, d)), kv_spec, kv_spec]
   args = [item_ends, cu_q_lens, seq_qlen, kv_lens,
           block_tables, q, k_pages, v_pages]
@@ -282,8 +309,8 @@ def paged_core(
     ]
     inits = [jnp.zeros(out_shape[0].shape, jnp.float32),
              jnp.full(out_shape[1].shape, -jnp.inf, jnp.float32)]
-  if direct_items:
-    inits = []  # every (split, token, head) row is stored by its program
+  if direct_items or tail_bounds is not None:
+    inits = []  # every (split, token, head) row is stored by some program
   out_specs = [full(s.shape) for s in out_shape]
   n_in = len(args)
   outs = pl.pallas_call(

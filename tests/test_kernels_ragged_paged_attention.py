@@ -90,6 +90,31 @@ def test_uniform_batch_equals_paged_attention():
   np.testing.assert_allclose(np.asarray(a), np.asarray(b).reshape(9, 4, 64), atol=1e-6)
 
 
+@pytest.mark.parametrize("q_lens,pad,small_q,splits,dead_len", [
+    ([2, 1], 3, 8, 1, 0),    # t <= small_q: the small launch writes the tail itself
+    ([2, 1], 3, 8, 2, 0),    # ... or, with KV splits, its zero-initialized partials
+    ([9, 1], 4, 4, 1, 2),    # prefill launch writes the tail; dead sequences own tokens
+    ([20], 37, 2, 1, 5),     # tail of several prefill tiles
+    ([0, 0], 5, 8, 1, 0),    # no live tokens at all
+])
+def test_tail_tokens_are_zeros(q_lens, pad, small_q, splits, dead_len):
+  """Every token past cu_q_lens[num_seqs] reads 0 (the output buffer is not
+  zero-filled: interpret mode starts it as NaN), including tokens that dead
+  sequences' cu_q_lens entries span."""
+  n = len(q_lens)
+  q, k, v, bt, kv_lens, cu, _ = _case(5, q_lens, n + 2, 4, 2, 64, 16, 4, pad_tokens=pad)
+  cu[n + 1] = cu[n] + min(dead_len, pad)  # a dead sequence with tokens (ignored)
+  cu[n + 2] = cu[n + 1]
+  args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(bt),
+          jnp.asarray(kv_lens), jnp.asarray(cu), jnp.int32(n))
+  out = ragged_paged_attention(*args, interpret=interpret_mode(), block_q=4, small_q=small_q,
+                               small_num_splits=splits)
+  ref = ragged_paged_attention_reference(*args)
+  assert not np.isnan(np.asarray(out)).any()
+  assert rel_err(out, ref) < TOL["float32"] or not np.asarray(ref).any()
+  assert not np.asarray(out[cu[n]:]).any()
+
+
 def _good():
   kv = jnp.zeros((2, 6, 16, 64), jnp.float32)
   return dict(q=jnp.zeros((5, 4, 64), jnp.float32), k_pages=kv, v_pages=kv,
