@@ -61,7 +61,11 @@ class PagedBatch:
 
     @classmethod
     def uniform(cls, positions: jax.Array, block_tables: jax.Array) -> "PagedBatch":
-        """Batch of S requests with T contiguous tokens each; positions int32[S, T]."""
+        """Batch of S requests with T contiguous tokens each, ending at each request's KV length.
+
+        positions int32[S, T]; -1 marks padding, which may only precede a request's tokens (left
+        padding), so the last column holds each request's last position (-1: nothing, kv_len 0).
+        """
         S, T = positions.shape
         return cls(
             positions=positions.reshape(-1).astype(jnp.int32),

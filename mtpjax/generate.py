@@ -86,7 +86,8 @@ def plan_pages(needed_tokens: Sequence[int], page_size: int, num_pages: int | No
     return tables, num_pages
 
 
-def _bucket(n: int, minimum: int = 8) -> int:
+def bucket_size(n: int, minimum: int = 8) -> int:
+    """Smallest power of two >= n (and >= minimum): padded shapes compile only a few programs."""
     return max(minimum, 1 << (n - 1).bit_length())
 
 
@@ -96,7 +97,7 @@ def pack_prompts(prompts: list[list[int]]):
     Left padding aligns every prompt to the end of its row, so a prefill is a uniform batch whose
     queries end at each request's KV length (what the decode/verify kernels expect).
     """
-    T = _bucket(max(len(p) for p in prompts))
+    T = bucket_size(max(len(p) for p in prompts))
     tokens = np.zeros((len(prompts), T), np.int32)
     positions = np.full((len(prompts), T), -1, np.int32)
     for i, p in enumerate(prompts):
@@ -105,24 +106,11 @@ def pack_prompts(prompts: list[list[int]]):
     return tokens, positions
 
 
-def prefill_batch(positions: jax.Array, lens: jax.Array, block_tables: jax.Array) -> PagedBatch:
-    """Batch for a left-padded prefill: request i owns T slots, its lens[i] tokens at the end."""
-    B, T = positions.shape
-    return PagedBatch(
-        positions=positions.reshape(-1),
-        seq_ids=jnp.repeat(jnp.arange(B, dtype=jnp.int32), T),
-        block_tables=block_tables,
-        kv_lens=lens,
-        cu_q_lens=jnp.arange(B + 1, dtype=jnp.int32) * T,
-        q_len=T,
-    )
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "impl", "max_new"), donate_argnames=("cache",))
 def _ar_prefill(params, cfg: ModelConfig, cache: KVCache, tokens, positions, lens, block_tables,
                 sp: SamplingArrays, limits: Limits, *, impl: str, max_new: int):
     B, T = tokens.shape
-    batch = prefill_batch(positions, lens, block_tables)
+    batch = PagedBatch.uniform(positions, block_tables)      # left padded: ends aligned
     hidden, cache = forward_cached(params, cfg, cache, tokens.reshape(-1), batch, impl=impl)
     last = hidden.reshape(B, T, -1)[:, T - 1]
     first = sample(logits_from_hidden(params, last), sp, lens)

@@ -28,17 +28,20 @@ class SamplingArrays:
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], base_seed: int = 0) -> "SamplingArrays":
-        keys = [
-            jax.random.PRNGKey(p.seed) if p.seed is not None
-            else jax.random.fold_in(jax.random.PRNGKey(base_seed), i)
-            for i, p in enumerate(params)
-        ]
+        keys = [request_key(p, base_seed, i) for i, p in enumerate(params)]
         return cls(
             temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
             top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
             top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-            keys=jnp.stack(keys).astype(jnp.uint32),
+            keys=jnp.asarray(np.stack(keys)),
         )
+
+
+def request_key(sp: SamplingParams, base_seed: int, index: int) -> np.ndarray:
+    """A request's base key uint32[2]: from its own seed, else fold_in(key(base_seed), index)."""
+    key = jax.random.PRNGKey(sp.seed) if sp.seed is not None else \
+        jax.random.fold_in(jax.random.PRNGKey(base_seed), index)
+    return np.asarray(key, np.uint32)
 
 
 def _expand(x, logits):

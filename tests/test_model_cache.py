@@ -7,7 +7,6 @@ import pytest
 
 import mtpjax
 from mtpjax.cache import PagedBatch, init_cache
-from mtpjax.generate import prefill_batch
 from mtpjax.model.mtp import mtp_forward, mtp_forward_cached
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
 from tests.conftest import tiny_config
@@ -58,7 +57,7 @@ def test_prefill_then_decode_matches_forward(variant, seed):
     for i, n in enumerate(lens):           # left padded, as generate packs prompts
         tok[i, T - n:] = seqs[i, :n]
         pos[i, T - n:] = np.arange(n)
-    batch = prefill_batch(jnp.asarray(pos), jnp.asarray(lens, jnp.int32), tables)
+    batch = PagedBatch.uniform(jnp.asarray(pos), tables)
     hidden, cache = forward_cached(params, cfg, cache, jnp.asarray(tok).reshape(-1), batch,
                                    impl="reference")
     logits = logits_from_hidden(params, hidden).reshape(3, T, -1)

@@ -17,15 +17,12 @@ import numpy as np
 from mtpjax.cache import init_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.engine.scheduler import SchedulerOutput
+from mtpjax.generate import bucket_size
 from mtpjax.model.attention import resolve_impl
-from mtpjax.sampling import SamplingArrays
+from mtpjax.sampling import SamplingArrays, request_key
 from mtpjax.spec.draft import window_size
 from mtpjax.spec.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
                                     MixedBatch, SlotState, mixed_step)
-
-
-def _bucket(n: int, minimum: int = 16) -> int:
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def pack_host(batch: MixedBatch):
@@ -98,16 +95,12 @@ class ModelRunner:
                 raise RuntimeError("no free engine slot: more running requests than max_num_seqs")
             self.slot_of[sid] = self.free_slots.pop(0)
             self.hist_from[sid] = req.start_position
-            self.keys[sid] = self._request_key(req.seq)   # once per residency, not per step
+            # once per residency, not per step
+            self.keys[sid] = request_key(req.seq.sampling_params or SamplingParams(), self.seed,
+                                         req.seq.seq_id)
         return self.slot_of[sid]
 
     # ---- packing -------------------------------------------------------------------------------
-    def _request_key(self, seq) -> np.ndarray:
-        sp = seq.sampling_params or SamplingParams()
-        key = jax.random.PRNGKey(sp.seed) if sp.seed is not None else \
-            jax.random.fold_in(jax.random.PRNGKey(self.seed), seq.seq_id)
-        return np.asarray(key, np.uint32)
-
     def pack(self, out: SchedulerOutput) -> tuple[MixedBatch, int]:
         """Host (numpy) MixedBatch for one scheduled step, and the first-pass bucket."""
         K, R, bs = self.K, self.max_num_seqs, self.page_size
@@ -115,7 +108,7 @@ class ModelRunner:
         if len(reqs) > R:
             raise ValueError(f"step has {len(reqs)} requests, more than max_num_seqs={R}")
         q = [r.num_query_tokens for r in reqs]
-        T = _bucket(sum(q))
+        T = bucket_size(sum(q))
         tokens = np.zeros(T, np.int32)
         positions = np.full(T, -1, np.int32)
         seq_ids = np.zeros(T, np.int32)
@@ -168,7 +161,7 @@ class ModelRunner:
             block_tables=tables, slots=slots, kinds=kinds, next_tokens=next_tokens,
             thinking=thinking, hist_from=hist_from,
             sampling=SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, keys=keys))
-        return batch, _bucket(first_pass)
+        return batch, bucket_size(first_pass)
 
     def device_inputs(self, batch: MixedBatch):
         """The packed batch as 5 device arrays, sent in one device_put."""

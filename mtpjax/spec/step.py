@@ -44,11 +44,7 @@ class SpecState:
 def window_batch(seq_len, W: int, block_tables) -> PagedBatch:
     """First-pass batch over positions seq_len-W .. seq_len-1 (negative -> padding)."""
     pos = seq_len[:, None] - W + jnp.arange(W, dtype=jnp.int32)[None, :]
-    pos = jnp.where(pos >= 0, pos, -1)
-    return PagedBatch(positions=pos.reshape(-1),
-                      seq_ids=jnp.repeat(jnp.arange(seq_len.shape[0], dtype=jnp.int32), W),
-                      block_tables=block_tables, kv_lens=seq_len,
-                      cu_q_lens=jnp.arange(seq_len.shape[0] + 1, dtype=jnp.int32) * W, q_len=W)
+    return PagedBatch.uniform(jnp.where(pos >= 0, pos, -1), block_tables)
 
 
 def commit(state: SpecState, tokens, num_accepted, limits: Limits):
@@ -110,12 +106,11 @@ def spec_prefill(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, tok
                  lens, block_tables, sp: SamplingArrays, limits: Limits, *, max_new: int,
                  impl: str, source: str = "model", forced=None) -> SpecState:
     """Prefills left-padded prompts int32[B, T], samples each first token, drafts K tokens."""
-    from mtpjax.generate import prefill_batch
     B, T = tokens.shape
     K = spec.num_speculative_tokens
     W = window_size(spec)
     rows = jnp.arange(B)
-    batch = prefill_batch(positions, lens, block_tables)
+    batch = PagedBatch.uniform(positions, block_tables)      # left padded: ends aligned
     hidden, cache = forward_cached(params, cfg, cache, tokens.reshape(-1), batch, impl=impl)
     hidden = hidden.reshape(B, T, -1)
     first = sample(logits_from_hidden(params, hidden[:, T - 1]), sp, lens)
