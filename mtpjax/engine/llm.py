@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import math
 import time
-from typing import Any, Iterator, Sequence as _Seq
+from typing import Any, Iterator
 
 import numpy as np
 

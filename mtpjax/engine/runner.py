@@ -20,7 +20,7 @@ from mtpjax.engine.scheduler import SchedulerOutput
 from mtpjax.generate import bucket_size
 from mtpjax.model.attention import resolve_impl
 from mtpjax.sampling import SamplingArrays, request_key
-from mtpjax.spec.draft import window_size
+from mtpjax.spec.draft import draft_shape
 from mtpjax.spec.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
                                     MixedBatch, SlotState, mixed_step)
 
@@ -28,7 +28,6 @@ from mtpjax.spec.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KI
 def pack_host(batch: MixedBatch):
     """MixedBatch of numpy arrays -> 5 host arrays (few transfers per step)."""
     per_token = np.stack([batch.tokens, batch.positions, batch.seq_ids])             # [3, T]
-    R = batch.kinds.shape[0]
     per_row = np.concatenate([
         batch.cu_q_lens[1:, None], batch.kv_lens[:, None], batch.slots[:, None],
         batch.kinds[:, None], batch.thinking[:, None].astype(np.int32), batch.hist_from[:, None],
@@ -63,8 +62,7 @@ class ModelRunner:
                  page_size: int, max_num_seqs: int, max_blocks_per_seq: int, seed: int = 0,
                  attention_impl: str = "auto", cache_dtype=None):
         self.params, self.cfg, self.spec = params, cfg, spec
-        self.K = spec.num_speculative_tokens if spec else 0
-        self.W = window_size(spec) if spec else 1
+        self.K, self.W = draft_shape(spec)
         self.max_num_seqs = max_num_seqs
         self.page_size = page_size
         self.max_blocks = max_blocks_per_seq
@@ -103,7 +101,7 @@ class ModelRunner:
     # ---- packing -------------------------------------------------------------------------------
     def pack(self, out: SchedulerOutput) -> tuple[MixedBatch, int]:
         """Host (numpy) MixedBatch for one scheduled step, and the first-pass bucket."""
-        K, R, bs = self.K, self.max_num_seqs, self.page_size
+        K, R = self.K, self.max_num_seqs
         reqs = out.requests
         if len(reqs) > R:
             raise ValueError(f"step has {len(reqs)} requests, more than max_num_seqs={R}")

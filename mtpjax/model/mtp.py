@@ -20,7 +20,7 @@ from mtpjax.cache import KVCache, PagedBatch, slot_indices
 from mtpjax.config import ModelConfig
 from mtpjax.model.attention import dense_causal_attention
 from mtpjax.model.layers import decoder_block, rms_norm
-from mtpjax.model.transformer import cached_block, layer_params, logits_from_hidden
+from mtpjax.model.transformer import cached_block, logits_from_hidden
 
 
 def module_params(params, k: int) -> dict:

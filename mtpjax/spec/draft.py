@@ -161,3 +161,8 @@ def window_size(spec: SpecConfig) -> int:
     """Committed positions the first pass covers: K+1 (chain), 2K (multi_layer; see docs)."""
     K = spec.num_speculative_tokens
     return K + 1 if spec.method == "chain" else 2 * K
+
+
+def draft_shape(spec: SpecConfig | None) -> tuple[int, int]:
+    """(K, W): drafts per step and first-pass window; (0, 1) without speculation."""
+    return (spec.num_speculative_tokens, window_size(spec)) if spec is not None else (0, 1)

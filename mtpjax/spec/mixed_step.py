@@ -25,7 +25,7 @@ from mtpjax.config import ModelConfig, SpecConfig
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
 from mtpjax.sampling import SamplingArrays, sample
 from mtpjax.spec.accept import apply_acceptance
-from mtpjax.spec.draft import run_drafts, window_size
+from mtpjax.spec.draft import draft_shape, run_drafts
 
 KIND_PAD, KIND_DECODE, KIND_CHUNK, KIND_LAST_CHUNK = 0, 1, 2, 3
 
@@ -44,7 +44,7 @@ class SlotState:
     @classmethod
     def create(cls, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, num_slots: int,
                dtype=jnp.float32) -> "SlotState":
-        W, K = (window_size(spec), spec.num_speculative_tokens) if spec else (1, 0)
+        K, W = draft_shape(spec)
         return cls(cache=cache,
                    hist_tokens=jnp.zeros((num_slots, W), jnp.int32),
                    hist_hidden=jnp.zeros((num_slots, W, cfg.hidden_size), dtype),
@@ -77,7 +77,7 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
 
     spec=None: plain autoregressive decoding (decode rows carry one token, no drafting).
     """
-    K, W = (spec.num_speculative_tokens, window_size(spec)) if spec else (0, 1)
+    K, W = draft_shape(spec)
     T = batch.tokens.shape[0]
     R = batch.kinds.shape[0]
     F = first_pass_len
