@@ -126,6 +126,7 @@ def test_fcfs_admission_does_not_skip_a_request_that_does_not_fit():
     out = sched.schedule()
     assert [r.seq for r in out] == [first]
     assert list(sched.waiting) == [big, small]
+    fake_step(sched, out, random.Random(1))    # every scheduled step is postprocessed once
     run_to_completion(sched, random.Random(1))
     assert all(s.is_finished for s in (first, big, small))
 

@@ -53,13 +53,16 @@ class LLM:
     params/cfg: the model; spec: SpecConfig for MTP speculative decoding, None for plain decoding.
     num_pages x page_size: the paged KV cache. max_num_seqs / max_num_batched_tokens: per-step
     limits. tokenizer: anything with encode(str) -> ids and decode(ids) -> str (optional).
+    async_scheduling (default True): schedule and dispatch step t+1 before reading step t back,
+    so host work overlaps the device; each `step()` then returns the previous step's tokens.
+    Outputs are identical either way (docs/engine.md, "Asynchronous scheduling").
     """
 
     def __init__(self, params, cfg: ModelConfig, spec: SpecConfig | None = None, *,
                  num_pages: int, page_size: int = 16, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  tokenizer=None, max_model_len: int | None = None, eos_token_id: int | None = None,
-                 attention_impl: str = "auto", seed: int = 0):
+                 attention_impl: str = "auto", seed: int = 0, async_scheduling: bool = True):
         if spec is not None:
             if not isinstance(spec, SpecConfig):
                 raise ValueError(f"spec must be a SpecConfig or None, got {type(spec).__name__}")
@@ -77,11 +80,15 @@ class LLM:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    num_speculative_tokens=K, num_lookahead_tokens=lookahead,
-                                   max_model_len=self.max_model_len, eos_token_id=eos_token_id)
-        max_blocks = math.ceil((self.max_model_len + K + 1 + lookahead) / page_size)
+                                   max_model_len=self.max_model_len, eos_token_id=eos_token_id,
+                                   async_scheduling=async_scheduling)
+        self.async_scheduling = bool(async_scheduling)
+        # the largest reservation: a decode with another in flight, P + M - 2 + 2(K + 1) + L
+        max_blocks = math.ceil((self.max_model_len + 2 * (K + 1) + lookahead) / page_size)
         self.runner = ModelRunner(params, cfg, spec, num_pages=num_pages, page_size=page_size,
                                   max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks,
                                   seed=seed, attention_impl=attention_impl)
+        self._inflight = None                       # (SchedulerOutput, result) dispatched, unread
         self._ids = itertools.count()
         self._metrics: dict[int, list[int]] = {}
         self.num_steps = 0
@@ -118,29 +125,39 @@ class LLM:
 
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, list[int]]]:
-        """One engine step; returns (sequence, newly committed tokens) for scheduled requests."""
+        """One engine step; returns (sequence, newly committed tokens) for the requests of the step
+        that completed: this one (synchronous) or the previous one (async scheduling)."""
         out = self.scheduler.schedule()
         for seq in out.preempted:
             self.runner.release(seq.seq_id)
         self.num_preemptions += len(out.preempted)
-        if out.is_empty:
-            if out.preempted:
+        launched = None if out.is_empty else (out, self.runner.dispatch(out))
+        if self.async_scheduling:
+            launched, self._inflight = self._inflight, launched
+        if launched is None:
+            if out.preempted or self._inflight is not None or self.scheduler.is_finished():
                 return []
             raise RuntimeError("scheduler produced an empty step with unfinished requests")
-        committed = self.runner.run(out)
+        return self._complete(*launched)
+
+    def _complete(self, out, result) -> list[tuple[Sequence, list[int]]]:
+        """Reads a dispatched step back and applies it."""
+        committed = self.runner.collect(out, result)
         before = [r.seq.num_completion_tokens for r in out.requests]
+        live = [not self.scheduler.is_void(out, r) for r in out.requests]
         K = self.spec.num_speculative_tokens if self.spec else 0
-        for req, toks in zip(out.requests, committed):
+        self.scheduler.postprocess(out, committed)
+        self.num_steps += 1
+        result = []
+        for req, toks, b, was_live in zip(out.requests, committed, before, live):
+            seq = req.seq
+            if not was_live:
+                continue      # preempted or finished after this step was dispatched: wasted row
             if not req.is_prefill and K:
                 m = self._metrics[req.seq_id]
                 m[0] += 1
                 m[1] += K
                 m[2] += len(toks) - 1
-        self.scheduler.postprocess(out, committed)
-        self.num_steps += 1
-        result = []
-        for req, b in zip(out.requests, before):
-            seq = req.seq
             result.append((seq, list(seq.completion_token_ids[b:])))
             if seq.is_finished:
                 self.runner.release(seq.seq_id)

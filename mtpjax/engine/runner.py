@@ -1,6 +1,10 @@
 """Model runner: packs a SchedulerOutput into a padded, bucketed ragged batch, runs the jitted
 mixed step (state donated), and returns each request's committed tokens.
 
+`dispatch` enqueues a step and starts the copy of its one result array to the host; `collect`
+waits for it. Decode rows need nothing from earlier results (the device keeps each slot's seq_len,
+pending token and drafts), so the engine can dispatch step t+1 before collecting step t.
+
 Buckets: rows are always `max_num_seqs` (+1 scratch slot for padding rows), tokens and the MTP
 first pass are padded to powers of two, block tables to a fixed width, so only a handful of
 programs are ever compiled.
@@ -127,9 +131,9 @@ class ModelRunner:
         for i, req in enumerate(reqs):
             seq, n = req.seq, req.num_query_tokens
             s = req.start_position
-            positions[off:off + n] = np.arange(s, s + n)
             seq_ids[off:off + n] = i
             if req.is_prefill:
+                positions[off:off + n] = np.arange(s, s + n)
                 tokens[off:off + n] = req.token_ids
                 kinds[i] = KIND_LAST_CHUNK if req.is_last_chunk else KIND_CHUNK
                 after = seq.token_ids[s + n:s + n + K + 1]
@@ -137,13 +141,14 @@ class ModelRunner:
                 first_pass += max(self.W, n)
                 if self.spec is not None and self.spec.acceptance == "relaxed":
                     thinking[i] = _thinking_after(seq.token_ids[:s + n], self.spec)
+                kv_lens[i] = s + n
             else:
-                tokens[off] = req.token_ids[0]
+                # positions, tokens and kv_len come from the slot's device state
+                positions[off:off + n] = 0
                 kinds[i] = KIND_DECODE
                 first_pass += self.W
             off += n
             cu[i + 1] = off
-            kv_lens[i] = s + n
             if len(seq.block_table) > self.max_blocks:
                 raise ValueError(f"request {seq.seq_id} holds {len(seq.block_table)} blocks, more "
                                  f"than the runner's max_blocks_per_seq={self.max_blocks}")
@@ -165,14 +170,24 @@ class ModelRunner:
         """The packed batch as 5 device arrays, sent in one device_put."""
         return jax.device_put(pack_host(batch))
 
-    def run(self, out: SchedulerOutput) -> list[list[int]]:
-        """Runs one step; returns each scheduled request's committed tokens (before the
-        scheduler's stop / max_tokens truncation)."""
+    def dispatch(self, out: SchedulerOutput) -> jax.Array:
+        """Enqueues one step; returns its result array (int32[R, K+2]) already copying to host."""
         batch, F = self.pack(out)
         self.state, result = _step(self.params, self.cfg, self.spec, self.state,
                                    self.device_inputs(batch), first_pass_len=F, impl=self.impl)
-        result = np.asarray(result)                        # the step's only device->host copy
+        result.copy_to_host_async()                        # the step's only device->host copy
+        return result
+
+    @staticmethod
+    def collect(out: SchedulerOutput, result: jax.Array) -> list[list[int]]:
+        """Waits for a dispatched step; each scheduled request's committed tokens (before the
+        scheduler's stop / max_tokens truncation)."""
+        result = np.asarray(result)
         return [result[i, :result[i, -1]].tolist() for i in range(len(out.requests))]
+
+    def run(self, out: SchedulerOutput) -> list[list[int]]:
+        """dispatch + collect: one synchronous step."""
+        return self.collect(out, self.dispatch(out))
 
 
 def _thinking_after(tokens, spec: SpecConfig) -> bool:

@@ -11,7 +11,14 @@ One `schedule()` builds one device step, in this order (each group first come, f
    never allocate.
 
 After the device step `postprocess(output, committed)` takes each request's committed tokens.
-See docs/engine.md for the arithmetic and a worked example.
+
+Asynchronous scheduling: the engine may call `schedule()` for step t+1 before `postprocess` of
+step t (the device derives a decode's positions and pending token from its own state, so the host
+need not know step t's tokens). Each request then has at most two steps in flight; the scheduler
+tracks them (`_inflight`), reserves blocks for the in-flight step's worst case as well, skips a
+decode whose in-flight step will surely finish it, and drops the results of steps whose request
+was preempted or finished after they were scheduled. See docs/engine.md for the arithmetic and a
+worked example.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ class ScheduledRequest:
     seq: Sequence
     is_prefill: bool
     start_position: int        # seq_len before the step == position of the first query token
+                               # (a decode scheduled while an earlier step of its request is in
+                               # flight: the host's seq_len then; the device adds what it accepted)
     num_query_tokens: int      # prefill: chunk length; decode: K + 1
     is_last_chunk: bool        # the step samples for this request (always True for a decode)
     token_ids: tuple[int, ...]  # host-known inputs: the chunk's tokens, or (pending token,) for a
@@ -66,6 +75,7 @@ class SchedulerOutput:
     requests: list[ScheduledRequest]
     preempted: list[Sequence]      # preempted by this schedule() (drop their device-side drafts)
     num_speculative_tokens: int
+    step_id: int = -1              # order of schedule() calls; postprocess goes in this order
 
     @property
     def num_batched_tokens(self) -> int:
@@ -111,12 +121,15 @@ class Scheduler:
     reserves L.
     eos_token_id: finishes a request unless its sampling params say ignore_eos (stop_token_ids
     always finish).
+    async_scheduling: the caller may schedule step t+1 before postprocessing step t; the refusal
+    limit at add() then keeps room for the extra in-flight step (K more tokens).
     """
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, num_speculative_tokens: int = 0,
                  chunked_prefill: bool = True, num_lookahead_tokens: int = 0,
-                 max_model_len: int | None = None, eos_token_id: int | None = None):
+                 max_model_len: int | None = None, eos_token_id: int | None = None,
+                 async_scheduling: bool = False):
         self.block_manager = block_manager
         self.max_num_seqs = _positive("max_num_seqs", max_num_seqs)
         self.max_num_batched_tokens = _positive("max_num_batched_tokens", max_num_batched_tokens)
@@ -127,12 +140,18 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.chunked_prefill = bool(chunked_prefill)
         self.eos_token_id = eos_token_id
+        self.async_scheduling = bool(async_scheduling)
         if self.max_num_batched_tokens < self.num_decode_tokens:
             raise ValueError(
                 f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one verify step of "
                 f"K + 1 = {self.num_decode_tokens} tokens")
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []   # admission order: oldest first, newest last
+        # seq_id -> steps scheduled but not yet postprocessed, oldest first:
+        # (step_id, prefill tokens, most tokens the step may commit)
+        self._inflight: dict[int, collections.deque[tuple[int, int, int]]] = {}
+        self._dropped: set[tuple[int, int]] = set()   # (step_id, seq_id) whose results are void
+        self._next_step_id = 0
 
     @property
     def num_decode_tokens(self) -> int:
@@ -142,10 +161,11 @@ class Scheduler:
     # ---- queue -------------------------------------------------------------------------------
     def max_completion_tokens(self, num_prompt_tokens: int) -> int:
         """Most completion tokens a prompt can reach with the whole cache to itself: its last
-        decode step (num_tokens = P + M - 1) reserves ceil((P + M + K + L) / block_size) blocks."""
+        decode step (num_tokens = P + M - 1) reserves ceil((P + M + K + L) / block_size) blocks;
+        with async scheduling the last one (num_tokens <= P + M - 2, one decode in flight)
+        reserves ceil((P + M + 2K + L) / block_size)."""
         bm = self.block_manager
-        limit = bm.num_blocks * bm.block_size - num_prompt_tokens - self.num_speculative_tokens \
-            - self.num_lookahead_tokens
+        limit = bm.num_blocks * bm.block_size - num_prompt_tokens - self._reserve_extra
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - num_prompt_tokens)
         if not self.chunked_prefill:  # a recompute prefill holds up to P + M - 1 tokens
@@ -166,13 +186,19 @@ class Scheduler:
             raise ValueError(self._oversize_message(seq, seq.max_tokens))
         self.waiting.append(seq)
 
+    @property
+    def _reserve_extra(self) -> int:
+        """Slots the last decode reserves past P + M: K + L (K more with a step in flight)."""
+        K = self.num_speculative_tokens
+        return K * (2 if self.async_scheduling else 1) + self.num_lookahead_tokens
+
     def _oversize_message(self, seq: Sequence, max_tokens: int) -> str:
         bm = self.block_manager
-        need = bm.num_blocks_for(seq.num_prompt_tokens + max_tokens + self.num_speculative_tokens
-                                 + self.num_lookahead_tokens)
+        need = bm.num_blocks_for(seq.num_prompt_tokens + max_tokens + self._reserve_extra)
         msg = (f"request {seq.seq_id} can never be served: prompt of {seq.num_prompt_tokens} tokens "
-               f"+ max_tokens={max_tokens} (+ K={self.num_speculative_tokens} drafts, "
-               f"lookahead {self.num_lookahead_tokens}) needs {need} blocks of {bm.block_size}, "
+               f"+ max_tokens={max_tokens} (+ {self._reserve_extra} slots for "
+               f"K={self.num_speculative_tokens} drafts{' x2 (async)' if self.async_scheduling else ''}"
+               f", lookahead {self.num_lookahead_tokens}) needs {need} blocks of {bm.block_size}, "
                f"the cache has {bm.num_blocks}")
         if self.max_model_len is not None:
             msg += f"; max_model_len={self.max_model_len}"
@@ -186,6 +212,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self.block_manager.deallocate(seq)
+            self._drop_inflight(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         else:
@@ -205,10 +232,41 @@ class Scheduler:
         of the prompt it recomputes (the prefix cache may still hold its full blocks)."""
         self.running.remove(seq)
         self.block_manager.deallocate(seq)
+        self._drop_inflight(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_prefill_tokens = seq.num_tokens
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    # ---- in-flight steps (async scheduling) --------------------------------------------------
+    def _drop_inflight(self, seq: Sequence) -> None:
+        """The request's in-flight steps no longer count: postprocess will skip their rows."""
+        for step_id, _, _ in self._inflight.pop(seq.seq_id, ()):
+            self._dropped.add((step_id, seq.seq_id))
+
+    def _scheduled_len(self, seq: Sequence) -> int:
+        """seq_len once every in-flight prefill chunk has run."""
+        return seq.num_computed_tokens + sum(p for _, p, _ in self._inflight.get(seq.seq_id, ()))
+
+    def _prefilling(self, seq: Sequence) -> bool:
+        return self._scheduled_len(seq) < seq.num_prefill_tokens
+
+    def _will_finish(self, seq: Sequence) -> bool:
+        """In-flight steps each commit >= 1 token: do they surely reach max_tokens?"""
+        committing = sum(1 for _, _, c in self._inflight.get(seq.seq_id, ()) if c)
+        return committing > 0 and seq.num_completion_tokens + committing >= seq.max_tokens
+
+    def _track(self, req: ScheduledRequest, step_id: int) -> None:
+        self._inflight.setdefault(req.seq_id, collections.deque()).append(
+            (step_id, req.num_query_tokens if req.is_prefill else 0, req.max_committed_tokens))
+
+    def num_inflight_steps(self, seq: Sequence) -> int:
+        return len(self._inflight.get(seq.seq_id, ()))
+
+    def is_void(self, output: SchedulerOutput, req: ScheduledRequest) -> bool:
+        """True if postprocess will skip this row: its request was preempted or finished after
+        the step was scheduled."""
+        return (output.step_id, req.seq_id) in self._dropped
 
     def schedule(self) -> SchedulerOutput:
         bm = self.block_manager
@@ -216,14 +274,20 @@ class Scheduler:
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
         preempted: list[Sequence] = []
-        num_new = self.num_decode_tokens + self.num_lookahead_tokens
+        step_id = self._next_step_id
+        self._next_step_id += 1
 
         # 1. Verify-decodes of running requests, oldest first; preempt newest when out of blocks.
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.is_prefill:
+            if seq.status is not SequenceStatus.RUNNING or self._prefilling(seq):
                 continue  # preempted above, or prefilling (pass 2)
+            if self._will_finish(seq):
+                continue  # its in-flight step ends it: a further step would be wasted
             if budget < self.num_decode_tokens or len(decodes) >= self.max_num_seqs:
                 break
+            # room for this step and for what the in-flight step may still commit
+            num_new = self.num_decode_tokens + self.num_lookahead_tokens + sum(
+                c for _, _, c in self._inflight.get(seq.seq_id, ()))
             while not bm.can_append(seq, num_new):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -241,14 +305,14 @@ class Scheduler:
 
         # 2. Next chunk of partially prefilled running requests.
         for seq in self.running:
-            if not seq.is_prefill:
+            if not self._prefilling(seq):
                 continue
             if budget <= 0 or len(decodes) + len(prefills) >= self.max_num_seqs:
                 break
-            chunk = self._chunk(seq.num_uncomputed_prefill_tokens, budget)
+            chunk = self._chunk(seq.num_prefill_tokens - self._scheduled_len(seq), budget)
             if chunk == 0:
                 break
-            prefills.append(self._prefill_request(seq, chunk))
+            prefills.append(self._prefill_request(seq, chunk, self._scheduled_len(seq)))
             budget -= chunk
 
         # 3. Admit waiting requests (FCFS: stop at the first that does not fit).
@@ -265,11 +329,13 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
-            prefills.append(self._prefill_request(seq, chunk))
+            prefills.append(self._prefill_request(seq, chunk, seq.num_computed_tokens))
             budget -= chunk
 
+        for req in decodes + prefills:
+            self._track(req, step_id)
         return SchedulerOutput(requests=decodes + prefills, preempted=preempted,
-                               num_speculative_tokens=self.num_speculative_tokens)
+                               num_speculative_tokens=self.num_speculative_tokens, step_id=step_id)
 
     def _chunk(self, remaining: int, budget: int) -> int:
         if self.chunked_prefill:
@@ -277,8 +343,7 @@ class Scheduler:
         return remaining if remaining <= budget else 0
 
     @staticmethod
-    def _prefill_request(seq: Sequence, chunk: int) -> ScheduledRequest:
-        start = seq.num_computed_tokens
+    def _prefill_request(seq: Sequence, chunk: int, start: int) -> ScheduledRequest:
         return ScheduledRequest(
             seq=seq, is_prefill=True, start_position=start, num_query_tokens=chunk,
             is_last_chunk=start + chunk == seq.num_prefill_tokens,
@@ -302,18 +367,34 @@ class Scheduler:
         # Validate everything first, so a bad call changes nothing.
         for req, toks in zip(output.requests, committed_token_ids):
             seq, n = req.seq, len(toks)
-            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != req.start_position:
-                raise ValueError(f"sequence {seq.seq_id} is not in the state this step was scheduled "
-                                 f"from (status={seq.status.name}, seq_len={seq.num_computed_tokens}, "
-                                 f"scheduled start_position={req.start_position})")
             lo = 1 if req.is_last_chunk else 0
             if not lo <= n <= req.max_committed_tokens:
                 raise ValueError(f"sequence {seq.seq_id} committed {n} tokens; a "
                                  f"{'decode' if not req.is_prefill else 'prefill chunk'} here commits "
                                  f"{lo}..{req.max_committed_tokens}")
+            if (output.step_id, seq.seq_id) in self._dropped:
+                continue
+            queue = self._inflight.get(seq.seq_id)
+            if (seq.status is not SequenceStatus.RUNNING or not queue
+                    or queue[0][0] != output.step_id
+                    or (req.is_prefill and seq.num_computed_tokens != req.start_position)):
+                raise ValueError(f"sequence {seq.seq_id} is not in the state this step was scheduled "
+                                 f"from (status={seq.status.name}, seq_len={seq.num_computed_tokens}, "
+                                 f"scheduled start_position={req.start_position}, step "
+                                 f"{output.step_id}, oldest step in flight "
+                                 f"{queue[0][0] if queue else None}); postprocess steps once each, "
+                                 f"in the order they were scheduled")
         finished = []
         for req, toks in zip(output.requests, committed_token_ids):
             seq = req.seq
+            if (output.step_id, seq.seq_id) in self._dropped:
+                # preempted or finished after this step was scheduled: its results are void
+                self._dropped.discard((output.step_id, seq.seq_id))
+                continue
+            queue = self._inflight[seq.seq_id]
+            queue.popleft()
+            if not queue:
+                del self._inflight[seq.seq_id]
             if req.is_prefill:
                 seq.num_computed_tokens += req.num_query_tokens
             kept = 0
@@ -334,5 +415,6 @@ class Scheduler:
                 seq.status = SequenceStatus.FINISHED
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)
+                self._drop_inflight(seq)       # a step scheduled after this one is wasted
                 finished.append(seq)
         return finished

@@ -1,8 +1,9 @@
 """The engine's jitted step over a ragged batch mixing prefill chunks and speculative decodes.
 
 Each row r of a `MixedBatch` is one scheduled request, living in engine slot `slots[r]`:
-  KIND_DECODE      q_len = K+1: [pending token, d_1..d_K] at positions N..N+K (drafts are
-                   filled in on device from the slot's state)
+  KIND_DECODE      q_len = K+1: [pending token, d_1..d_K] at positions N..N+K. N, the pending
+                   token and the drafts come from the slot's device state, not from the host, so
+                   the host can pack step t+1 before it has read step t (async scheduling)
   KIND_CHUNK       a non-final prefill chunk: writes KV, commits nothing
   KIND_LAST_CHUNK  the final prefill chunk: commits the first sampled token
   KIND_PAD         padding row (q_len 0)
@@ -40,6 +41,8 @@ class SlotState:
     drafts: jax.Array         # int32[S, K]
     draft_probs: jax.Array    # f32[S, K, V]
     in_thinking: jax.Array    # bool[S]
+    seq_len: jax.Array        # int32[S]      N: positions with committed KV
+    pending: jax.Array        # int32[S]      the committed token at position N (no KV yet)
 
     @classmethod
     def create(cls, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, num_slots: int,
@@ -50,16 +53,18 @@ class SlotState:
                    hist_hidden=jnp.zeros((num_slots, W, cfg.hidden_size), dtype),
                    drafts=jnp.zeros((num_slots, K), jnp.int32),
                    draft_probs=jnp.zeros((num_slots, K, cfg.vocab_size), jnp.float32),
-                   in_thinking=jnp.zeros((num_slots,), bool))
+                   in_thinking=jnp.zeros((num_slots,), bool),
+                   seq_len=jnp.zeros((num_slots,), jnp.int32),
+                   pending=jnp.zeros((num_slots,), jnp.int32))
 
 
 @struct.dataclass
 class MixedBatch:
-    tokens: jax.Array         # int32[T]     token ids (decode draft slots are placeholders)
-    positions: jax.Array      # int32[T]     -1 = padding
+    tokens: jax.Array         # int32[T]     token ids (decode rows: placeholders)
+    positions: jax.Array      # int32[T]     -1 = padding (decode rows: placeholders >= 0)
     seq_ids: jax.Array        # int32[T]     row of each token
     cu_q_lens: jax.Array      # int32[R+1]
-    kv_lens: jax.Array        # int32[R]     N + q_len
+    kv_lens: jax.Array        # int32[R]     N + q_len (decode rows: placeholder)
     block_tables: jax.Array   # int32[R, M]
     slots: jax.Array          # int32[R]     engine slot of each row (padding -> a scratch slot)
     kinds: jax.Array          # int32[R]     KIND_*
@@ -83,40 +88,55 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
     F = first_pass_len
     cu = batch.cu_q_lens
     q_len = cu[1:] - cu[:-1]
-    start = batch.kv_lens - q_len                                  # N before the step
     is_dec = batch.kinds == KIND_DECODE
     is_last = batch.kinds == KIND_LAST_CHUNK
     is_chunk = (batch.kinds == KIND_CHUNK) | is_last
     drafts = state.drafts[batch.slots]
     probs = state.draft_probs[batch.slots]
+    # N before the step: the slot's for decodes, the host's for chunks
+    start = jnp.where(is_dec, state.seq_len[batch.slots], batch.kv_lens - q_len)
+    kv_lens = start + q_len
 
     with jax.named_scope("verify"):
         j = jnp.arange(T) - cu[batch.seq_ids]
-        fill = is_dec[batch.seq_ids] & (j >= 1) & (j <= K) & (batch.positions >= 0)
-        tokens = batch.tokens
+        dec_tok = is_dec[batch.seq_ids] & (jnp.arange(T) < cu[R])
+        positions = jnp.where(dec_tok, start[batch.seq_ids] + j, batch.positions)
+        tokens = jnp.where(dec_tok & (j == 0), state.pending[batch.slots][batch.seq_ids],
+                           batch.tokens)
         if K:
-            tokens = jnp.where(fill, drafts[batch.seq_ids, jnp.clip(j - 1, 0, K - 1)], tokens)
-        pb = PagedBatch(positions=batch.positions, seq_ids=batch.seq_ids,
-                        block_tables=batch.block_tables, kv_lens=batch.kv_lens, cu_q_lens=cu)
+            tokens = jnp.where(dec_tok & (j >= 1),
+                               drafts[batch.seq_ids, jnp.clip(j - 1, 0, K - 1)], tokens)
+        pb = PagedBatch(positions=positions, seq_ids=batch.seq_ids,
+                        block_tables=batch.block_tables, kv_lens=kv_lens, cu_q_lens=cu)
         hidden, cache = forward_cached(params, cfg, state.cache, tokens, pb, impl=impl)
         rows = jnp.where(is_dec[:, None], cu[:-1, None] + jnp.arange(K + 1)[None, :],
                          (cu[1:] - 1)[:, None])
         logits = logits_from_hidden(params, hidden[jnp.clip(rows, 0, T - 1)])   # [R, K+1, V]
 
+    live = batch.kinds != KIND_PAD
+    s = batch.slots
+
+    def track(new_len, pending):
+        """Per-slot N and pending token after the step (the next decode's inputs)."""
+        return dict(seq_len=state.seq_len.at[s].set(jnp.where(live, new_len, state.seq_len[s])),
+                    pending=state.pending.at[s].set(jnp.where(live, pending, state.pending[s])))
+
     if spec is None:
-        key_pos = jnp.where(is_dec, start + 1, batch.kv_lens)
+        key_pos = jnp.where(is_dec, start + 1, kv_lens)
         tok = sample(logits[:, 0], batch.sampling, key_pos)
         committed = (is_dec | is_last).astype(jnp.int32)
-        return state.replace(cache=cache), tok[:, None], committed
+        new_len = jnp.where(is_dec, start + 1, kv_lens)
+        pending = jnp.where(is_dec | is_last, tok, batch.next_tokens[:, 0])
+        return state.replace(cache=cache, **track(new_len, pending)), tok[:, None], committed
 
     with jax.named_scope("accept"):
         num_drafts = jnp.where(is_dec, K, 0).astype(jnp.int32)
-        key_pos = jnp.where(is_dec, start + 1, batch.kv_lens)
+        key_pos = jnp.where(is_dec, start + 1, kv_lens)
         thinking_in = jnp.where(is_dec, state.in_thinking[batch.slots], batch.thinking)
         acc, num_acc, thinking = apply_acceptance(spec, logits, drafts, probs, num_drafts,
                                                   thinking_in, batch.sampling, key_pos)
         committed = jnp.where(is_dec, num_acc, jnp.where(is_last, 1, 0)).astype(jnp.int32)
-        new_len = jnp.where(is_dec, start + num_acc, jnp.where(is_chunk, batch.kv_lens, 0))
+        new_len = jnp.where(is_dec, start + num_acc, jnp.where(is_chunk, kv_lens, 0))
         pending = jnp.where(is_dec, jnp.take_along_axis(acc, (num_acc - 1)[:, None], 1)[:, 0],
                             jnp.where(is_last, acc[:, 0], batch.next_tokens[:, 0]))
 
@@ -137,7 +157,7 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
                        state.hist_hidden[slot_f, hist_idx].astype(hidden.dtype))
         # the token one past each position
         acc_idx = jnp.clip(pos - start[r_of], 0, K)
-        chunk_next = jnp.where(pos + 1 < batch.kv_lens[r_of],
+        chunk_next = jnp.where(pos + 1 < kv_lens[r_of],
                                tokens[jnp.clip(step_row + 1, 0, T - 1)], pending[r_of])
         tok_step = jnp.where(is_dec[r_of], acc[r_of, acc_idx], chunk_next)
         t0 = jnp.where(from_step, tok_step, state.hist_tokens[slot_f, hist_idx])
@@ -150,9 +170,8 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         last_rows = jnp.clip(cu_f[1:] - 1, 0, F - 1)
         # new history = last W entries of each row's first-pass window
         tail = jnp.clip(cu_f[1:, None] - W + jnp.arange(W)[None, :], 0, F - 1)     # [R, W]
-        live = (batch.kinds != KIND_PAD)[:, None]
-        hist_tokens = jnp.where(live, t0[tail], state.hist_tokens[batch.slots])
-        hist_hidden = jnp.where(live[..., None], h0[tail], state.hist_hidden[batch.slots])
+        hist_tokens = jnp.where(live[:, None], t0[tail], state.hist_tokens[batch.slots])
+        hist_hidden = jnp.where(live[:, None, None], h0[tail], state.hist_hidden[batch.slots])
 
     with jax.named_scope("draft"):
         fixed = jnp.where((batch.kinds == KIND_CHUNK)[:, None], batch.next_tokens[:, 1:], -1)
@@ -162,7 +181,6 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
             block_tables=batch.block_tables, sp=batch.sampling, impl=impl,
             drafting=is_dec | is_last, fixed_next=fixed)
 
-    s = batch.slots
     state = SlotState(
         cache=cache,
         hist_tokens=state.hist_tokens.at[s].set(hist_tokens),
@@ -170,5 +188,6 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         drafts=state.drafts.at[s].set(new_drafts),
         draft_probs=state.draft_probs.at[s].set(new_probs),
         in_thinking=state.in_thinking.at[s].set(jnp.where(is_dec | is_last, thinking,
-                                                          state.in_thinking[s])))
+                                                          state.in_thinking[s])),
+        **track(new_len, pending))
     return state, acc, committed
