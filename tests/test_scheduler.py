@@ -355,3 +355,126 @@ def test_docs_worked_example():
     assert (seq.num_computed_tokens, seq.num_tokens, bm.num_cached_blocks) == (9, 10, 2)
     out = sched.schedule()
     assert len(seq.block_table) == 4 and out.requests[0].start_position == 9
+
+
+# ---- async scheduling: schedule(t+1) runs before postprocess(t) -----------------------------
+def run_pipelined(sched, rng, max_steps=10_000):
+    """Play the device one step behind the host, as LLM does with async scheduling. A step
+    'executes' once the step before it is postprocessed (device order); its live decode rows
+    start at the host's seq_len then, which must have blocks for K + 1 + L slots."""
+    bm, K, L = sched.block_manager, sched.num_speculative_tokens, sched.num_lookahead_tokens
+    stats = {"void_rows": 0, "steps": 0, "preempted": 0}
+
+    def execute(out):
+        committed = []
+        for r in out:
+            seq = r.seq
+            if sched.is_void(out, r):        # finished / preempted since: anything comes back
+                committed.append([rng.randrange(VOCAB)] if r.max_committed_tokens else [])
+                continue
+            assert seq.status is SequenceStatus.RUNNING
+            if r.is_prefill:
+                assert r.start_position == seq.num_computed_tokens
+                assert r.token_ids == tuple(seq.token_ids[r.start_position:r.context_len])
+                assert len(seq.block_table) * bm.block_size >= r.context_len + L
+                committed.append([next_token(seq.token_ids)] if r.is_last_chunk else [])
+            else:
+                start = seq.num_computed_tokens     # what the device's slot state holds
+                assert seq.num_tokens == start + 1
+                assert len(seq.block_table) * bm.block_size >= start + K + 1 + L
+                toks = list(seq.token_ids)
+                for _ in range(rng.randint(1, K + 1)):
+                    toks.append(next_token(toks))
+                committed.append(toks[seq.num_tokens:])
+        return committed
+
+    inflight = None
+    while True:
+        out = sched.schedule()
+        stats["preempted"] += len(out.preempted)
+        assert out.num_batched_tokens <= sched.max_num_batched_tokens
+        assert len(out) <= sched.max_num_seqs
+        if inflight is not None:
+            prev, committed = inflight
+            stats["void_rows"] += sum(sched.is_void(prev, r) for r in prev)
+            sched.postprocess(prev, committed)
+            bm.check_invariants(sched.running)
+        inflight = None if out.is_empty else (out, execute(out))
+        if inflight is None and sched.is_finished():
+            return stats
+        assert inflight is not None or out.preempted or not sched.is_finished(), "stalled"
+        stats["steps"] += 1
+        assert stats["steps"] < max_steps
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("K, lookahead, chunked", [(0, 0, True), (2, 1, True), (3, 2, False)])
+def test_async_pipelined_requests_finish_with_all_tokens(seed, K, lookahead, chunked):
+    rng = random.Random(100 + seed)
+    bs = rng.choice([1, 2, 4])
+    bm = BlockManager(rng.randint(12, 20) * 4 // bs, bs, enable_prefix_caching=rng.random() < 0.7)
+    sched = Scheduler(bm, max_num_seqs=rng.randint(1, 5), max_num_batched_tokens=rng.randint(K + 1, 24) + 8,
+                      num_speculative_tokens=K, num_lookahead_tokens=lookahead, chunked_prefill=chunked,
+                      eos_token_id=0, async_scheduling=True)
+    shared = [rng.randrange(1, VOCAB) for _ in range(6)]
+    seqs = []
+    for _ in range(10):
+        prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 9))]
+        s = Sequence(prompt, sampling_params=params(rng.randint(1, 12), stop=(rng.randrange(VOCAB),)))
+        try:
+            sched.add(s)
+        except ValueError:
+            continue
+        seqs.append(s)
+    assert seqs
+    stats = run_pipelined(sched, rng)
+    for s in seqs:
+        assert s.is_finished
+        assert s.completion_token_ids == reference(s.prompt_token_ids, s.max_tokens,
+                                                   tuple(s.stop_token_ids) + (0,))
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_used_blocks == 0
+    assert not sched._inflight and not sched._dropped          # every step accounted for
+    assert stats["preempted"] == sum(s.num_preemptions for s in seqs)
+
+
+def test_async_runs_void_wasted_rows_and_preempt_in_flight_requests():
+    """Guard for the test above: stops void in-flight rows, and small caches preempt requests
+    that have a step in flight."""
+    voids = preempted = 0
+    for seed in range(8):
+        rng = random.Random(seed)
+        bm = BlockManager(10, 2)
+        sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=32, num_speculative_tokens=2,
+                          eos_token_id=0, async_scheduling=True)
+        seqs = [Sequence([i + 1 + seed] * 3, sampling_params=params(6, stop=(3, 7)))
+                for i in range(4)]
+        for s in seqs:
+            sched.add(s)
+        stats = run_pipelined(sched, rng)
+        voids += stats["void_rows"]
+        preempted += stats["preempted"]
+        for s in seqs:
+            assert s.completion_token_ids == reference(s.prompt_token_ids, 6, (3, 7, 0))
+    assert voids > 0 and preempted > 0
+
+
+@pytest.mark.parametrize("K", [0, 1, 3])
+def test_async_limit_is_exact_for_a_request_alone(K):
+    """With one step in flight the last decode reserves P + M + 2K slots: a request at the
+    refusal limit runs alone to the end without preempting itself, one more token is refused."""
+    bm = BlockManager(6, 4)                                  # 24 slots
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=16, num_speculative_tokens=K,
+                      async_scheduling=True)
+    limit = 24 - 5 - 2 * K
+    assert sched.max_completion_tokens(5) == limit
+    with pytest.raises(ValueError, match="x2 \\(async\\)"):
+        sched.add(Sequence(list(range(5)), sampling_params=params(limit + 1)))
+    seq = Sequence(list(range(1, 6)), sampling_params=params(limit))
+    sched.add(seq)
+    for seed in range(5):                                    # any acceptance pattern
+        s = Sequence(list(range(1, 6)), sampling_params=params(limit))
+        sched = Scheduler(BlockManager(6, 4), max_num_seqs=2, max_num_batched_tokens=16,
+                          num_speculative_tokens=K, async_scheduling=True)
+        sched.add(s)
+        stats = run_pipelined(sched, random.Random(seed))
+        assert stats["preempted"] == 0 and s.num_completion_tokens == limit
