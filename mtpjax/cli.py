@@ -1,6 +1,8 @@
 """`mtpjax` command line.
 
     mtpjax generate [--model DIR | --random] [--prompt TEXT | --prompt-ids 1,2,3 ...] [options]
+    mtpjax convert HF_DIR OUT_DIR [--dtype bfloat16]    Hugging Face folder -> Orbax folder
+    mtpjax convert ORBAX_DIR OUT_DIR --to hf           and back (safetensors, config, tokenizer)
     mtpjax bench engine [options]       engine steps/s vs the bare jitted step (host overhead)
     mtpjax bench kernels [options]      the Pallas kernel tables (python -m pallas_kernels.bench)
 """
@@ -18,7 +20,8 @@ import numpy as np
 def _model_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="DIR",
-                   help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")
+                   help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json) "
+                        "or an Orbax folder written by `mtpjax convert`")
     g.add_argument("--random", action="store_true",
                    help="use a small random-weight model instead of --model (for trying things out)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -47,11 +50,13 @@ def _build(args):
     dtype = jax.numpy.bfloat16 if args.dtype == "bfloat16" else jax.numpy.float32
     K = args.num_speculative_tokens
     tokenizer = None
+    eos_token_id = None
     if args.model:
-        from mtpjax.checkpoint.hf_dir import load_hf_dir, load_tokenizer
+        from mtpjax.checkpoint import load_pretrained
         overrides = {} if args.num_mtp_layers is None else {"num_mtp_layers": args.num_mtp_layers}
-        cfg, params = load_hf_dir(args.model, dtype, **overrides)
-        tokenizer = load_tokenizer(args.model)
+        ckpt = load_pretrained(args.model, dtype, **overrides)
+        cfg, params = ckpt.cfg, ckpt.params
+        tokenizer, eos_token_id = ckpt.tokenizer, ckpt.eos_token_id
     elif args.random:
         D = args.num_mtp_layers or (K if args.method == "multi_layer" and K else 1)
         cfg = mtpjax.ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
@@ -69,7 +74,7 @@ def _build(args):
                      max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      enable_prefix_caching=not args.no_prefix_caching, tokenizer=tokenizer,
-                     attention_impl=args.attention, seed=args.seed)
+                     eos_token_id=eos_token_id, attention_impl=args.attention, seed=args.seed)
     return cfg, llm
 
 
@@ -113,6 +118,53 @@ def cmd_generate(args):
               f"length {(acc + steps) / steps:.2f} tokens per verify step")
 
 
+class _ConvertProgress:
+    """A rich progress bar when rich is installed, else a byte counter on stderr."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.bar, self.task = enabled, None, None
+        if enabled:
+            try:
+                from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+                                           TimeRemainingColumn)
+                self.bar = Progress(TextColumn("converting"), BarColumn(), DownloadColumn(),
+                                    TimeRemainingColumn(), TextColumn("{task.description}"),
+                                    transient=True)
+            except ImportError:
+                pass
+
+    def __call__(self, done: int, total: int, name: str):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            if self.task is None:
+                self.bar.start()
+                self.task = self.bar.add_task(name, total=total)
+            self.bar.update(self.task, completed=done, description=name)
+        else:
+            sys.stderr.write(f"\r{done / 1e6:.1f}/{total / 1e6:.1f} MB  {name[:60]:<60}")
+            sys.stderr.flush()
+
+    def close(self):
+        if self.bar is not None and self.task is not None:
+            self.bar.stop()
+        elif self.enabled and self.bar is None:
+            sys.stderr.write("\n")
+
+
+def cmd_convert(args):
+    from mtpjax.checkpoint import convert
+    dtype = {"float32": "float32", "bfloat16": jax.numpy.bfloat16,
+             "float16": "float16", None: None}[args.dtype]
+    progress = _ConvertProgress(not args.no_progress)
+    try:
+        summary = convert(args.src, args.dst, to=args.to, dtype=dtype,
+                          max_shard_size=args.max_shard_size, progress=progress)
+    finally:
+        progress.close()
+    print(summary.line())
+
+
 def cmd_bench(args):
     if args.what == "kernels":
         from pallas_kernels import bench
@@ -141,6 +193,20 @@ def main(argv=None):
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.set_defaults(fn=cmd_generate)
+    c = sub.add_parser("convert", help="convert a checkpoint (Hugging Face <-> Orbax)",
+                       description="Hugging Face folder (llama, qwen2, qwen3, mimo; safetensors, "
+                                   "sharded or not) -> mtpjax Orbax folder, or back with --to hf. "
+                                   "OUT_DIR is written all or nothing.")
+    c.add_argument("src", metavar="SRC_DIR")
+    c.add_argument("dst", metavar="OUT_DIR")
+    c.add_argument("--to", choices=["orbax", "hf"], default="orbax",
+                   help="output format (default orbax: SRC_DIR is a Hugging Face folder)")
+    c.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,
+                   help="dtype of the written arrays (default: as stored)")
+    c.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors shard with --to hf (default 5GB)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.set_defaults(fn=cmd_convert)
     b = sub.add_parser("bench", help="benchmarks (GPU machine)")
     b.add_argument("what", choices=["engine", "kernels"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")

@@ -124,6 +124,21 @@ class ModelConfig:
     def num_query_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (`from_dict` inverts it exactly)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys: {unknown}")
+        d = dict(d)
+        if isinstance(d.get("rope_scaling"), Mapping):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], **overrides) -> "ModelConfig":
         """Reads a Hugging Face `config.json` dict (llama, qwen2, qwen3, mimo)."""

@@ -51,7 +51,15 @@ def export_hf(params, cfg, layout):
 def test_round_trip(layout, seed):
     cfg = tiny_config(model_type="qwen2", qkv_bias=True, num_mtp_layers=2)
     params = mtpjax.init_params(cfg, jax.random.PRNGKey(seed))
-    got = from_hf_state_dict(cfg, export_hf(params, cfg, layout))
+    got = from_hf_state_dict(cfg, export_hf(params, cfg, layout), mtp_layout=layout)
+    jax.tree.map(np.testing.assert_array_equal, got, params)
+
+
+def test_mimo_family_defaults_to_mimo_layout():
+    cfg = tiny_config(model_type="mimo", qkv_bias=True, num_mtp_layers=2,
+                      mtp_concat_order="hidden_embed", mtp_normed_hidden_to_next=True)
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(3))
+    got = from_hf_state_dict(cfg, export_hf(params, cfg, "mimo"))
     jax.tree.map(np.testing.assert_array_equal, got, params)
 
 
@@ -64,35 +72,47 @@ def _tensors():
 def test_unmapped_tensor():
     cfg, t = _tensors()
     t["model.layers.0.self_attn.mystery.weight"] = np.zeros(3)
-    with pytest.raises(ValueError, match="unmapped tensors.*mystery"):
+    with pytest.raises(ValueError, match=r"unexpected tensors:\n    model\.layers\.0\.self_attn\.mystery"):
         from_hf_state_dict(cfg, t)
 
 
 def test_extra_layer_is_unmapped():
     cfg, t = _tensors()
     t["model.layers.9.input_layernorm.weight"] = np.zeros(cfg.hidden_size)
-    with pytest.raises(ValueError, match=r"unmapped.*model\.layers\.9"):
+    with pytest.raises(ValueError, match=r"unexpected tensors:\n    model\.layers\.9\.input"):
         from_hf_state_dict(cfg, t)
 
 
 def test_missing_tensor():
     cfg, t = _tensors()
     del t["model.layers.1.mlp.up_proj.weight"]
-    with pytest.raises(ValueError, match=r"missing tensors for: \['layers/w_up\[1\]'\]"):
+    with pytest.raises(ValueError, match=r"missing tensors:\n    model\.layers\.1\.mlp\.up_proj\.weight \(-> layers/w_up\[1\]\)"):
         from_hf_state_dict(cfg, t)
 
 
-def test_duplicate_tensor():
+def test_other_mtp_layout_is_unexpected():
     cfg, t = _tensors()
     t["model.mtp_layers.0.token_layernorm.weight"] = t["model.layers.2.enorm.weight"]
-    with pytest.raises(ValueError, match="duplicate tensors for mtp/enorm\\[0\\]"):
+    with pytest.raises(ValueError, match=r"(?s)deepseek MTP layout.*unexpected tensors:\n    "
+                                         r"model\.mtp_layers\.0\.token_layernorm"):
+        from_hf_state_dict(cfg, t)
+
+
+def test_deepseek_shared_copies_must_equal_the_shared_weights():
+    cfg, t = _tensors()
+    t["model.layers.2.shared_head.head.weight"] = t["lm_head.weight"].copy()
+    from_hf_state_dict(cfg, t)
+    t["model.layers.2.shared_head.head.weight"][3, 4] += 1
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.shared_head\.head\.weight differs "
+                                         r"from the lm_head"):
         from_hf_state_dict(cfg, t)
 
 
 def test_wrong_shape():
     cfg, t = _tensors()
     t["model.layers.0.self_attn.q_proj.weight"] = np.zeros((5, cfg.hidden_size))
-    with pytest.raises(ValueError, match=r"q_proj.weight: shape \(32, 5\).*layers/wq"):
+    with pytest.raises(ValueError, match=r"wrong shape:\n    model\.layers\.0\.self_attn\.q_proj\.weight: "
+                                         r"shape \[5, 32\], expected \[32, 32\] \(-> layers/wq\[0\]\)"):
         from_hf_state_dict(cfg, t)
 
 

@@ -1,89 +1,118 @@
-"""Hugging Face state dict -> mtpjax parameter tree, as one key table.
+"""Hugging Face tensor names <-> the mtpjax parameter tree, as one key table.
 
-Each rule maps a regex over HF tensor names to a path in the param tree, a stacking index
-(layer or MTP module) and a transform (`T`: HF Linear weights are [out, in], ours [in, out]).
-Conversion raises on unmapped, missing, duplicate or wrongly shaped tensors, naming them.
+`key_table(cfg)` lists, for a model config, every Hugging Face tensor name with its `Slot`: the
+leaf of the param tree, the index along that leaf's stacked axis (decoder layer or MTP module)
+and whether it is transposed (HF Linear weights are [out, in], ours [in, out]). It is built from
+`param_specs(cfg)`, so the table holds exactly the leaves the model has (biases only with
+`qkv_bias`, q/k norms only with `qk_norm`, no `lm_head` when tied). Loading (`validate` then
+`assemble`, used by both the in-memory `from_hf_state_dict` and the streaming `load_hf`) and
+exporting (`hf_export`) read the same table; there is no second copy of the rules.
 
-MTP modules: MiMo stores them as `model.mtp_layers.{k}.*`; DeepSeek-style checkpoints (and our
-own exports for Llama/Qwen families) as `model.layers.{num_layers + k}.*` with enorm / hnorm /
-eh_proj / shared_head.norm. Copies of the shared embedding / head inside MTP layers are checked
-for shape and ignored.
+MTP modules are stored in one of two layouts (`MTP_LAYOUTS`), picked by the family
+(`FAMILY_MTP_LAYOUT`) unless given:
+
+- "mimo" (vLLM `mimo_mtp.py`): `model.mtp_layers.{k}.{token_layernorm, hidden_layernorm,
+  input_proj, final_layernorm}` plus the decoder block's own names under the same prefix.
+- "deepseek" (vLLM `deepseek_mtp.py`): `model.layers.{num_layers + k}.{enorm, hnorm, eh_proj,
+  shared_head.norm}` plus the block, and copies of the shared `embed_tokens` and
+  `shared_head.head` inside every MTP layer.
+
+Copies of shared tensors (those DeepSeek copies; `lm_head.weight` of a tied model, which
+transformers lists) are optional when loading, must equal the leaf they duplicate, and are
+written again on export.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 from typing import Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtpjax.checkpoint.errors import CheckpointError
+from mtpjax.checkpoint.safetensors_io import DTYPE_NAMES, DTYPES
 from mtpjax.config import ModelConfig
 from mtpjax.model.params import ParamSpec, param_specs
 
-_T = lambda a: a.T
-_I = lambda a: a
-
-# Decoder-block leaves relative to a block prefix: (HF suffix regex, our leaf, transform).
-_BLOCK = [
-    (r"input_layernorm\.weight", "attn_norm", _I),
-    (r"post_attention_layernorm\.weight", "mlp_norm", _I),
-    (r"self_attn\.q_proj\.weight", "wq", _T),
-    (r"self_attn\.k_proj\.weight", "wk", _T),
-    (r"self_attn\.v_proj\.weight", "wv", _T),
-    (r"self_attn\.o_proj\.weight", "wo", _T),
-    (r"self_attn\.q_proj\.bias", "bq", _I),
-    (r"self_attn\.k_proj\.bias", "bk", _I),
-    (r"self_attn\.v_proj\.bias", "bv", _I),
-    (r"self_attn\.q_norm\.weight", "q_norm", _I),
-    (r"self_attn\.k_norm\.weight", "k_norm", _I),
-    (r"mlp\.gate_proj\.weight", "w_gate", _T),
-    (r"mlp\.up_proj\.weight", "w_up", _T),
-    (r"mlp\.down_proj\.weight", "w_down", _T),
-]
-
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# Decoder-block leaf -> (HF suffix under the block prefix, transposed).
+BLOCK: dict[str, tuple[str, bool]] = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
 
 
-def _rules(cfg: ModelConfig):
-    """[(compiled regex, fn(match) -> (path tuple, index | None, transform) | None)]."""
-    L = cfg.num_layers
-    rules: list[tuple[re.Pattern, Callable]] = [
-        (re.compile(r"model\.embed_tokens\.weight"), lambda m: (("embed",), None, _I)),
-        (re.compile(r"model\.norm\.weight"), lambda m: (("final_norm",), None, _I)),
-        (re.compile(r"lm_head\.weight"), lambda m: (("lm_head",), None, _T)),
-    ]
-    for suffix, leaf, fn in _BLOCK:
-        rules.append((
-            re.compile(rf"model\.layers\.(\d+)\.{suffix}"),
-            lambda m, leaf=leaf, fn=fn: (
-                (("layers", leaf), int(m[1]), fn) if int(m[1]) < L
-                else (("mtp", "block", leaf), int(m[1]) - L, fn)),
-        ))
-        # MiMo: model.mtp_layers.{k}.<block leaf>
-        rules.append((re.compile(rf"model\.mtp_layers\.(\d+)\.{suffix}"),
-                      lambda m, leaf=leaf, fn=fn: (("mtp", "block", leaf), int(m[1]), fn)))
-    mtp_leaves = [
-        # DeepSeek layout
-        (r"model\.layers\.(\d+)\.enorm\.weight", "enorm", _I),
-        (r"model\.layers\.(\d+)\.hnorm\.weight", "hnorm", _I),
-        (r"model\.layers\.(\d+)\.eh_proj\.weight", "eh_proj", _T),
-        (r"model\.layers\.(\d+)\.shared_head\.norm\.weight", "out_norm", _I),
-        # MiMo layout
-        (r"model\.mtp_layers\.(\d+)\.token_layernorm\.weight", "enorm", _I),
-        (r"model\.mtp_layers\.(\d+)\.hidden_layernorm\.weight", "hnorm", _I),
-        (r"model\.mtp_layers\.(\d+)\.input_proj\.weight", "eh_proj", _T),
-        (r"model\.mtp_layers\.(\d+)\.final_layernorm\.weight", "out_norm", _I),
-    ]
-    for pattern, leaf, fn in mtp_leaves:
-        offset = L if pattern.startswith(r"model\.layers") else 0
-        rules.append((re.compile(pattern),
-                      lambda m, leaf=leaf, fn=fn, offset=offset:
-                      (("mtp", leaf), int(m[1]) - offset, fn)))
-    return rules
+@dataclasses.dataclass(frozen=True)
+class MtpLayout:
+    """Where a checkpoint family keeps MTP module k."""
+
+    name: str
+    prefix: str                  # formatted with i = the module's absolute index
+    after_target_layers: bool    # i = num_layers + k (DeepSeek) rather than k (MiMo)
+    leaves: Mapping[str, tuple[str, bool]]   # our mtp leaf -> (HF suffix, transposed)
+    copies: Mapping[str, str]    # HF suffix -> the shared leaf it duplicates ("embed" | "lm_head")
+
+    def module_prefix(self, cfg: ModelConfig, k: int) -> str:
+        return self.prefix.format(i=cfg.num_layers + k if self.after_target_layers else k)
 
 
-_SHARED_COPIES = re.compile(r"model\.layers\.(\d+)\.(embed_tokens|shared_head\.head)\.weight")
+MTP_LAYOUTS: dict[str, MtpLayout] = {
+    "mimo": MtpLayout(
+        "mimo", "model.mtp_layers.{i}", False,
+        {"enorm": ("token_layernorm.weight", False), "hnorm": ("hidden_layernorm.weight", False),
+         "eh_proj": ("input_proj.weight", True), "out_norm": ("final_layernorm.weight", False)},
+        {}),
+    "deepseek": MtpLayout(
+        "deepseek", "model.layers.{i}", True,
+        {"enorm": ("enorm.weight", False), "hnorm": ("hnorm.weight", False),
+         "eh_proj": ("eh_proj.weight", True), "out_norm": ("shared_head.norm.weight", False)},
+        {"embed_tokens.weight": "embed", "shared_head.head.weight": "lm_head"}),
+}
+FAMILY_MTP_LAYOUT = {"llama": "deepseek", "qwen2": "deepseek", "qwen3": "deepseek", "mimo": "mimo"}
+
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one HF tensor lives in the param tree."""
+
+    path: tuple[str, ...]
+    index: int | None            # along the leaf's stacked axis (layer / MTP module)
+    transpose: bool
+
+    def describe(self) -> str:
+        return "/".join(self.path) + ("" if self.index is None else f"[{self.index}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyTable:
+    cfg: ModelConfig
+    layout: MtpLayout
+    slots: dict[str, Slot]       # every tensor of the tree, grouped by leaf in tree order
+    copies: dict[str, Slot]      # optional duplicates of a shared leaf
+
+    def hf_shape(self, name: str) -> tuple[int, ...]:
+        slot = self.slots.get(name) or self.copies[name]
+        shape = _get(param_specs(self.cfg), slot.path).shape
+        shape = shape[1:] if slot.index is not None else shape
+        return tuple(reversed(shape)) if slot.transpose else tuple(shape)
 
 
 def _get(tree, path):
@@ -92,91 +121,148 @@ def _get(tree, path):
     return tree
 
 
-def from_hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, object], dtype=jnp.float32):
-    """Converts HF tensors (name -> numpy/torch array) into the mtpjax parameter tree."""
+def _leaves(specs, path=()):
+    """(path, ParamSpec) in tree order."""
+    if isinstance(specs, ParamSpec):
+        yield path, specs
+        return
+    for k, v in specs.items():
+        yield from _leaves(v, path + (k,))
+
+
+def mtp_layout_for(cfg: ModelConfig, mtp_layout: str | None = None) -> MtpLayout:
+    name = mtp_layout or FAMILY_MTP_LAYOUT[cfg.model_type]
+    if name not in MTP_LAYOUTS:
+        raise CheckpointError(f"MTP layout {name!r} is not one of {sorted(MTP_LAYOUTS)}")
+    return MTP_LAYOUTS[name]
+
+
+def key_table(cfg: ModelConfig, mtp_layout: str | None = None) -> KeyTable:
+    layout = mtp_layout_for(cfg, mtp_layout)
     specs = param_specs(cfg)
-    rules = _rules(cfg)
-    slots: dict[tuple, dict] = {}    # path -> {index: (name, array)}
-    tied_head = None
-    unmapped = []
-    for name, value in tensors.items():
-        if _IGNORED.match(name):
-            continue
-        arr = _to_numpy(value)
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            tied_head = arr           # transformers lists the tied head too; checked below
-            continue
-        m_copy = _SHARED_COPIES.fullmatch(name)
-        if m_copy and int(m_copy[1]) >= cfg.num_layers:
-            expect = (cfg.vocab_size, cfg.hidden_size)
-            if arr.shape != expect:
-                raise ValueError(f"{name}: shape {arr.shape}, expected {expect}")
-            continue
-        for pattern, target in rules:
-            m = pattern.fullmatch(name)
-            if m:
-                path, index, fn = target(m)
-                break
-        else:
-            unmapped.append(name)
-            continue
-        try:
-            spec = _get(specs, path)
-        except KeyError:
-            unmapped.append(name)
-            continue
-        if not isinstance(spec, ParamSpec):
-            unmapped.append(name)
-            continue
-        stacked = index is not None
-        count = spec.shape[0] if stacked else None
-        if stacked and not 0 <= index < count:
-            unmapped.append(name)
-            continue
-        arr = fn(arr)
-        expect = spec.shape[1:] if stacked else spec.shape
-        if arr.shape != tuple(expect):
-            raise ValueError(f"{name}: shape {arr.shape} (after transpose) does not match "
-                             f"{'/'.join(path)} expected {tuple(expect)}")
-        entry = slots.setdefault(path, {})
-        key = index if stacked else None
-        if key in entry:
-            raise ValueError(f"duplicate tensors for {'/'.join(path)}"
-                             f"{'' if key is None else f'[{key}]'}: {entry[key][0]} and {name}")
-        entry[key] = (name, arr)
-    if unmapped:
-        raise ValueError(f"unmapped tensors (not part of a {cfg.model_type} model with "
-                         f"{cfg.num_layers} layers and {cfg.num_mtp_layers} MTP modules): "
-                         f"{sorted(unmapped)[:20]}")
+    slots: dict[str, Slot] = {}
+    copies: dict[str, Slot] = {}
+    head = ("lm_head",) if "lm_head" in specs else ("embed",)
+    for path, _ in _leaves(specs):
+        if path == ("embed",):
+            slots["model.embed_tokens.weight"] = Slot(path, None, False)
+        elif path == ("final_norm",):
+            slots["model.norm.weight"] = Slot(path, None, False)
+        elif path == ("lm_head",):
+            slots["lm_head.weight"] = Slot(path, None, True)
+        elif path[0] == "layers":
+            suffix, t = BLOCK[path[1]]
+            for i in range(cfg.num_layers):
+                slots[f"model.layers.{i}.{suffix}"] = Slot(path, i, t)
+        elif path[:2] == ("mtp", "block"):
+            suffix, t = BLOCK[path[2]]
+            for k in range(cfg.num_mtp_layers):
+                slots[f"{layout.module_prefix(cfg, k)}.{suffix}"] = Slot(path, k, t)
+        elif path[0] == "mtp":
+            suffix, t = layout.leaves[path[1]]
+            for k in range(cfg.num_mtp_layers):
+                slots[f"{layout.module_prefix(cfg, k)}.{suffix}"] = Slot(path, k, t)
+        else:                                   # a leaf added to params.py without a name here
+            raise AssertionError(f"no Hugging Face name for param {'/'.join(path)}")
+    if cfg.tie_word_embeddings:
+        copies["lm_head.weight"] = Slot(("embed",), None, False)
+    for k in range(cfg.num_mtp_layers):
+        for suffix, leaf in layout.copies.items():
+            path = ("embed",) if leaf == "embed" else head
+            copies[f"{layout.module_prefix(cfg, k)}.{suffix}"] = Slot(path, None, path == ("lm_head",))
+    return KeyTable(cfg, layout, slots, copies)
 
-    missing = []
 
-    def build(spec: ParamSpec, path):
-        entry = slots.get(path, {})
-        if spec.axes[0] in ("layers", "mtp"):
-            want = range(spec.shape[0])
-            absent = [i for i in want if i not in entry]
-            if absent:
-                missing.append(f"{'/'.join(path)}{absent}")
-                return None
-            return jnp.asarray(np.stack([entry[i][1] for i in want]), dtype)
-        if None not in entry:
-            missing.append("/".join(path))
-            return None
-        return jnp.asarray(entry[None][1], dtype)
+def _listing(items: list[str], limit: int = 12) -> str:
+    more = f"\n    ... and {len(items) - limit} more" if len(items) > limit else ""
+    return "".join(f"\n    {s}" for s in items[:limit]) + more
 
-    def walk(tree, path=()):
-        if isinstance(tree, ParamSpec):
-            return build(tree, path)
-        return {k: walk(v, path + (k,)) for k, v in tree.items()}
 
-    params = walk(specs)
-    if missing:
-        raise ValueError(f"missing tensors for: {missing}")
-    if tied_head is not None and not np.array_equal(tied_head, slots[("embed",)][None][1]):
-        raise ValueError("tie_word_embeddings is set but lm_head.weight differs from "
-                         "model.embed_tokens.weight")
-    return params
+def validate(table: KeyTable, tensors: Mapping[str, tuple[tuple[int, ...], str]],
+             source: str = "checkpoint") -> None:
+    """Checks names, shapes and dtypes (name -> (shape, safetensors dtype name)) before any data
+    is read; raises one CheckpointError naming every offending tensor."""
+    unexpected, shapes, dtypes = [], [], []
+    for name, (shape, dtype) in tensors.items():
+        if _IGNORED.fullmatch(name):
+            continue
+        slot = table.slots.get(name) or table.copies.get(name)
+        if slot is None:
+            unexpected.append(name)
+            continue
+        want = table.hf_shape(name)
+        if tuple(shape) != want:
+            shapes.append(f"{name}: shape {list(shape)}, expected {list(want)} "
+                          f"(-> {slot.describe()})")
+        if dtype not in FLOAT_DTYPES:
+            dtypes.append(f"{name}: dtype {dtype}, expected one of {', '.join(FLOAT_DTYPES)}")
+    missing = [f"{n} (-> {s.describe()})" for n, s in table.slots.items() if n not in tensors]
+    parts = [(missing, "missing tensors"), (sorted(unexpected), "unexpected tensors"),
+             (shapes, "wrong shape"), (dtypes, "wrong dtype")]
+    if any(items for items, _ in parts):
+        cfg = table.cfg
+        head = (f"{source} does not match a {cfg.model_type} model with {cfg.num_layers} layers "
+                f"and {cfg.num_mtp_layers} MTP modules ({table.layout.name} MTP layout):")
+        raise CheckpointError(head + "".join(f"\n  {label}:{_listing(items)}"
+                                             for items, label in parts if items))
+
+
+def assemble(table: KeyTable, tensors: Mapping[str, tuple[tuple[int, ...], str]],
+             read: Callable[[str], np.ndarray], dtype=None, *,
+             place: Callable[[tuple, np.ndarray], object] = lambda path, a: jax.device_put(a),
+             on_tensor: Callable[[str], None] | None = None):
+    """Builds the param tree leaf by leaf from a validated checkpoint.
+
+    Each leaf is one preallocated numpy buffer; its tensors are read one at a time (`read(name)`)
+    and copied in, then `place(path, buffer)` turns it into the output leaf (default: a device
+    array) before the next leaf starts. Host memory therefore holds one leaf buffer and one
+    tensor beyond what `place` keeps. dtype None keeps the stored dtype (promoted across a leaf's
+    tensors).
+    """
+    specs = param_specs(table.cfg)
+    fills: dict[tuple, list[tuple[str, Slot]]] = {}
+    copies: dict[tuple, list[tuple[str, Slot]]] = {}
+    for name, slot in table.slots.items():
+        fills.setdefault(slot.path, []).append((name, slot))
+    for name, slot in table.copies.items():
+        if name in tensors:
+            copies.setdefault(slot.path, []).append((name, slot))
+    out: dict = {}
+    for path, spec in _leaves(specs):
+        entries = fills[path]
+        leaf_dtype = np.dtype(dtype if dtype is not None else functools.reduce(
+            jnp.promote_types, [DTYPES[tensors[name][1]] for name, _ in entries]))
+        buf = np.empty(spec.shape, leaf_dtype)
+        for name, slot in entries:
+            arr = read(name)
+            buf[() if slot.index is None else slot.index] = arr.T if slot.transpose else arr
+            del arr
+            if on_tensor is not None:
+                on_tensor(name)
+        for name, slot in copies.get(path, []):    # must equal what was loaded
+            arr = read(name)
+            arr = arr.T if slot.transpose else arr
+            if not np.array_equal(arr.astype(leaf_dtype), buf):
+                raise CheckpointError(f"{name} differs from the {'/'.join(path)} it duplicates "
+                                      "(shared weights must be equal)")
+            del arr
+            if on_tensor is not None:
+                on_tensor(name)
+        node = out
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = place(path, buf)
+        del buf
+    return out
+
+
+def _meta(value) -> tuple[tuple[int, ...], str]:
+    if hasattr(value, "detach"):              # torch tensor
+        dtype = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16",
+                 "torch.float64": "F64"}.get(str(value.dtype), str(value.dtype))
+        return tuple(value.shape), dtype
+    value = np.asarray(value)
+    return tuple(value.shape), DTYPE_NAMES.get(value.dtype, str(value.dtype))
 
 
 def _to_numpy(value) -> np.ndarray:
@@ -186,3 +272,12 @@ def _to_numpy(value) -> np.ndarray:
             value = value.float()
         return value.numpy()
     return np.asarray(value)
+
+
+def from_hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, object], dtype=jnp.float32, *,
+                       mtp_layout: str | None = None):
+    """HF tensors held in memory (name -> numpy / torch array) -> the mtpjax parameter tree."""
+    table = key_table(cfg, mtp_layout)
+    meta = {name: _meta(v) for name, v in tensors.items()}
+    validate(table, meta, "state dict")
+    return assemble(table, meta, lambda name: _to_numpy(tensors[name]), dtype)

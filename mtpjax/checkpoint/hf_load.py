@@ -1,0 +1,99 @@
+"""Loading a Hugging Face model folder: config.json, *.safetensors (sharded or not), tokenizer.
+
+Streaming: every safetensors header is read and the whole checkpoint validated against the key
+table (missing / unexpected / duplicate / wrong shape / wrong dtype / truncated) before any
+tensor data is read; then the params are built leaf by leaf (`hf_keys.assemble`), reading one
+tensor at a time. Peak host memory: the output, plus one leaf buffer and one tensor (with
+`on_host=True`, or with the output on an accelerator, just the leaf buffer and the tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import jax
+
+from mtpjax.checkpoint.bundle import Assets, Checkpoint
+from mtpjax.checkpoint.errors import CheckpointError
+from mtpjax.checkpoint.hf_keys import assemble, key_table, validate
+from mtpjax.checkpoint.safetensors_io import read_tensor, scan_folder
+from mtpjax.config import ModelConfig
+
+CONFIG_FILE = "config.json"
+
+# progress(done_bytes, total_bytes, tensor_name), called after each tensor.
+Progress = Callable[[int, int, str], None]
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def read_hf_config(path: str, **overrides) -> tuple[dict, ModelConfig]:
+    """(config.json as a dict, the ModelConfig read from it)."""
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{path} has no {CONFIG_FILE}; expected a Hugging Face model folder")
+    with open(file) as f:
+        try:
+            hf_config = json.load(f)
+        except ValueError as e:
+            raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    try:
+        cfg = ModelConfig.from_hf(hf_config, **overrides)
+    except KeyError as e:
+        raise CheckpointError(f"{file}: missing key {e}") from None
+    except ValueError as e:
+        raise CheckpointError(f"{file}: {e}") from None
+    return hf_config, cfg
+
+
+def _placer(sharding, on_host: bool):
+    if on_host:
+        return lambda path, a: a
+    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
+        return lambda path, a: jax.device_put(a, sharding)
+
+    def place(path, a):
+        s = sharding
+        for p in path:
+            s = s[p]
+        return jax.device_put(a, s)
+    return place
+
+
+def load_hf(path: str, dtype=None, *, sharding=None, on_host: bool = False,
+            mtp_layout: str | None = None, progress: Progress | None = None,
+            **config_overrides) -> Checkpoint:
+    """Reads a Hugging Face folder into a `Checkpoint` (cfg, params, assets with the tokenizer).
+
+    dtype: of the params (None keeps the stored dtype). sharding: a `jax.sharding.Sharding` for
+    every leaf or a tree of them shaped like the params (None: default device). on_host: keep
+    numpy leaves (for writing them elsewhere). mtp_layout: "mimo" | "deepseek", default by family.
+    config_overrides: ModelConfig fields that replace what config.json says.
+    """
+    hf_config, cfg = read_hf_config(path, **config_overrides)
+    infos = scan_folder(path)
+    table = key_table(cfg, mtp_layout)
+    meta = {name: (info.shape, info.dtype) for name, info in infos.items()}
+    validate(table, meta, path)
+    total = sum(infos[n].nbytes for n in (*table.slots, *table.copies) if n in infos)
+    done = 0
+
+    def read(name):
+        try:
+            return read_tensor(infos[name])
+        except OSError as e:
+            raise CheckpointError(f"{infos[name].file}: cannot read tensor {name}: {e}") from None
+
+    def on_tensor(name):
+        nonlocal done
+        done += infos[name].nbytes
+        if progress is not None:
+            progress(done, total, name)
+
+    params = assemble(table, meta, read, dtype, place=_placer(sharding, on_host),
+                      on_tensor=on_tensor)
+    return Checkpoint(cfg, params, Assets.from_dir(path, hf_config))

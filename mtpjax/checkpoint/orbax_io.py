@@ -1,0 +1,105 @@
+"""mtpjax's own checkpoint folder: the param tree in Orbax, config and tokenizer beside it.
+
+    DIR/mtpjax_checkpoint.json   {"format": "mtpjax-orbax", "version": 1,
+                                  "model_config": ModelConfig.to_dict(), "dtypes": {leaf: dtype}}
+    DIR/params/                  the param tree (orbax StandardCheckpointer)
+    DIR/hf_config.json           the source config.json, when converted from Hugging Face
+    DIR/tokenizer.json, ...      tokenizer / generation files, copied verbatim
+
+`restore` builds the target tree from the saved config (no reliance on Orbax's metadata API)
+and restores straight into the requested sharding: every array is written once, on its devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from mtpjax.checkpoint.atomic import atomic_dir
+from mtpjax.checkpoint.bundle import Assets, Checkpoint, check_params, flat_items
+from mtpjax.checkpoint.errors import CheckpointError
+from mtpjax.config import ModelConfig
+from mtpjax.model.params import param_specs
+
+FORMAT_FILE = "mtpjax_checkpoint.json"
+FORMAT = "mtpjax-orbax"
+PARAMS_DIR = "params"
+HF_CONFIG_FILE = "hf_config.json"
+
+
+def is_orbax_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, FORMAT_FILE))
+
+
+def save(path: str, params, cfg: ModelConfig, *, assets: Assets | None = None) -> None:
+    """Writes the folder above (all or nothing: a failed save leaves no `path`)."""
+    import orbax.checkpoint as ocp
+    check_params(params, cfg)
+    assets = assets or Assets()
+    meta = {"format": FORMAT, "version": 1, "model_config": cfg.to_dict(),
+            "dtypes": {"/".join(p): np.dtype(a.dtype).name for p, a in flat_items(params)}}
+    with atomic_dir(path) as tmp:
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(os.path.join(tmp, PARAMS_DIR), params)
+        with open(os.path.join(tmp, FORMAT_FILE), "w") as f:
+            json.dump(meta, f, indent=2)
+        if assets.hf_config is not None:
+            with open(os.path.join(tmp, HF_CONFIG_FILE), "w") as f:
+                json.dump(assets.hf_config, f, indent=2)
+        assets.write(tmp)
+
+
+def read_meta(path: str) -> tuple[dict, ModelConfig]:
+    file = os.path.join(path, FORMAT_FILE)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{path} has no {FORMAT_FILE}; expected a folder written by "
+                              "mtpjax.checkpoint.save / `mtpjax convert`")
+    with open(file) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT or meta.get("version") != 1:
+        raise CheckpointError(f"{file}: format {meta.get('format')!r} version "
+                              f"{meta.get('version')!r}, expected {FORMAT!r} version 1")
+    return meta, ModelConfig.from_dict(meta["model_config"])
+
+
+def restore(path: str, sharding=None, *, dtype=None) -> Checkpoint:
+    """Reads a folder written by `save`.
+
+    sharding: a `jax.sharding.Sharding` for every leaf, or a tree of them shaped like the params
+    (None: the default device); arrays are restored straight into it. dtype: cast on restore
+    (None keeps the saved dtypes).
+    """
+    import orbax.checkpoint as ocp
+    meta, cfg = read_meta(path)
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def leaf_sharding(p):
+        if sharding is None:
+            return default
+        if isinstance(sharding, jax.sharding.Sharding):
+            return sharding
+        s = sharding
+        for k in p:
+            s = s[k]
+        return s
+
+    def abstract(p, spec):
+        return jax.ShapeDtypeStruct(spec.shape, dtype or meta["dtypes"]["/".join(p)],
+                                    sharding=leaf_sharding(p))
+
+    target: dict = {}
+    for p, spec in flat_items(param_specs(cfg)):
+        node = target
+        for k in p[:-1]:
+            node = node.setdefault(k, {})
+        node[p[-1]] = abstract(p, spec)
+    with ocp.StandardCheckpointer() as ckptr:
+        params = ckptr.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), target)
+    hf_config = None
+    if os.path.isfile(os.path.join(path, HF_CONFIG_FILE)):
+        with open(os.path.join(path, HF_CONFIG_FILE)) as f:
+            hf_config = json.load(f)
+    return Checkpoint(cfg, params, Assets.from_dir(path, hf_config))
