@@ -195,6 +195,17 @@ class LLM:
             bar.close()
         return outputs
 
+    @classmethod
+    def from_pretrained(cls, path: str, spec: SpecConfig | None = None, *, dtype=None,
+                        **llm_kwargs) -> "LLM":
+        """An LLM over a Hugging Face folder or an Orbax folder (`mtpjax convert`), with its
+        tokenizer and eos id unless given; `llm_kwargs` as for `LLM(...)` (num_pages, ...)."""
+        from mtpjax.checkpoint import load_pretrained
+        ckpt = load_pretrained(path, dtype, spec=spec)
+        llm_kwargs.setdefault("tokenizer", ckpt.tokenizer)
+        llm_kwargs.setdefault("eos_token_id", ckpt.eos_token_id)
+        return cls(ckpt.params, ckpt.cfg, spec, **llm_kwargs)
+
 
 class _Progress:
     """Minimal progress line on stderr (no dependency)."""
