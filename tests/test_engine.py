@@ -131,3 +131,36 @@ def test_bad_inputs_leave_the_engine_serving():
     assert llm.scheduler.is_finished()              # nothing half-queued
     out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=5))
     assert [o.token_ids for o in out] == _reference(params, cfg, [[1, 2, 3], [4, 5]], [5, 5])
+
+
+def test_async_scheduling_equals_sync_with_stops_sampling_and_prefix_hits(method="chain", K=2,
+                                                                          D=1, pages=14):
+    """Async scheduling (step t+1 dispatched before step t is read) changes nothing: same tokens
+    and finish reasons as the synchronous engine for greedy and sampled requests with stop
+    tokens (which void in-flight rows), shared prefixes and, with the small cache, preemption;
+    greedy rows also match generate() cut at the first stop."""
+    cfg, params = _model(D)
+    prompts, max_tokens = _workload(11 + K, n=8)
+    want = _reference(params, cfg, prompts, max_tokens)
+    stops = (want[1][2], want[3][1])        # tokens that greedy rows do produce mid-run
+    sps = [SamplingParams(max_tokens=m, stop_token_ids=stops,
+                          temperature=0.0 if i % 2 else 1.0, top_k=0 if i % 4 else 8)
+           for i, m in enumerate(max_tokens)]
+    outs = {}
+    for mode in (False, True):
+        llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=K, method=method),
+                         num_pages=pages, page_size=4, max_num_seqs=3, max_num_batched_tokens=24,
+                         async_scheduling=mode)
+        outs[mode] = llm.generate(prompts, sps)
+        assert llm.block_manager.num_used_blocks == 0 and not llm.scheduler._inflight
+        if pages < 40:
+            assert llm.num_preemptions > 0
+    assert [(o.token_ids, o.finish_reason) for o in outs[True]] == \
+        [(o.token_ids, o.finish_reason) for o in outs[False]]
+    n_stopped = 0
+    for sp, o, w in zip(sps, outs[True], want):
+        if sp.temperature == 0:
+            cut = next((i + 1 for i, t in enumerate(w) if t in stops), len(w))
+            assert o.token_ids == w[:cut]
+            n_stopped += o.finish_reason == "stop"
+    assert n_stopped > 0
