@@ -4,7 +4,9 @@
 
 Builds a random-weight model, fills the engine with `batch` decoding requests (synthetic
 acceptance so acceptance lengths are realistic), then times (a) `LLM.step()` — schedule, pack,
-device step, read back, postprocess — and (b) the jitted step alone, re-run on one packed batch.
+device step, read back, postprocess — with async scheduling (step t+1 dispatched before step t is
+read) and synchronously, and (b) the jitted step alone, re-run on one packed batch, without and
+with the engine's one readback per step.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def main(argv=None):
     params = mtpjax.init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16, std=0.02)
     spec = mtpjax.SpecConfig(num_speculative_tokens=K, acceptance="synthetic",
                              synthetic_accept_rate=0.7)
-    max_tokens = 4 * args.steps * (K + 1) + 64
+    max_tokens = 8 * args.steps * (K + 1) + 64
     pages = B * ((args.prompt_len + max_tokens + 2 * K + 16) // 16 + 2)
     llm = mtpjax.LLM(params, cfg, spec, num_pages=pages, page_size=16, max_num_seqs=B,
                      max_num_batched_tokens=max(B * (K + 1), args.prompt_len * 4),
@@ -48,14 +50,23 @@ def main(argv=None):
                         mtpjax.SamplingParams(max_tokens=max_tokens))
     while any(s.is_prefill for s in llm.scheduler.running) or llm.scheduler.waiting:
         llm.step()
-    for _ in range(5):                                   # warm every decode bucket
-        llm.step()
-    jax.block_until_ready(llm.runner.state)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        llm.step()
-    jax.block_until_ready(llm.runner.state)
-    engine_s = (time.perf_counter() - t0) / args.steps
+
+    def time_engine(async_scheduling):
+        llm.flush()
+        llm.async_scheduling = async_scheduling
+        for _ in range(5):                               # warm every decode bucket
+            llm.step()
+        llm.flush()
+        jax.block_until_ready(llm.runner.state)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            llm.step()
+        llm.flush()
+        jax.block_until_ready(llm.runner.state)
+        return (time.perf_counter() - t0) / args.steps
+
+    engine_s = time_engine(True)
+    engine_sync_s = time_engine(False)
 
     out = llm.scheduler.schedule()                       # one more decode step, packed once
     batch, F = llm.runner.pack(out)
@@ -82,7 +93,9 @@ def main(argv=None):
     print(f"device: {jax.devices()[0].device_kind}; batch {B}, K={K}, prompt {args.prompt_len}, "
           f"hidden {args.hidden}, layers {args.layers}, attention {r.impl}")
     print("| path | ms/step | steps/s |\n| --- | --- | --- |")
-    print(f"| engine (LLM.step) | {engine_s * 1e3:.2f} | {1 / engine_s:.1f} |")
+    print(f"| engine (LLM.step, async scheduling) | {engine_s * 1e3:.2f} | {1 / engine_s:.1f} |")
+    print(f"| engine (LLM.step, synchronous) | {engine_sync_s * 1e3:.2f} | "
+          f"{1 / engine_sync_s:.1f} |")
     print(f"| bare jitted step (async) | {bare_s * 1e3:.2f} | {1 / bare_s:.1f} |")
     print(f"| bare jitted step + readback | {sync_s * 1e3:.2f} | {1 / sync_s:.1f} |")
     print(f"engine host overhead vs bare async step: {overhead * 100:.1f}%; "

@@ -140,6 +140,11 @@ class LLM:
             raise RuntimeError("scheduler produced an empty step with unfinished requests")
         return self._complete(*launched)
 
+    def flush(self) -> list[tuple[Sequence, list[int]]]:
+        """Reads back and applies the step still in flight (async scheduling), if any."""
+        launched, self._inflight = self._inflight, None
+        return [] if launched is None else self._complete(*launched)
+
     def _complete(self, out, result) -> list[tuple[Sequence, list[int]]]:
         """Reads a dispatched step back and applies it."""
         committed = self.runner.collect(out, result)
