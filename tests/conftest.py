@@ -18,3 +18,119 @@ def tiny_config(**overrides) -> ModelConfig:
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# ---- tiny Hugging Face checkpoints on disk (checkpoint tests) ------------------------------------
+
+HF_BASE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+               max_position_embeddings=256, bos_token_id=1, eos_token_id=7)
+HF_FAMILIES = {            # family -> (transformers config, model class, extra config)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, rope_theta=1e6)),
+    "mimo": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6)),   # + MTP tensors
+}
+MTP_BLOCK_SUFFIXES = ("input_layernorm.weight", "post_attention_layernorm.weight",
+                      "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                      "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                      "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+                      "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def write_tokenizer(path, vocab_size: int):
+    """A word-level tokenizer.json over the words t0 .. t{V-1} (no network)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")     # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+
+
+def mtp_tensors(family: str, hf_cfg, num_mtp_layers: int, seed: int) -> dict:
+    """Random MTP module tensors named as MiMo (`model.mtp_layers.{k}`, family "mimo") or
+    DeepSeek (`model.layers.{L+k}`, with copies of the shared embedding and head) store them."""
+    import torch
+    g = torch.Generator().manual_seed(1000 + seed)
+    E, L = hf_cfg.hidden_size, hf_cfg.num_hidden_layers
+    shapes = {"input_layernorm.weight": (E,), "post_attention_layernorm.weight": (E,),
+              "self_attn.q_proj.weight": (E, E), "self_attn.k_proj.weight": (E // 2, E),
+              "self_attn.v_proj.weight": (E // 2, E), "self_attn.o_proj.weight": (E, E),
+              "self_attn.q_proj.bias": (E,), "self_attn.k_proj.bias": (E // 2,),
+              "self_attn.v_proj.bias": (E // 2,),
+              "mlp.gate_proj.weight": (hf_cfg.intermediate_size, E),
+              "mlp.up_proj.weight": (hf_cfg.intermediate_size, E),
+              "mlp.down_proj.weight": (E, hf_cfg.intermediate_size)}
+    names = ({"enorm": "token_layernorm.weight", "hnorm": "hidden_layernorm.weight",
+              "proj": "input_proj.weight", "out": "final_layernorm.weight"} if family == "mimo" else
+             {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "proj": "eh_proj.weight",
+              "out": "shared_head.norm.weight"})
+    out = {}
+    for k in range(num_mtp_layers):
+        pre = f"model.mtp_layers.{k}" if family == "mimo" else f"model.layers.{L + k}"
+        for suffix, shape in shapes.items():
+            if suffix.endswith("norm.weight"):
+                t = 1.0 + 0.3 * torch.randn(shape, generator=g)
+            else:
+                t = 0.15 * torch.randn(shape, generator=g)
+            out[f"{pre}.{suffix}"] = t
+        for key in ("enorm", "hnorm", "out"):
+            out[f"{pre}.{names[key]}"] = 1.0 + 0.3 * torch.randn(E, generator=g)
+        out[f"{pre}.{names['proj']}"] = 0.15 * torch.randn(E, 2 * E, generator=g)
+    return out
+
+
+def write_hf_checkpoint(path, family: str, seed: int, *, sharded: bool = False,
+                        num_mtp_layers: int = 0, tokenizer: bool = True):
+    """A tiny random checkpoint written by transformers' save_pretrained (llama, qwen2, qwen3).
+    "mimo" is a qwen2 checkpoint plus MiMo-named MTP tensors (model_type "mimo"); a qwen2 one
+    with num_mtp_layers > 0 gets DeepSeek-named ones. Weights are moved off their init (norms,
+    biases) and sharpened so greedy argmax is far from ties. Returns (torch target model, MTP
+    tensors by HF name)."""
+    import json
+    import os
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+    cfg_cls, model_cls, extra = HF_FAMILIES[family]
+    torch.manual_seed(seed)
+    hf_cfg = getattr(transformers, cfg_cls)(**HF_BASE, **extra)
+    model = getattr(transformers, model_cls)(hf_cfg).eval().float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith(".bias"):
+                p.add_(0.3 * torch.randn_like(p))
+            else:
+                p.mul_(4.0)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), max_shard_size="20KB" if sharded else "1GB")
+    if family == "mimo":
+        num_mtp_layers = num_mtp_layers or 2
+    mtp = mtp_tensors(family, hf_cfg, num_mtp_layers, seed) if num_mtp_layers else {}
+    if mtp and family != "mimo":           # DeepSeek keeps copies of the shared tensors per layer
+        sd = model.state_dict()
+        for k in range(num_mtp_layers):
+            pre = f"model.layers.{hf_cfg.num_hidden_layers + k}"
+            mtp[f"{pre}.embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+            mtp[f"{pre}.shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    if mtp:
+        mtp = {k: v.contiguous() for k, v in mtp.items()}
+        index_file = path / "model.safetensors.index.json"
+        if index_file.exists():                 # one more shard, listed in the index
+            save_file(mtp, str(path / "model-mtp.safetensors"), metadata={"format": "pt"})
+            index = json.loads(index_file.read_text())
+            index["weight_map"].update({k: "model-mtp.safetensors" for k in mtp})
+            index_file.write_text(json.dumps(index))
+        else:
+            tensors = load_file(str(path / "model.safetensors"))
+            save_file({**tensors, **mtp}, str(path / "model.safetensors"),
+                      metadata={"format": "pt"})
+        cfg_json = json.loads((path / "config.json").read_text())
+        cfg_json["num_nextn_predict_layers"] = num_mtp_layers
+        if family == "mimo":
+            cfg_json.update(model_type="mimo", architectures=["MiMoForCausalLM"])
+        (path / "config.json").write_text(json.dumps(cfg_json))
+    if tokenizer:
+        write_tokenizer(path, HF_BASE["vocab_size"])
+    assert os.path.isfile(path / "config.json")
+    return model, mtp

@@ -51,16 +51,17 @@ def read_hf_config(path: str, **overrides) -> tuple[dict, ModelConfig]:
 
 
 def _placer(sharding, on_host: bool):
+    """path, numpy leaf -> output leaf. Waits for each transfer, so the host buffer is free
+    before the next leaf is read (an async device_put would keep them all alive)."""
     if on_host:
         return lambda path, a: a
-    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
-        return lambda path, a: jax.device_put(a, sharding)
 
     def place(path, a):
         s = sharding
-        for p in path:
-            s = s[p]
-        return jax.device_put(a, s)
+        if s is not None and not isinstance(s, jax.sharding.Sharding):
+            for p in path:
+                s = s[p]
+        return jax.block_until_ready(jax.device_put(a, s))
     return place
 
 
