@@ -18,3 +18,54 @@ def test_bad_prompt_is_a_clear_error(capsys):
     rc = main(["generate", "--random", "--prompt-ids", "1,2,5000", "--num-pages", "32"])
     assert rc == 2
     assert "token id 5000 outside the vocabulary [0, 1024)" in capsys.readouterr().err
+
+
+def test_convert_both_ways_with_summary(tmp_path, capsys):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import mtpjax
+    from mtpjax.checkpoint import export_hf, load_hf
+    from tests.conftest import tiny_config
+    cfg = tiny_config(model_type="mimo", qkv_bias=True, num_mtp_layers=1,
+                      mtp_concat_order="hidden_embed", mtp_normed_hidden_to_next=True)
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(0))
+    export_hf(str(tmp_path / "hf"), params, cfg)
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "orbax")]) in (None, 0)
+    out = capsys.readouterr().out
+    assert "(HF -> Orbax): mimo, 43 tensors, 0.15 MB, 2 target layers, 1 MTP layers (mimo layout)" \
+        in out
+    assert main(["convert", str(tmp_path / "orbax"), str(tmp_path / "back"), "--to", "hf",
+                 "--dtype", "bfloat16", "--max-shard-size", "20KB", "--no-progress"]) in (None, 0)
+    assert "(Orbax -> HF): mimo, 43 tensors, 0.07 MB" in capsys.readouterr().out
+    assert (tmp_path / "back" / "model.safetensors.index.json").exists()
+    back = load_hf(str(tmp_path / "back"))
+    np.testing.assert_array_equal(np.asarray(back.params["mtp"]["eh_proj"]),
+                                  np.asarray(params["mtp"]["eh_proj"].astype(jnp.bfloat16)))
+    # the wrong direction for the folder is a clear error, and writes nothing
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "x"), "--to", "hf"]) == 2
+    assert "is a Hugging Face folder; converting to hf needs an Orbax folder" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_generate_from_an_orbax_folder_with_its_tokenizer(tmp_path, capsys):
+    import jax
+
+    import mtpjax
+    from mtpjax.checkpoint import Assets, save
+    from tests.conftest import tiny_config, write_tokenizer
+    cfg = tiny_config(vocab_size=128, num_mtp_layers=1)
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+    write_tokenizer(tmp_path, 128)
+    save(str(tmp_path / "ck"), params, cfg,
+         assets=Assets(None, {"tokenizer.json": (tmp_path / "tokenizer.json").read_bytes()}))
+    rc = main(["generate", "--model", str(tmp_path / "ck"), "-k", "2", "--prompt", "t1 t2 t3",
+               "--max-tokens", "4", "--num-pages", "32", "--max-num-seqs", "2",
+               "--max-num-batched-tokens", "64"])
+    out = capsys.readouterr().out
+    assert rc in (None, 0)
+    line = next(ln for ln in out.splitlines() if ln.startswith("[0] (length) "))
+    words = line[len("[0] (length) "):].split()
+    assert len(words) == 4 and all(w.startswith("t") for w in words)
+    assert "acceptance rate" in out

@@ -95,7 +95,9 @@ def convert(src: str, dst: str, *, to: str = "orbax", dtype=None, max_shard_size
     want = "hf" if to == "orbax" else "orbax"
     kind = folder_kind(src)
     if kind != want:
-        raise CheckpointError(f"{src} is a {kind} folder; converting to {to} needs a {want} folder")
+        label = {"hf": "a Hugging Face", "orbax": "an Orbax"}
+        raise CheckpointError(f"{src} is {label[kind]} folder; converting to {to} needs "
+                              f"{label[want]} folder")
     if os.path.lexists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
         raise CheckpointError(f"output folder {dst} already exists and is not empty")
     t0 = time.perf_counter()
