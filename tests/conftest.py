@@ -134,3 +134,17 @@ def write_hf_checkpoint(path, family: str, seed: int, *, sharded: bool = False,
         write_tokenizer(path, HF_BASE["vocab_size"])
     assert os.path.isfile(path / "config.json")
     return model, mtp
+
+
+def random_params(cfg: ModelConfig, seed: int = 0, dtype=np.float32, std: float = 0.3):
+    """Like mtpjax.init_params, drawn with numpy (no per-shape compiles): normal weights, norms
+    around 1 and nonzero biases, so a misplaced tensor shows in any comparison."""
+    import jax.numpy as jnp
+    from mtpjax.model.params import ParamSpec, param_specs
+    rng = np.random.default_rng(seed)
+
+    def draw(spec: ParamSpec):
+        a = rng.standard_normal(spec.shape, np.float32)
+        a = 1.0 + 0.3 * a if spec.init == "ones" else std * a
+        return jnp.asarray(a.astype(dtype))
+    return jax.tree.map(draw, param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))

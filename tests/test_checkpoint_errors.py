@@ -5,14 +5,12 @@ import json
 import os
 import shutil
 
-import jax
 import numpy as np
 import pytest
 
-import mtpjax
 from mtpjax.checkpoint import CheckpointError, convert, export_hf
 from mtpjax.cli import main
-from tests.conftest import tiny_config
+from tests.conftest import random_params, tiny_config
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -23,7 +21,7 @@ INDEX = "model.safetensors.index.json"
 def pristine(tmp_path_factory):
     """A sharded llama checkpoint with one DeepSeek-layout MTP module."""
     cfg = tiny_config(num_mtp_layers=1)
-    params = mtpjax.init_params(cfg, jax.random.PRNGKey(0))
+    params = random_params(cfg)
     path = tmp_path_factory.mktemp("pristine") / "hf"
     export_hf(str(path), params, cfg, max_shard_size="16KB")
     return path

@@ -4,9 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-import mtpjax
 from mtpjax.checkpoint import from_hf_state_dict
-from tests.conftest import tiny_config
+from tests.conftest import random_params, tiny_config
 
 
 def export_hf(params, cfg, layout):
@@ -50,7 +49,7 @@ def export_hf(params, cfg, layout):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_round_trip(layout, seed):
     cfg = tiny_config(model_type="qwen2", qkv_bias=True, num_mtp_layers=2)
-    params = mtpjax.init_params(cfg, jax.random.PRNGKey(seed))
+    params = random_params(cfg, seed)
     got = from_hf_state_dict(cfg, export_hf(params, cfg, layout), mtp_layout=layout)
     jax.tree.map(np.testing.assert_array_equal, got, params)
 
@@ -58,14 +57,14 @@ def test_round_trip(layout, seed):
 def test_mimo_family_defaults_to_mimo_layout():
     cfg = tiny_config(model_type="mimo", qkv_bias=True, num_mtp_layers=2,
                       mtp_concat_order="hidden_embed", mtp_normed_hidden_to_next=True)
-    params = mtpjax.init_params(cfg, jax.random.PRNGKey(3))
+    params = random_params(cfg, 3)
     got = from_hf_state_dict(cfg, export_hf(params, cfg, "mimo"))
     jax.tree.map(np.testing.assert_array_equal, got, params)
 
 
 def _tensors():
     cfg = tiny_config(num_mtp_layers=1)
-    params = mtpjax.init_params(cfg, jax.random.PRNGKey(0))
+    params = random_params(cfg)
     return cfg, export_hf(params, cfg, "deepseek")
 
 
@@ -118,7 +117,7 @@ def test_wrong_shape():
 
 def test_tied_head_must_equal_embedding():
     cfg = tiny_config(tie_word_embeddings=True, num_mtp_layers=0)
-    params = mtpjax.init_params(cfg, jax.random.PRNGKey(0))
+    params = random_params(cfg)
     t = export_hf(params, cfg, "deepseek")
     t["lm_head.weight"] = t["model.embed_tokens.weight"]
     from_hf_state_dict(cfg, t)

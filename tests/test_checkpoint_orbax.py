@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-import mtpjax
 from mtpjax.checkpoint import (Assets, CheckpointError, convert, export_hf, load_hf, restore,
                                save)
 from mtpjax.checkpoint.bundle import flat_items
-from tests.conftest import tiny_config, write_tokenizer
+from tests.conftest import random_params, tiny_config, write_hf_checkpoint, write_tokenizer
 
 
 def _assert_same(a, b):
@@ -30,7 +29,7 @@ def _model(family, D, seed=0, dtype=jnp.float32, **kw):
     if family == "mimo":
         extra.update(mtp_concat_order="hidden_embed", mtp_normed_hidden_to_next=True)
     cfg = tiny_config(model_type=family, num_mtp_layers=D, **extra, **kw)
-    return cfg, mtpjax.init_params(cfg, jax.random.PRNGKey(seed), dtype, std=0.3)
+    return cfg, random_params(cfg, seed, dtype)
 
 
 def _assets(tmp_path):
@@ -124,7 +123,6 @@ def test_export_checks_the_tree(tmp_path):
 def test_hf_orbax_hf_round_trip_is_byte_exact(tmp_path, family, D, sharded):
     pytest.importorskip("torch")
     from safetensors.numpy import load_file
-    from tests.conftest import write_hf_checkpoint
     src = tmp_path / "src"
     write_hf_checkpoint(src, family, 5, sharded=sharded, num_mtp_layers=D)
     s1 = convert(str(src), str(tmp_path / "orbax"))
@@ -156,7 +154,6 @@ def test_hf_orbax_hf_round_trip_is_byte_exact(tmp_path, family, D, sharded):
 def test_transformers_loads_the_export(tmp_path, family):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from tests.conftest import write_hf_checkpoint
     model, _ = write_hf_checkpoint(tmp_path / "src", family, 6, tokenizer=False)
     ckpt = load_hf(str(tmp_path / "src"))
     export_hf(str(tmp_path / "out"), ckpt.params, ckpt.cfg, assets=ckpt.assets)

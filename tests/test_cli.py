@@ -21,16 +21,14 @@ def test_bad_prompt_is_a_clear_error(capsys):
 
 
 def test_convert_both_ways_with_summary(tmp_path, capsys):
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
-    import mtpjax
     from mtpjax.checkpoint import export_hf, load_hf
-    from tests.conftest import tiny_config
+    from tests.conftest import random_params, tiny_config
     cfg = tiny_config(model_type="mimo", qkv_bias=True, num_mtp_layers=1,
                       mtp_concat_order="hidden_embed", mtp_normed_hidden_to_next=True)
-    params = mtpjax.init_params(cfg, jax.random.PRNGKey(0))
+    params = random_params(cfg)
     export_hf(str(tmp_path / "hf"), params, cfg)
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "orbax")]) in (None, 0)
     out = capsys.readouterr().out
@@ -50,13 +48,10 @@ def test_convert_both_ways_with_summary(tmp_path, capsys):
 
 
 def test_generate_from_an_orbax_folder_with_its_tokenizer(tmp_path, capsys):
-    import jax
-
-    import mtpjax
     from mtpjax.checkpoint import Assets, save
-    from tests.conftest import tiny_config, write_tokenizer
+    from tests.conftest import random_params, tiny_config, write_tokenizer
     cfg = tiny_config(vocab_size=128, num_mtp_layers=1)
-    params = mtpjax.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+    params = random_params(cfg)
     write_tokenizer(tmp_path, 128)
     save(str(tmp_path / "ck"), params, cfg,
          assets=Assets(None, {"tokenizer.json": (tmp_path / "tokenizer.json").read_bytes()}))

@@ -3,8 +3,9 @@
 Streaming: every safetensors header is read and the whole checkpoint validated against the key
 table (missing / unexpected / duplicate / wrong shape / wrong dtype / truncated) before any
 tensor data is read; then the params are built leaf by leaf (`hf_keys.assemble`), reading one
-tensor at a time. Peak host memory: the output, plus one leaf buffer and one tensor (with
-`on_host=True`, or with the output on an accelerator, just the leaf buffer and the tensor).
+tensor at a time. Each leaf goes to its device (and sharding) as soon as it is complete. Peak host
+memory: the output plus one leaf buffer and one tensor on CPU; with the output on an accelerator,
+just the leaf buffer and the tensor.
 """
 
 from __future__ import annotations
@@ -50,12 +51,9 @@ def read_hf_config(path: str, **overrides) -> tuple[dict, ModelConfig]:
     return hf_config, cfg
 
 
-def _placer(sharding, on_host: bool):
-    """path, numpy leaf -> output leaf. Waits for each transfer, so the host buffer is free
+def _placer(sharding):
+    """path, numpy leaf -> device leaf. Waits for each transfer, so the host buffer is free
     before the next leaf is read (an async device_put would keep them all alive)."""
-    if on_host:
-        return lambda path, a: a
-
     def place(path, a):
         s = sharding
         if s is not None and not isinstance(s, jax.sharding.Sharding):
@@ -65,14 +63,13 @@ def _placer(sharding, on_host: bool):
     return place
 
 
-def load_hf(path: str, dtype=None, *, sharding=None, on_host: bool = False,
-            mtp_layout: str | None = None, progress: Progress | None = None,
-            **config_overrides) -> Checkpoint:
+def load_hf(path: str, dtype=None, *, sharding=None, mtp_layout: str | None = None,
+            progress: Progress | None = None, **config_overrides) -> Checkpoint:
     """Reads a Hugging Face folder into a `Checkpoint` (cfg, params, assets with the tokenizer).
 
     dtype: of the params (None keeps the stored dtype). sharding: a `jax.sharding.Sharding` for
-    every leaf or a tree of them shaped like the params (None: default device). on_host: keep
-    numpy leaves (for writing them elsewhere). mtp_layout: "mimo" | "deepseek", default by family.
+    every leaf or a tree of them shaped like the params (None: default device). mtp_layout:
+    "mimo" | "deepseek", default by family.
     config_overrides: ModelConfig fields that replace what config.json says.
     """
     hf_config, cfg = read_hf_config(path, **config_overrides)
@@ -95,6 +92,6 @@ def load_hf(path: str, dtype=None, *, sharding=None, on_host: bool = False,
         if progress is not None:
             progress(done, total, name)
 
-    params = assemble(table, meta, read, dtype, place=_placer(sharding, on_host),
+    params = assemble(table, meta, read, dtype, place=_placer(sharding),
                       on_tensor=on_tensor)
     return Checkpoint(cfg, params, Assets.from_dir(path, hf_config))

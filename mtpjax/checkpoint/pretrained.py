@@ -110,7 +110,7 @@ def convert(src: str, dst: str, *, to: str = "orbax", dtype=None, max_shard_size
             progress(done, total, name)
 
     if to == "orbax":
-        ckpt = load_hf(src, dtype, on_host=True, progress=tick)
+        ckpt = load_hf(src, dtype, progress=tick)
         save(dst, ckpt.params, ckpt.cfg, assets=ckpt.assets)
     else:
         ckpt = restore(src, dtype=dtype)
