@@ -125,11 +125,12 @@ class _ConvertProgress:
         self.enabled, self.bar, self.task = enabled, None, None
         if enabled:
             try:
+                from rich.console import Console
                 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
                                            TimeRemainingColumn)
                 self.bar = Progress(TextColumn("converting"), BarColumn(), DownloadColumn(),
                                     TimeRemainingColumn(), TextColumn("{task.description}"),
-                                    transient=True)
+                                    console=Console(stderr=True), transient=True)
             except ImportError:
                 pass
 
@@ -154,11 +155,9 @@ class _ConvertProgress:
 
 def cmd_convert(args):
     from mtpjax.checkpoint import convert
-    dtype = {"float32": "float32", "bfloat16": jax.numpy.bfloat16,
-             "float16": "float16", None: None}[args.dtype]
     progress = _ConvertProgress(not args.no_progress)
     try:
-        summary = convert(args.src, args.dst, to=args.to, dtype=dtype,
+        summary = convert(args.src, args.dst, to=args.to, dtype=args.dtype,
                           max_shard_size=args.max_shard_size, progress=progress)
     finally:
         progress.close()

@@ -15,13 +15,18 @@ import tempfile
 from mtpjax.checkpoint.errors import CheckpointError
 
 
+def check_free(dst: str) -> None:
+    """Raises unless `dst` is absent or an empty folder."""
+    if os.path.lexists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
+        raise CheckpointError(f"output folder {os.path.abspath(dst)} already exists and is not empty")
+
+
 @contextlib.contextmanager
 def atomic_dir(dst: str):
     """Yields a fresh folder; it becomes `dst` when the block succeeds. `dst` must not exist
     (an empty folder is replaced)."""
     dst = os.path.abspath(dst)
-    if os.path.lexists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
-        raise CheckpointError(f"output folder {dst} already exists and is not empty")
+    check_free(dst)
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.partial-", dir=parent)

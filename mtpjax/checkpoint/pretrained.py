@@ -12,6 +12,7 @@ import os
 import time
 from typing import Callable
 
+from mtpjax.checkpoint.atomic import check_free
 from mtpjax.checkpoint.bundle import Checkpoint
 from mtpjax.checkpoint.errors import CheckpointError
 from mtpjax.checkpoint.hf_export import export_hf
@@ -98,8 +99,7 @@ def convert(src: str, dst: str, *, to: str = "orbax", dtype=None, max_shard_size
         label = {"hf": "a Hugging Face", "orbax": "an Orbax"}
         raise CheckpointError(f"{src} is {label[kind]} folder; converting to {to} needs "
                               f"{label[want]} folder")
-    if os.path.lexists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
-        raise CheckpointError(f"output folder {dst} already exists and is not empty")
+    check_free(dst)                     # before the (long) read, not only before writing
     t0 = time.perf_counter()
     count = [0, 0]
 
