@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import math
 import time
@@ -89,6 +90,11 @@ class LLM:
                                   max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks,
                                   seed=seed, attention_impl=attention_impl)
         self._inflight = None                       # (SchedulerOutput, result) dispatched, unread
+        # Everything alive now (params, compiled-code caches, modules) lives as long as the
+        # engine: move it out of the collector's reach so a full collection between steps
+        # stays short (with async scheduling a host pause longer than a step stalls the device).
+        gc.collect()
+        gc.freeze()
         self._ids = itertools.count()
         self._metrics: dict[int, list[int]] = {}
         self.num_steps = 0

@@ -29,19 +29,35 @@ from mtpjax.spec.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KI
                                     MixedBatch, SlotState, mixed_step)
 
 
-def pack_host(batch: MixedBatch):
-    """MixedBatch of numpy arrays -> 5 host arrays (few transfers per step)."""
+def pack_host(batch: MixedBatch) -> np.ndarray:
+    """MixedBatch of numpy arrays -> one flat int32 array (one host->device transfer per step;
+    floats and PRNG keys travel bit-cast)."""
     per_token = np.stack([batch.tokens, batch.positions, batch.seq_ids])             # [3, T]
     per_row = np.concatenate([
         batch.cu_q_lens[1:, None], batch.kv_lens[:, None], batch.slots[:, None],
         batch.kinds[:, None], batch.thinking[:, None].astype(np.int32), batch.hist_from[:, None],
-        batch.sampling.top_k[:, None], batch.next_tokens], axis=1).astype(np.int32)
+        batch.sampling.top_k[:, None], batch.next_tokens], axis=1).astype(np.int32)  # [R, 8+K]
     floats = np.stack([batch.sampling.temperature, batch.sampling.top_p], 1).astype(np.float32)
-    return per_token, per_row, batch.block_tables, floats, batch.sampling.keys
+    keys = np.ascontiguousarray(batch.sampling.keys, np.uint32)                       # [R, 2]
+    return np.concatenate([per_token.ravel(), per_row.ravel(),
+                           np.ascontiguousarray(batch.block_tables, np.int32).ravel(),
+                           floats.view(np.int32).ravel(), keys.view(np.int32).ravel()])
 
 
-def unpack_device(per_token, per_row, tables, floats, keys) -> MixedBatch:
-    """Inverse of pack_host, inside the jitted step (slices are free)."""
+def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int) -> MixedBatch:
+    """Inverse of pack_host, inside the jitted step (static slices and bit-casts are free)."""
+    T, R, M = num_tokens, num_rows, max_blocks
+    sizes = [3 * T, None, R * M, 2 * R, 2 * R]
+    sizes[1] = flat.shape[0] - sum(x for x in sizes if x is not None)
+    parts, off = [], 0
+    for n in sizes:
+        parts.append(flat[off:off + n])
+        off += n
+    per_token = parts[0].reshape(3, T)
+    per_row = parts[1].reshape(R, -1)
+    tables = parts[2].reshape(R, M)
+    floats = jax.lax.bitcast_convert_type(parts[3].reshape(R, 2), jnp.float32)
+    keys = jax.lax.bitcast_convert_type(parts[4].reshape(R, 2), jnp.uint32)
     cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), per_row[:, 0]])   # column 0: segment ends
     return MixedBatch(
         tokens=per_token[0], positions=per_token[1], seq_ids=per_token[2],
@@ -52,10 +68,11 @@ def unpack_device(per_token, per_row, tables, floats, keys) -> MixedBatch:
                                 top_p=floats[:, 1], keys=keys))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "first_pass_len", "impl"),
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "first_pass_len", "impl", "shape"),
                    donate_argnames=("state",))
-def _step(params, cfg, spec, state, host_arrays, *, first_pass_len, impl):
-    batch = unpack_device(*host_arrays)
+def _step(params, cfg, spec, state, flat_inputs, *, first_pass_len, impl, shape):
+    T, R, M = shape
+    batch = unpack_device(flat_inputs, num_tokens=T, num_rows=R, max_blocks=M)
     state, acc, num = mixed_step(params, cfg, spec, state, batch, first_pass_len=first_pass_len,
                                  impl=impl)
     return state, jnp.concatenate([acc, num[:, None]], axis=1)     # one array to read back
@@ -167,14 +184,16 @@ class ModelRunner:
         return batch, bucket_size(first_pass)
 
     def device_inputs(self, batch: MixedBatch):
-        """The packed batch as 5 device arrays, sent in one device_put."""
-        return jax.device_put(pack_host(batch))
+        """The packed batch as one device array, and the static shape (T, R, M) to unpack it."""
+        shape = (batch.tokens.shape[0], batch.kinds.shape[0], batch.block_tables.shape[1])
+        return jax.device_put(pack_host(batch)), shape
 
     def dispatch(self, out: SchedulerOutput) -> jax.Array:
         """Enqueues one step; returns its result array (int32[R, K+2]) already copying to host."""
         batch, F = self.pack(out)
-        self.state, result = _step(self.params, self.cfg, self.spec, self.state,
-                                   self.device_inputs(batch), first_pass_len=F, impl=self.impl)
+        inputs, shape = self.device_inputs(batch)
+        self.state, result = _step(self.params, self.cfg, self.spec, self.state, inputs,
+                                   first_pass_len=F, impl=self.impl, shape=shape)
         result.copy_to_host_async()                        # the step's only device->host copy
         return result
 
