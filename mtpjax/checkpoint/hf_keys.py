@@ -107,10 +107,12 @@ class KeyTable:
     layout: MtpLayout
     slots: dict[str, Slot]       # every tensor of the tree, grouped by leaf in tree order
     copies: dict[str, Slot]      # optional duplicates of a shared leaf
+    specs: dict                  # param_specs(cfg)
 
     def hf_shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape as Hugging Face stores it."""
         slot = self.slots.get(name) or self.copies[name]
-        shape = _get(param_specs(self.cfg), slot.path).shape
+        shape = _get(self.specs, slot.path).shape
         shape = shape[1:] if slot.index is not None else shape
         return tuple(reversed(shape)) if slot.transpose else tuple(shape)
 
@@ -138,6 +140,7 @@ def mtp_layout_for(cfg: ModelConfig, mtp_layout: str | None = None) -> MtpLayout
 
 
 def key_table(cfg: ModelConfig, mtp_layout: str | None = None) -> KeyTable:
+    """Every Hugging Face tensor name of a `cfg` model -> its Slot, plus the optional copies."""
     layout = mtp_layout_for(cfg, mtp_layout)
     specs = param_specs(cfg)
     slots: dict[str, Slot] = {}
@@ -170,7 +173,7 @@ def key_table(cfg: ModelConfig, mtp_layout: str | None = None) -> KeyTable:
         for suffix, leaf in layout.copies.items():
             path = ("embed",) if leaf == "embed" else head
             copies[f"{layout.module_prefix(cfg, k)}.{suffix}"] = Slot(path, None, path == ("lm_head",))
-    return KeyTable(cfg, layout, slots, copies)
+    return KeyTable(cfg, layout, slots, copies, specs)
 
 
 def _listing(items: list[str], limit: int = 12) -> str:
@@ -219,7 +222,7 @@ def assemble(table: KeyTable, tensors: Mapping[str, tuple[tuple[int, ...], str]]
     tensor beyond what `place` keeps. dtype None keeps the stored dtype (promoted across a leaf's
     tensors).
     """
-    specs = param_specs(table.cfg)
+    specs = table.specs
     fills: dict[tuple, list[tuple[str, Slot]]] = {}
     copies: dict[tuple, list[tuple[str, Slot]]] = {}
     for name, slot in table.slots.items():
