@@ -180,15 +180,14 @@ def test_preemption_is_newest_first_and_keeps_generated_tokens():
         assert s.completion_token_ids == reference(s.prompt_token_ids, 12)
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("K, lookahead, chunked", [(0, 0, True), (2, 1, True), (3, 2, False)])
-def test_tiny_cache_all_requests_finish_with_all_tokens(seed, K, lookahead, chunked):
-    rng = random.Random(seed)
+def tiny_cache_workload(rng, K, lookahead, chunked, async_scheduling=False):
+    """A random small cache (maybe prefix caching) and up to 10 requests with random stops,
+    some sharing a prefix; requests refused at add() are left out."""
     bs = rng.choice([1, 2, 4])
     bm = BlockManager(rng.randint(12, 20) * 4 // bs, bs, enable_prefix_caching=rng.random() < 0.7)
     sched = Scheduler(bm, max_num_seqs=rng.randint(1, 5), max_num_batched_tokens=rng.randint(K + 1, 24) + 8,
                       num_speculative_tokens=K, num_lookahead_tokens=lookahead, chunked_prefill=chunked,
-                      eos_token_id=0)
+                      eos_token_id=0, async_scheduling=async_scheduling)
     shared = [rng.randrange(1, VOCAB) for _ in range(6)]
     seqs = []
     for _ in range(10):
@@ -200,6 +199,14 @@ def test_tiny_cache_all_requests_finish_with_all_tokens(seed, K, lookahead, chun
             continue
         seqs.append(s)
     assert seqs
+    return bm, sched, seqs
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("K, lookahead, chunked", [(0, 0, True), (2, 1, True), (3, 2, False)])
+def test_tiny_cache_all_requests_finish_with_all_tokens(seed, K, lookahead, chunked):
+    rng = random.Random(seed)
+    bm, sched, seqs = tiny_cache_workload(rng, K, lookahead, chunked)
     log = run_to_completion(sched, rng)
     for s in seqs:
         assert s.is_finished
@@ -411,22 +418,7 @@ def run_pipelined(sched, rng, max_steps=10_000):
 @pytest.mark.parametrize("K, lookahead, chunked", [(0, 0, True), (2, 1, True), (3, 2, False)])
 def test_async_pipelined_requests_finish_with_all_tokens(seed, K, lookahead, chunked):
     rng = random.Random(100 + seed)
-    bs = rng.choice([1, 2, 4])
-    bm = BlockManager(rng.randint(12, 20) * 4 // bs, bs, enable_prefix_caching=rng.random() < 0.7)
-    sched = Scheduler(bm, max_num_seqs=rng.randint(1, 5), max_num_batched_tokens=rng.randint(K + 1, 24) + 8,
-                      num_speculative_tokens=K, num_lookahead_tokens=lookahead, chunked_prefill=chunked,
-                      eos_token_id=0, async_scheduling=True)
-    shared = [rng.randrange(1, VOCAB) for _ in range(6)]
-    seqs = []
-    for _ in range(10):
-        prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 9))]
-        s = Sequence(prompt, sampling_params=params(rng.randint(1, 12), stop=(rng.randrange(VOCAB),)))
-        try:
-            sched.add(s)
-        except ValueError:
-            continue
-        seqs.append(s)
-    assert seqs
+    bm, sched, seqs = tiny_cache_workload(rng, K, lookahead, chunked, async_scheduling=True)
     stats = run_pipelined(sched, rng)
     for s in seqs:
         assert s.is_finished
