@@ -90,11 +90,7 @@ class LLM:
                                   max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks,
                                   seed=seed, attention_impl=attention_impl)
         self._inflight = None                       # (SchedulerOutput, result) dispatched, unread
-        # Everything alive now (params, compiled-code caches, modules) lives as long as the
-        # engine: move it out of the collector's reach so a full collection between steps
-        # stays short (with async scheduling a host pause longer than a step stalls the device).
-        gc.collect()
-        gc.freeze()
+        _freeze_startup_objects()
         self._ids = itertools.count()
         self._metrics: dict[int, list[int]] = {}
         self.num_steps = 0
@@ -216,6 +212,21 @@ class LLM:
         llm_kwargs.setdefault("tokenizer", ckpt.tokenizer)
         llm_kwargs.setdefault("eos_token_id", ckpt.eos_token_id)
         return cls(ckpt.params, ckpt.cfg, spec, **llm_kwargs)
+
+
+_FROZEN = False
+
+
+def _freeze_startup_objects() -> None:
+    """Once per process, at the first engine: move everything alive then (params, modules,
+    compiled-code caches) out of the collector's reach, so a full collection between steps stays
+    short (with async scheduling a host pause longer than a step stalls the device). Once only:
+    a frozen object that later becomes cyclic garbage is never collected."""
+    global _FROZEN
+    if not _FROZEN:
+        gc.collect()
+        gc.freeze()
+        _FROZEN = True
 
 
 class _Progress:
