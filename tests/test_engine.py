@@ -164,3 +164,33 @@ def test_async_scheduling_equals_sync_with_stops_sampling_and_prefix_hits(method
             assert o.token_ids == w[:cut]
             n_stopped += o.finish_reason == "stop"
     assert n_stopped > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_packed_batch_round_trips_through_one_int32_array(seed):
+    """The runner's one host->device array: every field comes back bit for bit (floats and PRNG
+    keys are bit-cast, so negative floats and keys with the high bit set must survive)."""
+    from mtpjax.engine.runner import pack_host, unpack_device
+    from mtpjax.sampling import SamplingArrays
+    from mtpjax.spec.mixed_step import MixedBatch
+    rng = np.random.default_rng(seed)
+    T, R, M, K = 16, 5, 7, 3
+    i32 = lambda *shape: rng.integers(-2**31, 2**31 - 1, size=shape, dtype=np.int64).astype(np.int32)
+    batch = MixedBatch(
+        tokens=i32(T), positions=i32(T), seq_ids=i32(T),
+        cu_q_lens=np.concatenate([[0], i32(R)]).astype(np.int32), kv_lens=i32(R),
+        block_tables=i32(R, M), slots=i32(R), kinds=i32(R), next_tokens=i32(R, K + 1),
+        thinking=rng.random(R) < 0.5, hist_from=i32(R),
+        sampling=SamplingArrays(temperature=rng.normal(size=R).astype(np.float32), top_k=i32(R),
+                                top_p=np.float32([np.inf, -0.0, 1e-30, -3.5, 0.7]),
+                                keys=rng.integers(0, 2**32, size=(R, 2), dtype=np.uint64)
+                                .astype(np.uint32)))
+    flat = pack_host(batch)
+    assert flat.dtype == np.int32 and flat.ndim == 1
+    got = jax.jit(lambda f: unpack_device(f, num_tokens=T, num_rows=R, max_blocks=M))(flat)
+    sent = jax.tree_util.tree_flatten_with_path(batch)[0]        # [(path, leaf)]
+    for (name, want), have in zip(sent, jax.tree.leaves(got), strict=True):
+        have = np.asarray(have)
+        assert have.dtype == np.asarray(want).dtype, name
+        np.testing.assert_array_equal(have.view(np.uint8), np.asarray(want).view(np.uint8),
+                                      err_msg=str(name))
