@@ -44,8 +44,9 @@ class ScheduledRequest:
                                # flight: the host's seq_len then; the device adds what it accepted)
     num_query_tokens: int      # prefill: chunk length; decode: K + 1
     is_last_chunk: bool        # the step samples for this request (always True for a decode)
-    token_ids: tuple[int, ...]  # host-known inputs: the chunk's tokens, or (pending token,) for a
-                                # decode (its K drafts are on the device)
+    token_ids: tuple[int, ...]  # host-known inputs: the chunk's tokens, or (the host's last token,)
+                                # for a decode; the device step takes the decode's pending token
+                                # and K drafts from the slot (they differ while a step is in flight)
 
     @property
     def seq_id(self) -> int:
