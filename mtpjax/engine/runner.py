@@ -204,10 +204,6 @@ class ModelRunner:
         result = np.asarray(result)
         return [result[i, :result[i, -1]].tolist() for i in range(len(out.requests))]
 
-    def run(self, out: SchedulerOutput) -> list[list[int]]:
-        """dispatch + collect: one synchronous step."""
-        return self.collect(out, self.dispatch(out))
-
 
 def _thinking_after(tokens, spec: SpecConfig) -> bool:
     start = end = -1

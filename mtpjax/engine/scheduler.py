@@ -261,9 +261,6 @@ class Scheduler:
         self._inflight.setdefault(req.seq_id, collections.deque()).append(
             (step_id, req.num_query_tokens if req.is_prefill else 0, req.max_committed_tokens))
 
-    def num_inflight_steps(self, seq: Sequence) -> int:
-        return len(self._inflight.get(seq.seq_id, ()))
-
     def is_void(self, output: SchedulerOutput, req: ScheduledRequest) -> bool:
         """True if postprocess will skip this row: its request was preempted or finished after
         the step was scheduled."""
@@ -310,10 +307,11 @@ class Scheduler:
                 continue
             if budget <= 0 or len(decodes) + len(prefills) >= self.max_num_seqs:
                 break
-            chunk = self._chunk(seq.num_prefill_tokens - self._scheduled_len(seq), budget)
+            start = self._scheduled_len(seq)
+            chunk = self._chunk(seq.num_prefill_tokens - start, budget)
             if chunk == 0:
                 break
-            prefills.append(self._prefill_request(seq, chunk, self._scheduled_len(seq)))
+            prefills.append(self._prefill_request(seq, chunk, start))
             budget -= chunk
 
         # 3. Admit waiting requests (FCFS: stop at the first that does not fit).
