@@ -4,7 +4,7 @@
     mtpjax convert HF_DIR OUT_DIR [--dtype bfloat16]    Hugging Face folder -> Orbax folder
     mtpjax convert ORBAX_DIR OUT_DIR --to hf           and back (safetensors, config, tokenizer)
     mtpjax bench engine [options]       engine steps/s vs the bare jitted step (host overhead)
-    mtpjax bench kernels [options]      the Pallas kernel tables (python -m pallas_kernels.bench)
+    mtpjax bench kernels [options]      the Pallas kernel tables (python -m mtpjax.bench.kernels)
 """
 
 from __future__ import annotations
@@ -166,9 +166,9 @@ def cmd_convert(args):
 
 def cmd_bench(args):
     if args.what == "kernels":
-        from pallas_kernels import bench
+        from mtpjax.bench import kernels as bench
         return bench.main(args.rest)
-    from mtpjax.engine.bench import main as engine_bench
+    from mtpjax.bench.engine import main as engine_bench
     return engine_bench(args.rest)
 
 

@@ -188,8 +188,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     args = (jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(lens, jnp.int32),
             jnp.asarray(tables))
     if spec is not None:
-        from mtpjax.spec.generate import speculative_generate
-        from mtpjax.spec.draft import DRAFT_SOURCES
+        from mtpjax.speculative.generate import speculative_generate
+        from mtpjax.speculative.draft import DRAFT_SOURCES
         sources = [draft_source] if isinstance(draft_source, str) else list(draft_source)
         if len(sources) not in (1, len(prompts)):
             raise ValueError(f"draft_source has {len(sources)} entries for {len(prompts)} prompts")

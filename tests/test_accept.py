@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from mtpjax.spec import accept_greedy, accept_rejection, accept_relaxed, accept_synthetic
+from mtpjax.speculative import accept_greedy, accept_rejection, accept_relaxed, accept_synthetic
 
 V = 8
 

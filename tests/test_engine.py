@@ -172,7 +172,7 @@ def test_packed_batch_round_trips_through_one_int32_array(seed):
     keys are bit-cast, so negative floats and keys with the high bit set must survive)."""
     from mtpjax.engine.runner import pack_host, unpack_device
     from mtpjax.sampling import SamplingArrays
-    from mtpjax.spec.mixed_step import MixedBatch
+    from mtpjax.speculative.mixed_step import MixedBatch
     rng = np.random.default_rng(seed)
     T, R, M, K = 16, 5, 7, 3
     i32 = lambda *shape: rng.integers(-2**31, 2**31 - 1, size=shape, dtype=np.int64).astype(np.int32)

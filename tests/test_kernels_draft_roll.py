@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.draft_roll import draft_roll, draft_roll_reference
-from pallas_kernels.testing import interpret_mode
+from tests.kernel_oracle import interpret_mode
 
 
 def _case(seed, lens, n_max, hd, tail, dtype):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-from pallas_kernels.testing import (TOL, dense_attention, interpret_mode, random_paged_cache,
+from tests.kernel_oracle import (TOL, dense_attention, interpret_mode, random_paged_cache,
                                     rel_err)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
-from pallas_kernels.testing import (TOL, dense_attention, interpret_mode, random_paged_cache,
+from tests.kernel_oracle import (TOL, dense_attention, interpret_mode, random_paged_cache,
                                     rel_err)
 
 

@@ -14,7 +14,7 @@ from mtpjax.generate import pack_prompts, plan_pages
 from mtpjax.model.mtp import mtp_forward
 from mtpjax.sampling import SamplingArrays, filtered_probs
 from mtpjax.sampling import Limits
-from mtpjax.spec.step import spec_prefill, spec_step
+from mtpjax.speculative.step import spec_prefill, spec_step
 from tests.conftest import tiny_config
 from tests.test_accept import chi2_pvalue
 

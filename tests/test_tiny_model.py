@@ -78,7 +78,7 @@ def _write_corpus(root):
 
 
 def test_train_tiny_end_to_end_is_reproducible_and_replaces_its_folder(tmp_path):
-    from mtpjax.train_tiny import list_files, main
+    from mtpjax.train.tiny import list_files, main
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     _write_corpus(corpus)
@@ -101,7 +101,7 @@ def test_train_tiny_end_to_end_is_reproducible_and_replaces_its_folder(tmp_path)
     text = tiny_model_prompts(str(out))[0]
     assert ck.tokenizer.decode(ck.tokenizer.encode(text)) == text
     readme = (out / "README.md").read_text()
-    assert "python -m mtpjax.train_tiny --corpus" in readme and "| heldout |" in readme
+    assert "python -m mtpjax.train.tiny --corpus" in readme and "| heldout |" in readme
     llm = mtpjax.LLM(ck.params, ck.cfg, mtpjax.SpecConfig(num_speculative_tokens=2),
                      tokenizer=ck.tokenizer, num_pages=16, page_size=8, max_num_seqs=1,
                      max_num_batched_tokens=64)

@@ -1,7 +1,7 @@
 """Model assets shipped with mtpjax.
 
 `tiny_model_path()` is a small trained MiMo-style code model (target + 1 MTP module, byte-level
-BPE tokenizer), written by `python -m mtpjax.train_tiny`; see its README.md.
+BPE tokenizer), written by `python -m mtpjax.train.tiny`; see its README.md.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ def tiny_model_path() -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(
             f"{path} has no config.json: the shipped model is missing from this install; "
-            "rebuild it with `python -m mtpjax.train_tiny --out " + path + " --seconds 180`")
+            "rebuild it with `python -m mtpjax.train.tiny --out " + path + " --seconds 180`")
     return path
 
 
 def tiny_model_prompts(path: str | None = None) -> list[str]:
     """Held-out Python snippets (from files the model was not trained on): the `prompts.json`
-    that `mtpjax.train_tiny` writes into the model folder (default: the shipped model)."""
+    that `mtpjax.train.tiny` writes into the model folder (default: the shipped model)."""
     with open(os.path.join(path or tiny_model_path(), "prompts.json")) as f:
         return [p["text"] for p in json.load(f)]

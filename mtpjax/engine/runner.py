@@ -24,8 +24,8 @@ from mtpjax.engine.scheduler import SchedulerOutput
 from mtpjax.generate import bucket_size
 from mtpjax.model.attention import resolve_impl
 from mtpjax.sampling import SamplingArrays, request_key
-from mtpjax.spec.draft import draft_shape
-from mtpjax.spec.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
+from mtpjax.speculative.draft import draft_shape
+from mtpjax.speculative.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
                                     MixedBatch, SlotState, mixed_step)
 
 

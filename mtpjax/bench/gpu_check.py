@@ -1,7 +1,7 @@
 """GPU smoke check (not a test): Pallas and reference attention give the same greedy tokens,
 through `generate` (uniform batches) and the engine (ragged batches), in bf16.
 
-    python -m mtpjax.engine.gpu_check
+    python -m mtpjax.bench.gpu_check
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 #!/bin/bash
 # Nsight Compute profile of one call each of the prefill / draft_roll kernels and
 # their peers (GPU machine). Usage:
-#   bash pallas_kernels/ncu_profile.sh OUTDIR [TARGETS]
-# TARGETS: see pallas_kernels.sweep.ncu_target (default below). Writes OUTDIR/prof.ncu-rep,
+#   bash mtpjax/bench/ncu_profile.sh OUTDIR [TARGETS]
+# TARGETS: see mtpjax.bench.kernel_sweep.ncu_target (default below). Writes OUTDIR/prof.ncu-rep,
 # details.txt (all sections, every kernel of the profiled calls), raw.csv (selected
 # counters), sass_*.csv (per-instruction SASS of our kernels), env.txt.
-#   NCU_MODE=times bash pallas_kernels/ncu_profile.sh OUTDIR TARGETS
+#   NCU_MODE=times bash mtpjax/bench/ncu_profile.sh OUTDIR TARGETS
 # only times every kernel of the targets' calls (one pass each, caches not flushed,
 # so back-to-back kernels see each other's L2 state) and prints them grouped by name.
 set -u
@@ -15,7 +15,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 if [ "${NCU_MODE:-}" = times ]; then
   timeout "${NCU_TIMEOUT:-300}" ncu --clock-control none --cache-control none --profile-from-start off \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv --print-units base \
-    --log-file "$O/times.csv" python3 -m pallas_kernels.sweep --ncu-target "$T" > "$O/times_run.log" 2>&1
+    --log-file "$O/times.csv" python3 -m mtpjax.bench.kernel_sweep --ncu-target "$T" > "$O/times_run.log" 2>&1
   echo "ncu rc $?" >> "$O/times_run.log"
   python3 - "$O/times.csv" "$O/times_run.log" <<'PY'
 import csv, sys, collections
@@ -57,7 +57,7 @@ for s in SpeedOfLight MemoryWorkloadAnalysis MemoryWorkloadAnalysis_Tables Occup
   S="$S --section $s"; done
 echo "ncu --clock-control none --profile-from-start off$S --metrics $M -o prof" >> "$O/env.txt"
 timeout "${NCU_TIMEOUT:-300}" ncu --clock-control none --profile-from-start off $S --metrics "$M" \
-  -o "${NCU_REP:-$O/prof}" -f python3 -m pallas_kernels.sweep --ncu-target "$T" > "$O/ncu_run.log" 2>&1
+  -o "${NCU_REP:-$O/prof}" -f python3 -m mtpjax.bench.kernel_sweep --ncu-target "$T" > "$O/ncu_run.log" 2>&1
 echo "ncu rc $?" >> "$O/ncu_run.log"
 ncu -i "${NCU_REP:-$O/prof}.ncu-rep" > "$O/details.txt" 2>&1
 ncu -i "${NCU_REP:-$O/prof}.ncu-rep" --page raw --csv --metrics "$M,launch__registers_per_thread,launch__grid_size,launch__block_size,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum" > "$O/raw.csv" 2>&1

@@ -1,4 +1,4 @@
-"""`python -m mtpjax.train_tiny`: train the tiny MiMo-style code model shipped with mtpjax.
+"""`python -m mtpjax.train.tiny`: train the tiny MiMo-style code model shipped with mtpjax.
 
 A Qwen2 target plus `num_mtp_layers` MTP module(s) (model_type "mimo", so it loads through the
 MiMo path of `mtpjax.checkpoint.load_hf`), trained jointly on Python source files:
@@ -360,7 +360,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    command = "python -m mtpjax.train_tiny " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m mtpjax.train.tiny " + " ".join(sys.argv[1:] if argv is None else argv)
     t_start = time.perf_counter()
     device = jax.devices()[0]
     print(f"device: {device.platform} ({device.device_kind}); jax {jax.__version__}", flush=True)

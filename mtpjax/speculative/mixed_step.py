@@ -25,8 +25,8 @@ from mtpjax.cache import KVCache, PagedBatch
 from mtpjax.config import ModelConfig, SpecConfig
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
 from mtpjax.sampling import SamplingArrays, sample
-from mtpjax.spec.accept import apply_acceptance
-from mtpjax.spec.draft import draft_shape, run_drafts
+from mtpjax.speculative.accept import apply_acceptance
+from mtpjax.speculative.draft import draft_shape, run_drafts
 
 KIND_PAD, KIND_DECODE, KIND_CHUNK, KIND_LAST_CHUNK = 0, 1, 2, 3
 

@@ -15,10 +15,10 @@ from mtpjax.cache import KVCache, PagedBatch
 from mtpjax.config import ModelConfig, SpecConfig
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
 from mtpjax.sampling import Limits, SamplingArrays, is_stop, sample
-from mtpjax.spec.accept import apply_acceptance
-from mtpjax.spec.draft import run_drafts, window_size
-from mtpjax.spec.metrics import SpecStats
-from mtpjax.spec.roll import roll_draft_inputs
+from mtpjax.speculative.accept import apply_acceptance
+from mtpjax.speculative.draft import run_drafts, window_size
+from mtpjax.speculative.metrics import SpecStats
+from mtpjax.speculative.roll import roll_draft_inputs
 
 
 @struct.dataclass

@@ -1,6 +1,6 @@
 """Host-overhead benchmark: engine steps/s against the bare jitted step on the same batch.
 
-    python -m mtpjax.engine.bench [--batch 32] [--k 3] [--steps 50]
+    python -m mtpjax.bench.engine [--batch 32] [--k 3] [--steps 50]
 
 Builds a random-weight model, fills the engine with `batch` decoding requests (synthetic
 acceptance so acceptance lengths are realistic), then times (a) `LLM.step()` — schedule, pack,

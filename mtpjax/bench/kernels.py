@@ -1,6 +1,6 @@
 """Benchmarks of the mtpjax Pallas kernels against peers measured in the same run.
 
-    python -m pallas_kernels.bench [--mode full|tune|check] [--out DIR] [--quick]
+    python -m mtpjax.bench.kernels [--mode full|tune|check] [--out DIR] [--quick]
 
 Prints one table per kernel: median time, TB/s (TFLOP/s for prefill), % of the
 device-to-device copy bandwidth measured in this run, and peers on the same shapes:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtpjax.config import ModelConfig, SpecConfig
-from mtpjax.spec.step import SpecState, spec_prefill, spec_step
+from mtpjax.speculative.step import SpecState, spec_prefill, spec_step
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "max_new", "impl", "source"),
@@ -35,7 +35,7 @@ def speculative_generate(params, cfg: ModelConfig, spec: SpecConfig, cache, toke
                          draft_source: str = "model", forced_tokens=None):
     from mtpjax.generate import GenerateOutput
     lim = limits
-    from mtpjax.spec.draft import DRAFT_SOURCES, DraftOverride
+    from mtpjax.speculative.draft import DRAFT_SOURCES, DraftOverride
     B = tokens.shape[0]
     sources = [draft_source] * B if isinstance(draft_source, str) else list(draft_source)
     forced = DraftOverride(

@@ -1,11 +1,11 @@
 """Targeted sweeps for the kernel targets (one device call; GPU only).
 
-    python3 -m pallas_kernels.sweep --out $OUT [--sections decode,verify,prefill,roll]
-    python3 -m pallas_kernels.sweep --ncu-target 1,32   # decode launches, for ncu
-    ncu --profile-from-start off ... python3 -m pallas_kernels.sweep \
+    python3 -m mtpjax.bench.kernel_sweep --out $OUT [--sections decode,verify,prefill,roll]
+    python3 -m mtpjax.bench.kernel_sweep --ncu-target 1,32   # decode launches, for ncu
+    ncu --profile-from-start off ... python3 -m mtpjax.bench.kernel_sweep \
         --ncu-target prefill:64,cudnn:64,roll,roll_xla   # one call of each, see ncu_target
 
-Same timing method as `pallas_kernels.bench` (marginal time per call between
+Same timing method as `mtpjax.bench.kernels` (marginal time per call between
 jits of 32 and 8 independent calls; `us_r8` = the pre-round-2 method, t(8) / 8), same inputs (random, permuted block
 tables). Every variant's output is compared with the jnp reference (`err`) or
 with the XLA path bit for bit (`exact`). Prints one short table last; the JSON
@@ -23,7 +23,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import bench
+from mtpjax.bench import kernels as bench
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 
 ROWS = []

@@ -1,0 +1,1 @@
+"""Benchmarks and GPU checks (run on the GPU machine; never timed in tests)."""

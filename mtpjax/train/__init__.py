@@ -1,0 +1,1 @@
+"""Training of target + MTP modules."""
