@@ -15,30 +15,28 @@ from mtpjax.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
-    """Per-layer page arrays (a tuple, not one stacked array, so a kernel gets a layer's pages
-    without a copy and KV writes update each buffer in place under donation)."""
+    """The paged cache: one page pytree per attention layer, of that layer's cache kind
+    (`GQAPages` for "gqa"). Target layers and MTP modules share the block tables and slots."""
 
-    target_k: tuple[jax.Array, ...]   # L x [KVH, P, S, hd]   P pages of S tokens
-    target_v: tuple[jax.Array, ...]   # L x [KVH, P, S, hd]
-    mtp_k: tuple[jax.Array, ...]      # D x [KVH, P, S, hd]   one attention layer per MTP module
-    mtp_v: tuple[jax.Array, ...]      # D x [KVH, P, S, hd]
+    target: tuple            # L x pages of the target layer's attention kind
+    mtp: tuple               # D x pages, one attention layer per MTP module
 
     @property
     def num_pages(self) -> int:
-        return self.target_k[0].shape[1]
+        return self.target[0].num_pages
 
     @property
     def page_size(self) -> int:
-        return self.target_k[0].shape[2]
+        return self.target[0].page_size
 
 
 def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> KVCache:
+    from mtpjax.model.kinds import attention_kind
     if num_pages <= 0 or page_size <= 0:
         raise ValueError(f"num_pages and page_size must be > 0, got {num_pages}, {page_size}")
-    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-    zeros = lambda n: tuple(jnp.zeros(shape, dtype) for _ in range(n))
-    return KVCache(zeros(cfg.num_layers), zeros(cfg.num_layers),
-                   zeros(cfg.num_mtp_layers), zeros(cfg.num_mtp_layers))
+    pages = lambda kind: attention_kind(kind).init_pages(cfg, num_pages, page_size, dtype)
+    return KVCache(tuple(pages(a) for a, _ in cfg.layer_kinds()),
+                   tuple(pages(cfg.mtp_layer_kind()[0]) for _ in range(cfg.num_mtp_layers)))
 
 
 @struct.dataclass
@@ -58,6 +56,11 @@ class PagedBatch:
     # Static: every request has exactly q_len tokens, contiguous, aligned to the end of its KV
     # (decode/verify). Lets attention take the batched [S, q_len] path. None for ragged batches.
     q_len: int | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def valid(self) -> jax.Array:
+        """bool[N]: the token is real (not padding); what an MoE router may route."""
+        return self.positions >= 0
 
     @classmethod
     def uniform(cls, positions: jax.Array, block_tables: jax.Array) -> "PagedBatch":
@@ -85,9 +88,17 @@ def slot_indices(batch: PagedBatch, page_size: int, num_pages: int):
     return page, pos % page_size
 
 
-def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
-             page: jax.Array, offset: jax.Array):
-    """Scatter k/v [N, KVH, hd] into one layer's pages [KVH, P, S, hd]; out-of-range pages drop."""
-    k_pages = k_pages.at[:, page, offset].set(jnp.swapaxes(k, 0, 1).astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[:, page, offset].set(jnp.swapaxes(v, 0, 1).astype(v_pages.dtype), mode="drop")
-    return k_pages, v_pages
+@struct.dataclass
+class PagedContext:
+    """What a cached attention layer needs besides its pages: the batch, each token's KV slot
+    (from `slot_indices`, computed once per forward) and the backend (static)."""
+
+    batch: PagedBatch
+    page: jax.Array            # int32[N] page of each token's slot (num_pages: dropped)
+    offset: jax.Array          # int32[N] offset inside the page
+    backend: object = struct.field(pytree_node=False)
+
+    @classmethod
+    def build(cls, batch: PagedBatch, cache: KVCache, backend) -> "PagedContext":
+        page, offset = slot_indices(batch, cache.page_size, cache.num_pages)
+        return cls(batch, page, offset, backend)

@@ -88,6 +88,9 @@ class ModelConfig:
     num_mtp_layers: int = 1
     mtp_concat_order: str = "embed_hidden"
     mtp_normed_hidden_to_next: bool = False
+    # layer kinds (mtpjax/model/kinds.py): every target layer and every MTP block
+    attention_kind: str = "gqa"
+    ffn_kind: str = "dense"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -119,6 +122,17 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", RopeScaling.from_hf(self.rope_scaling))
+        from mtpjax.model.kinds import attention_kind, ffn_kind   # the registries (lazy: cycle)
+        attention_kind(self.attention_kind)
+        ffn_kind(self.ffn_kind)
+
+    def layer_kinds(self) -> tuple[tuple[str, str], ...]:
+        """(attention kind, FFN kind) of each target layer."""
+        return ((self.attention_kind, self.ffn_kind),) * self.num_layers
+
+    def mtp_layer_kind(self) -> tuple[str, str]:
+        """(attention kind, FFN kind) of every MTP module's decoder block."""
+        return (self.attention_kind, self.ffn_kind)
 
     @property
     def num_query_groups(self) -> int:

@@ -8,7 +8,6 @@ the newest sampled token (`last_token`) sits at position `seq_len` and has no KV
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Sequence
 
@@ -19,10 +18,11 @@ from flax import struct
 
 from mtpjax.cache import KVCache, PagedBatch, init_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
-from mtpjax.model.attention import resolve_impl
+from mtpjax.model.backend import resolve_backend
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
 from mtpjax.sampling import (Limits, SamplingArrays, as_sampling_list, is_stop, sample,
                              stop_id_array)
+from mtpjax.step_jit import step_jit
 
 
 @dataclasses.dataclass
@@ -106,12 +106,12 @@ def pack_prompts(prompts: list[list[int]]):
     return tokens, positions
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "max_new"), donate_argnames=("cache",))
+@step_jit(static_argnames=("cfg", "backend", "max_new"), donate_argnames=("cache",))
 def _ar_prefill(params, cfg: ModelConfig, cache: KVCache, tokens, positions, lens, block_tables,
-                sp: SamplingArrays, limits: Limits, *, impl: str, max_new: int):
+                sp: SamplingArrays, limits: Limits, *, backend, max_new: int):
     B, T = tokens.shape
     batch = PagedBatch.uniform(positions, block_tables)      # left padded: ends aligned
-    hidden, cache = forward_cached(params, cfg, cache, tokens.reshape(-1), batch, impl=impl)
+    hidden, cache = forward_cached(params, cfg, cache, tokens.reshape(-1), batch, backend=backend)
     last = hidden.reshape(B, T, -1)[:, T - 1]
     first = sample(logits_from_hidden(params, last), sp, lens)
     out = jnp.full((B, max_new), -1, jnp.int32).at[:, 0].set(first)
@@ -122,12 +122,12 @@ def _ar_prefill(params, cfg: ModelConfig, cache: KVCache, tokens, positions, len
 
 
 def ar_step(params, cfg: ModelConfig, state: DecodeState, sp: SamplingArrays,
-            limits: Limits, *, impl: str) -> DecodeState:
+            limits: Limits, *, backend) -> DecodeState:
     """One autoregressive step for every request (finished ones are frozen)."""
     B = state.seq_len.shape[0]
     live = ~state.done
     batch = PagedBatch.uniform(state.seq_len[:, None], state.block_tables)
-    hidden, cache = forward_cached(params, cfg, state.cache, state.last_token, batch, impl=impl)
+    hidden, cache = forward_cached(params, cfg, state.cache, state.last_token, batch, backend=backend)
     tok = sample(logits_from_hidden(params, hidden), sp, state.seq_len + 1)
     idx = jnp.minimum(state.num_out, state.out_tokens.shape[1] - 1)
     out = state.out_tokens.at[jnp.arange(B), idx].set(
@@ -139,18 +139,18 @@ def ar_step(params, cfg: ModelConfig, state: DecodeState, sp: SamplingArrays,
                        out_tokens=out, num_out=num_out, done=done, steps=state.steps + 1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("state",))
-def _ar_loop(params, cfg: ModelConfig, state: DecodeState, sp, limits, *, impl: str):
+@step_jit(static_argnames=("cfg", "backend"), donate_argnames=("state",))
+def _ar_loop(params, cfg: ModelConfig, state: DecodeState, sp, limits, *, backend):
     return jax.lax.while_loop(
         lambda s: ~jnp.all(s.done),
-        lambda s: ar_step(params, cfg, s, sp, limits, impl=impl),
+        lambda s: ar_step(params, cfg, s, sp, limits, backend=backend),
         state)
 
 
 def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
              sampling: SamplingParams | Sequence[SamplingParams] | None = None,
              spec: SpecConfig | None = None, seed: int = 0, page_size: int = 16,
-             num_pages: int | None = None, attention_impl: str = "auto",
+             num_pages: int | None = None, attention_impl="auto",
              cache_dtype=None, draft_source: str = "model",
              forced_drafts=None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt (fewer when `SamplingParams.max_tokens` is
@@ -160,7 +160,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     (default greedy). spec: None for autoregressive decoding, else speculative decoding with the
     model's MTP modules. seed: base of per-request keys (a request's own `seed` wins).
     page_size / num_pages size the paged cache (default: exactly what the requests need).
-    attention_impl: "auto" | "reference" | "pallas" (see mtpjax.model.attention).
+    attention_impl: "auto" | "reference" | "pallas" | "pallas_interpret" or an AttentionBackend
+    (see mtpjax.model.backend).
     draft_source (experiments and tests): "model" (default), "random" (uniform random drafts) or
     "forced" (draft at position p is forced_drafts[b, p], e.g. the target's own continuation);
     a list gives one source per prompt (one compiled program serves them all).
@@ -199,12 +200,12 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
         if ("forced" in sources) != (forced_drafts is not None):
             raise ValueError("forced_drafts must be given exactly when a draft_source is 'forced'")
         return speculative_generate(params, cfg, spec, cache, *args, sp_arrays, limits,
-                                    max_new=max(max_new), impl=resolve_impl(attention_impl),
+                                    max_new=max(max_new), backend=resolve_backend(attention_impl),
                                     draft_source=draft_source, forced_tokens=forced_drafts)
-    impl = resolve_impl(attention_impl)
-    state = _ar_prefill(params, cfg, cache, *args, sp_arrays, limits, impl=impl,
+    backend = resolve_backend(attention_impl)
+    state = _ar_prefill(params, cfg, cache, *args, sp_arrays, limits, backend=backend,
                         max_new=max(max_new))
-    state = _ar_loop(params, cfg, state, sp_arrays, limits, impl=impl)
+    state = _ar_loop(params, cfg, state, sp_arrays, limits, backend=backend)
     num_out = np.asarray(state.num_out)
     out = np.asarray(state.out_tokens)
     toks = [out[i, :num_out[i]].tolist() for i in range(len(prompts))]

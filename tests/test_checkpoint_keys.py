@@ -21,27 +21,27 @@ def export_hf(params, cfg, layout):
              "k_norm": "self_attn.k_norm.weight", "w_gate": "mlp.gate_proj.weight",
              "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight"}
 
-    def block(prefix, tree, i):
+    def block(prefix, tree):
         for leaf, a in tree.items():
-            a = np.asarray(a[i])
+            a = np.asarray(a)
             out[f"{prefix}.{names[leaf]}"] = a.T if a.ndim == 2 else a
 
     for i in range(cfg.num_layers):
-        block(f"model.layers.{i}", params["layers"], i)
+        block(f"model.layers.{i}", params["layers"][i])
     for k in range(cfg.num_mtp_layers):
-        m = params["mtp"]
+        m = params["mtp"][k]
         if layout == "mimo":
             pre = f"model.mtp_layers.{k}"
-            extra = {"token_layernorm.weight": m["enorm"][k], "hidden_layernorm.weight": m["hnorm"][k],
-                     "input_proj.weight": m["eh_proj"][k].T, "final_layernorm.weight": m["out_norm"][k]}
+            extra = {"token_layernorm.weight": m["enorm"], "hidden_layernorm.weight": m["hnorm"],
+                     "input_proj.weight": m["eh_proj"].T, "final_layernorm.weight": m["out_norm"]}
         else:
             pre = f"model.layers.{cfg.num_layers + k}"
-            extra = {"enorm.weight": m["enorm"][k], "hnorm.weight": m["hnorm"][k],
-                     "eh_proj.weight": m["eh_proj"][k].T, "shared_head.norm.weight": m["out_norm"][k],
+            extra = {"enorm.weight": m["enorm"], "hnorm.weight": m["hnorm"],
+                     "eh_proj.weight": m["eh_proj"].T, "shared_head.norm.weight": m["out_norm"],
                      "embed_tokens.weight": params["embed"]}
         for n, a in extra.items():
             out[f"{pre}.{n}"] = a
-        block(pre, m["block"], k)
+        block(pre, m["block"])
     return {k: np.asarray(v) for k, v in out.items()}
 
 

@@ -50,8 +50,8 @@ def test_bf16_checkpoint_reads_exactly(tmp_path):
     ckpt = load_hf(str(tmp_path / "bf16"))                   # dtype None: as stored
     assert ckpt.params["embed"].dtype == jnp.bfloat16 and ckpt.tokenizer is None
     want = from_hf_state_dict(ckpt.cfg, model.state_dict(), dtype=jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(ckpt.params["layers"]["wq"]),
-                                  np.asarray(want["layers"]["wq"]))
+    for got_layer, want_layer in zip(ckpt.params["layers"], want["layers"], strict=True):
+        np.testing.assert_array_equal(np.asarray(got_layer["wq"]), np.asarray(want_layer["wq"]))
     f32 = load_hf(str(tmp_path / "bf16"), jnp.float32)
     np.testing.assert_array_equal(
         np.asarray(f32.params["embed"]),

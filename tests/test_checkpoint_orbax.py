@@ -92,7 +92,7 @@ def test_export_then_load_is_bit_exact(tmp_path, family, D, tied, shard, dtype):
                   ["weight_map"] if shard else {})
     name = "model.layers.1.self_attn.o_proj.weight"
     with safe_open(str(tmp_path / "hf" / weight_map.get(name, "model.safetensors")), "np") as f:
-        np.testing.assert_array_equal(f.get_tensor(name), np.asarray(params["layers"]["wo"][1]).T)
+        np.testing.assert_array_equal(f.get_tensor(name), np.asarray(params["layers"][1]["wo"]).T)
     if weight_map and family == "mimo":             # MTP tensors in the family's layout
         assert {"model.mtp_layers.1.input_proj.weight", "model.mtp_layers.1.mlp.up_proj.weight",
                 "model.mtp_layers.1.final_layernorm.weight"} <= set(weight_map)
@@ -112,8 +112,9 @@ def test_export_refuses_a_config_that_hf_cannot_express(tmp_path):
 
 def test_export_checks_the_tree(tmp_path):
     cfg, params = _model("llama", 1)
-    params["layers"]["wq"] = params["layers"]["wq"][:, :, :8]
-    with pytest.raises(CheckpointError, match=r"layers/wq: \[2, 32, 8\] \(expected \[2, 32, 32\]\)"):
+    params["layers"] = (dict(params["layers"][0], wq=params["layers"][0]["wq"][:, :8]),
+                        *params["layers"][1:])
+    with pytest.raises(CheckpointError, match=r"layers/0/wq: \[32, 8\] \(expected \[32, 32\]\)"):
         export_hf(str(tmp_path / "hf"), params, cfg)
 
 

@@ -9,6 +9,9 @@ import mtpjax
 from mtpjax.cache import PagedBatch, init_cache
 from mtpjax.model.mtp import mtp_forward, mtp_forward_cached
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
+from mtpjax.model.backend import AttentionBackend
+
+REFERENCE = AttentionBackend("reference")
 from tests.conftest import tiny_config
 
 VARIANTS = {
@@ -59,7 +62,7 @@ def test_prefill_then_decode_matches_forward(variant, seed):
         pos[i, T - n:] = np.arange(n)
     batch = PagedBatch.uniform(jnp.asarray(pos), tables)
     hidden, cache = forward_cached(params, cfg, cache, jnp.asarray(tok).reshape(-1), batch,
-                                   impl="reference")
+                                   backend=REFERENCE)
     logits = logits_from_hidden(params, hidden).reshape(3, T, -1)
     for i, n in enumerate(lens):
         np.testing.assert_allclose(logits[i, T - n:], ref_logits[i, :n], atol=2e-5, rtol=1e-4)
@@ -68,7 +71,7 @@ def test_prefill_then_decode_matches_forward(variant, seed):
     for _ in range(6):
         batch = PagedBatch.uniform(seq_len[:, None], tables)
         step_tok = jnp.asarray(seqs)[jnp.arange(3), seq_len]
-        hidden, cache = forward_cached(params, cfg, cache, step_tok, batch, impl="reference")
+        hidden, cache = forward_cached(params, cfg, cache, step_tok, batch, backend=REFERENCE)
         step_logits = logits_from_hidden(params, hidden)
         want = ref_logits[jnp.arange(3), seq_len]
         np.testing.assert_allclose(step_logits, want, atol=2e-5, rtol=1e-4)
@@ -95,14 +98,14 @@ def test_mtp_module_cached_matches_dense(order, normed, seed):
         batch = PagedBatch.uniform(pos, tables)
         h, normed, cache = mtp_forward_cached(params, cfg, k, cache,
                                               hprev[:, :5].reshape(B * 5, -1),
-                                              seqs[:, :5].reshape(-1), batch, impl="reference")
+                                              seqs[:, :5].reshape(-1), batch, backend=REFERENCE)
         lg = logits_from_hidden(params, normed)
         np.testing.assert_allclose(lg.reshape(B, 5, -1), lg_ref[:, :5], atol=2e-5, rtol=1e-4)
         np.testing.assert_allclose(h.reshape(B, 5, -1), h_ref[:, :5], atol=2e-5, rtol=1e-4)
         for t in range(5, T):
             batch = PagedBatch.uniform(jnp.full((B, 1), t, jnp.int32), tables)
             h, normed, cache = mtp_forward_cached(params, cfg, k, cache, hprev[:, t], seqs[:, t],
-                                                  batch, impl="reference")
+                                                  batch, backend=REFERENCE)
             lg = logits_from_hidden(params, normed)
             np.testing.assert_allclose(lg, lg_ref[:, t], atol=2e-5, rtol=1e-4)
             np.testing.assert_allclose(h, h_ref[:, t], atol=2e-5, rtol=1e-4)

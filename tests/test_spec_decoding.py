@@ -15,6 +15,9 @@ from mtpjax.model.mtp import mtp_forward
 from mtpjax.sampling import SamplingArrays, filtered_probs
 from mtpjax.sampling import Limits
 from mtpjax.speculative.step import spec_prefill, spec_step
+from mtpjax.model.backend import AttentionBackend
+
+REFERENCE = AttentionBackend("reference")
 from tests.conftest import tiny_config
 from tests.test_accept import chi2_pvalue
 
@@ -184,11 +187,11 @@ def test_incremental_drafts_equal_from_scratch(method, K, D):
     tokens, positions = pack_prompts(prompts)
     spa = SamplingArrays.build([sp, sp], 0)
     lim = Limits(max_new=jnp.asarray([30, 30]), stop_ids=jnp.full((2, 1), -1, jnp.int32))
-    state = jax.jit(spec_prefill, static_argnames=("cfg", "spec", "max_new", "impl"))(
+    state = jax.jit(spec_prefill, static_argnames=("cfg", "spec", "max_new", "backend"))(
         params, cfg, spec, cache, jnp.asarray(tokens), jnp.asarray(positions),
         jnp.asarray([len(p) for p in prompts], jnp.int32), jnp.asarray(tables), spa, lim,
-        max_new=30, impl="reference")
-    step = jax.jit(spec_step, static_argnames=("cfg", "spec", "impl"))
+        max_new=30, backend=REFERENCE)
+    step = jax.jit(spec_step, static_argnames=("cfg", "spec", "backend"))
     patterns = set()
     for it in range(6):
         for b, p in enumerate(prompts):
@@ -205,6 +208,6 @@ def test_incremental_drafts_equal_from_scratch(method, K, D):
             np.testing.assert_allclose(np.asarray(state.hist_hidden[b, W - n:]),
                                        np.asarray(h0[0, N - n:N]), atol=2e-5)
         before = np.asarray(state.num_out)
-        state = step(params, cfg, spec, state, spa, lim, impl="reference")
+        state = step(params, cfg, spec, state, spa, lim, backend=REFERENCE)
         patterns.update((np.asarray(state.num_out) - before).tolist())
     assert len(patterns) >= 2      # the accept/reject pattern really varied

@@ -85,7 +85,7 @@ def main(argv=None):
     print("host time per synchronous step (ms): " + ", ".join(
         f"{k} {v * 1e3:.3f}" for k, v in host.items()))
     print(f"device: {jax.devices()[0].device_kind}; batch {B}, K={K}, prompt {args.prompt_len}, "
-          f"hidden {args.hidden}, layers {args.layers}, attention {r.impl}")
+          f"hidden {args.hidden}, layers {args.layers}, attention {r.backend.impl}")
     print("| path | ms/step | steps/s | runs (ms) |\n| --- | --- | --- | --- |")
     for name, key in (("engine (LLM.step, async scheduling)", "async"),
                       ("engine (LLM.step, synchronous)", "sync"),
@@ -125,7 +125,7 @@ def time_bare_step(llm, runner_mod, steps):
         t0 = time.perf_counter()
         for _ in range(n):
             state, res = runner_mod._step(r.params, r.cfg, r.spec, state, inputs,
-                                          first_pass_len=F, impl=r.impl, shape=shape)
+                                          first_pass_len=F, backend=r.backend, shape=shape)
             if readback:
                 np.asarray(res)
         jax.block_until_ready((state, res))

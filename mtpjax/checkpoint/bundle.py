@@ -17,7 +17,7 @@ from typing import Any
 
 from mtpjax.checkpoint.errors import CheckpointError
 from mtpjax.config import ModelConfig
-from mtpjax.model.params import param_specs
+from mtpjax.model.params import param_specs, tree_items
 
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -102,19 +102,16 @@ class Checkpoint:
         return self.assets.eos_token_id()
 
 
-def flat_items(tree, prefix=()):
-    """(path tuple, leaf) of a nested dict, in order."""
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from flat_items(v, prefix + (k,))
-    else:
-        yield prefix, tree
+def flat_items(tree):
+    """("a/0/b", leaf) of a param tree, in order."""
+    for p, leaf in tree_items(tree):
+        yield "/".join(map(str, p)), leaf
 
 
 def check_params(params, cfg: ModelConfig) -> None:
     """Raises unless the tree has exactly the leaves and shapes `param_specs(cfg)` declares."""
-    got = {"/".join(p): tuple(a.shape) for p, a in flat_items(params)}
-    want = {"/".join(p): tuple(s.shape) for p, s in flat_items(param_specs(cfg))}
+    got = {p: tuple(a.shape) for p, a in flat_items(params)}
+    want = {p: tuple(s.shape) for p, s in flat_items(param_specs(cfg))}
     if got != want:
         bad = sorted(k for k in got.keys() | want.keys() if got.get(k) != want.get(k))
         raise CheckpointError(

@@ -100,7 +100,7 @@ def export_hf(path: str, params, cfg: ModelConfig, *, assets: Assets | None = No
         out_dtype = np.dtype(dtype if dtype is not None else leaf.dtype)
 
         def fetch(leaf=leaf, slot=slot, out_dtype=out_dtype):
-            a = np.asarray(jax.device_get(leaf if slot.index is None else leaf[slot.index]))
+            a = np.asarray(jax.device_get(leaf))
             return (a.T if slot.transpose else a).astype(out_dtype, copy=False)
 
         sources.append(TensorSource(name, table.hf_shape(name), out_dtype, fetch))

@@ -1,8 +1,7 @@
 """Hugging Face tensor names <-> the mtpjax parameter tree, as one key table.
 
 `key_table(cfg)` lists, for a model config, every Hugging Face tensor name with its `Slot`: the
-leaf of the param tree, the index along that leaf's stacked axis (decoder layer or MTP module)
-and whether it is transposed (HF Linear weights are [out, in], ours [in, out]). It is built from
+leaf of the param tree (a path such as ("layers", 3, "wq")) and whether it is transposed (HF Linear weights are [out, in], ours [in, out]). It is built from
 `param_specs(cfg)`, so the table holds exactly the leaves the model has (biases only with
 `qkv_bias`, q/k norms only with `qk_norm`, no `lm_head` when tied). Loading (`validate` then
 `assemble`, used by both the in-memory `from_hf_state_dict` and the streaming `load_hf`) and
@@ -36,25 +35,19 @@ import numpy as np
 from mtpjax.checkpoint.errors import CheckpointError
 from mtpjax.checkpoint.safetensors_io import DTYPE_NAMES, DTYPES
 from mtpjax.config import ModelConfig
-from mtpjax.model.params import ParamSpec, param_specs
+from mtpjax.model.kinds import attention_kind, ffn_kind
+from mtpjax.model.params import param_specs, tree_from_items, tree_items
 
-# Decoder-block leaf -> (HF suffix under the block prefix, transposed).
-BLOCK: dict[str, tuple[str, bool]] = {
+# The decoder layer's own leaves; the rest of a layer's rows come from its kinds (`hf_rows`).
+LAYER_NORM_ROWS: dict[str, tuple[str, bool]] = {
     "attn_norm": ("input_layernorm.weight", False),
     "mlp_norm": ("post_attention_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
 }
+
+
+def layer_rows(kinds: tuple[str, str]) -> dict[str, tuple[str, bool]]:
+    """Leaf -> (HF suffix under the layer prefix, transposed) for a layer of `kinds`."""
+    return {**LAYER_NORM_ROWS, **attention_kind(kinds[0]).hf_rows, **ffn_kind(kinds[1]).hf_rows}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +86,14 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq")
 class Slot:
     """Where one HF tensor lives in the param tree."""
 
-    path: tuple[str, ...]
-    index: int | None            # along the leaf's stacked axis (layer / MTP module)
+    path: tuple                  # keys into the param tree (ints index the layer tuples)
     transpose: bool
 
     def describe(self) -> str:
-        return "/".join(self.path) + ("" if self.index is None else f"[{self.index}]")
+        """"layers/wq[3]": the leaf's name, then the layer / MTP module index."""
+        names = [k for k in self.path if not isinstance(k, int)]
+        index = "".join(f"[{k}]" for k in self.path if isinstance(k, int))
+        return "/".join(names) + index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +108,6 @@ class KeyTable:
         """The tensor's shape as Hugging Face stores it."""
         slot = self.slots.get(name) or self.copies[name]
         shape = _get(self.specs, slot.path).shape
-        shape = shape[1:] if slot.index is not None else shape
         return tuple(reversed(shape)) if slot.transpose else tuple(shape)
 
 
@@ -121,15 +115,6 @@ def _get(tree, path):
     for p in path:
         tree = tree[p]
     return tree
-
-
-def _leaves(specs, path=()):
-    """(path, ParamSpec) in tree order."""
-    if isinstance(specs, ParamSpec):
-        yield path, specs
-        return
-    for k, v in specs.items():
-        yield from _leaves(v, path + (k,))
 
 
 def mtp_layout_for(cfg: ModelConfig, mtp_layout: str | None = None) -> MtpLayout:
@@ -146,33 +131,31 @@ def key_table(cfg: ModelConfig, mtp_layout: str | None = None) -> KeyTable:
     slots: dict[str, Slot] = {}
     copies: dict[str, Slot] = {}
     head = ("lm_head",) if "lm_head" in specs else ("embed",)
-    for path, _ in _leaves(specs):
-        if path == ("embed",):
-            slots["model.embed_tokens.weight"] = Slot(path, None, False)
-        elif path == ("final_norm",):
-            slots["model.norm.weight"] = Slot(path, None, False)
-        elif path == ("lm_head",):
-            slots["lm_head.weight"] = Slot(path, None, True)
-        elif path[0] == "layers":
-            suffix, t = BLOCK[path[1]]
-            for i in range(cfg.num_layers):
-                slots[f"model.layers.{i}.{suffix}"] = Slot(path, i, t)
-        elif path[:2] == ("mtp", "block"):
-            suffix, t = BLOCK[path[2]]
-            for k in range(cfg.num_mtp_layers):
-                slots[f"{layout.module_prefix(cfg, k)}.{suffix}"] = Slot(path, k, t)
-        elif path[0] == "mtp":
-            suffix, t = layout.leaves[path[1]]
-            for k in range(cfg.num_mtp_layers):
-                slots[f"{layout.module_prefix(cfg, k)}.{suffix}"] = Slot(path, k, t)
-        else:                                   # a leaf added to params.py without a name here
-            raise AssertionError(f"no Hugging Face name for param {'/'.join(path)}")
+    slots["model.embed_tokens.weight"] = Slot(("embed",), False)
+    for i, kinds in enumerate(cfg.layer_kinds()):
+        for leaf, (suffix, t) in layer_rows(kinds).items():
+            if leaf in specs["layers"][i]:
+                slots[f"model.layers.{i}.{suffix}"] = Slot(("layers", i, leaf), t)
+    slots["model.norm.weight"] = Slot(("final_norm",), False)
+    if "lm_head" in specs:
+        slots["lm_head.weight"] = Slot(("lm_head",), True)
+    for k in range(cfg.num_mtp_layers):
+        pre = layout.module_prefix(cfg, k)
+        for leaf, (suffix, t) in layout.leaves.items():
+            slots[f"{pre}.{suffix}"] = Slot(("mtp", k, leaf), t)
+        for leaf, (suffix, t) in layer_rows(cfg.mtp_layer_kind()).items():
+            if leaf in specs["mtp"][k]["block"]:
+                slots[f"{pre}.{suffix}"] = Slot(("mtp", k, "block", leaf), t)
+    named = {s.path for s in slots.values()}
+    for path, _ in tree_items(specs):        # a leaf added to a kind without a name there
+        if path not in named:
+            raise AssertionError(f"no Hugging Face name for param {'/'.join(map(str, path))}")
     if cfg.tie_word_embeddings:
-        copies["lm_head.weight"] = Slot(("embed",), None, False)
+        copies["lm_head.weight"] = Slot(("embed",), False)
     for k in range(cfg.num_mtp_layers):
         for suffix, leaf in layout.copies.items():
             path = ("embed",) if leaf == "embed" else head
-            copies[f"{layout.module_prefix(cfg, k)}.{suffix}"] = Slot(path, None, path == ("lm_head",))
+            copies[f"{layout.module_prefix(cfg, k)}.{suffix}"] = Slot(path, path == ("lm_head",))
     return KeyTable(cfg, layout, slots, copies, specs)
 
 
@@ -230,15 +213,15 @@ def assemble(table: KeyTable, tensors: Mapping[str, tuple[tuple[int, ...], str]]
     for name, slot in table.copies.items():
         if name in tensors:
             copies.setdefault(slot.path, []).append((name, slot))
-    out: dict = {}
-    for path, spec in _leaves(specs):
+    out = []
+    for path, spec in tree_items(specs):
         entries = fills[path]
         leaf_dtype = np.dtype(dtype if dtype is not None else functools.reduce(
             jnp.promote_types, [DTYPES[tensors[name][1]] for name, _ in entries]))
         buf = np.empty(spec.shape, leaf_dtype)
         for name, slot in entries:
             arr = read(name)
-            buf[() if slot.index is None else slot.index] = arr.T if slot.transpose else arr
+            buf[...] = arr.T if slot.transpose else arr
             del arr
             if on_tensor is not None:
                 on_tensor(name)
@@ -251,12 +234,9 @@ def assemble(table: KeyTable, tensors: Mapping[str, tuple[tuple[int, ...], str]]
             del arr
             if on_tensor is not None:
                 on_tensor(name)
-        node = out
-        for p in path[:-1]:
-            node = node.setdefault(p, {})
-        node[path[-1]] = place(path, buf)
+        out.append((path, place(path, buf)))
         del buf
-    return out
+    return tree_from_items(out)
 
 
 def _meta(value) -> tuple[tuple[int, ...], str]:

@@ -22,7 +22,7 @@ from mtpjax.checkpoint.atomic import atomic_dir
 from mtpjax.checkpoint.bundle import Assets, Checkpoint, check_params, flat_items
 from mtpjax.checkpoint.errors import CheckpointError
 from mtpjax.config import ModelConfig
-from mtpjax.model.params import param_specs
+from mtpjax.model.params import param_specs, tree_from_items, tree_items
 
 FORMAT_FILE = "mtpjax_checkpoint.json"
 FORMAT = "mtpjax-orbax"
@@ -40,7 +40,7 @@ def save(path: str, params, cfg: ModelConfig, *, assets: Assets | None = None) -
     check_params(params, cfg)
     assets = assets or Assets()
     meta = {"format": FORMAT, "version": 1, "model_config": cfg.to_dict(),
-            "dtypes": {"/".join(p): np.dtype(a.dtype).name for p, a in flat_items(params)}}
+            "dtypes": {p: np.dtype(a.dtype).name for p, a in flat_items(params)}}
     with atomic_dir(path) as tmp:
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(os.path.join(tmp, PARAMS_DIR), params)
@@ -87,15 +87,10 @@ def restore(path: str, sharding=None, *, dtype=None) -> Checkpoint:
         return s
 
     def abstract(p, spec):
-        return jax.ShapeDtypeStruct(spec.shape, dtype or meta["dtypes"]["/".join(p)],
+        return jax.ShapeDtypeStruct(spec.shape, dtype or meta["dtypes"]["/".join(map(str, p))],
                                     sharding=leaf_sharding(p))
 
-    target: dict = {}
-    for p, spec in flat_items(param_specs(cfg)):
-        node = target
-        for k in p[:-1]:
-            node = node.setdefault(k, {})
-        node[p[-1]] = abstract(p, spec)
+    target = tree_from_items((p, abstract(p, spec)) for p, spec in tree_items(param_specs(cfg)))
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), target)
     hf_config = None

@@ -12,7 +12,6 @@ programs are ever compiled.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,11 +21,12 @@ from mtpjax.cache import init_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.engine.scheduler import SchedulerOutput
 from mtpjax.generate import bucket_size
-from mtpjax.model.attention import resolve_impl
+from mtpjax.model.backend import resolve_backend
 from mtpjax.sampling import SamplingArrays, request_key
 from mtpjax.speculative.draft import draft_shape
 from mtpjax.speculative.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
                                     MixedBatch, SlotState, mixed_step)
+from mtpjax.step_jit import step_jit
 
 
 def pack_host(batch: MixedBatch) -> np.ndarray:
@@ -68,26 +68,26 @@ def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int) -> M
                                 top_p=floats[:, 1], keys=keys))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "first_pass_len", "impl", "shape"),
+@step_jit(static_argnames=("cfg", "spec", "first_pass_len", "backend", "shape"),
                    donate_argnames=("state",))
-def _step(params, cfg, spec, state, flat_inputs, *, first_pass_len, impl, shape):
+def _step(params, cfg, spec, state, flat_inputs, *, first_pass_len, backend, shape):
     T, R, M = shape
     batch = unpack_device(flat_inputs, num_tokens=T, num_rows=R, max_blocks=M)
     state, acc, num = mixed_step(params, cfg, spec, state, batch, first_pass_len=first_pass_len,
-                                 impl=impl)
+                                 backend=backend)
     return state, jnp.concatenate([acc, num[:, None]], axis=1)     # one array to read back
 
 
 class ModelRunner:
     def __init__(self, params, cfg: ModelConfig, spec: SpecConfig | None, *, num_pages: int,
                  page_size: int, max_num_seqs: int, max_blocks_per_seq: int, seed: int = 0,
-                 attention_impl: str = "auto", cache_dtype=None):
+                 attention_impl="auto", cache_dtype=None):
         self.params, self.cfg, self.spec = params, cfg, spec
         self.K, self.W = draft_shape(spec)
         self.max_num_seqs = max_num_seqs
         self.page_size = page_size
         self.max_blocks = max_blocks_per_seq
-        self.impl = resolve_impl(attention_impl)
+        self.backend = resolve_backend(attention_impl)
         self.seed = seed
         dtype = cache_dtype or params["embed"].dtype
         cache = init_cache(cfg, num_pages, page_size, dtype)
@@ -193,7 +193,7 @@ class ModelRunner:
         batch, F = self.pack(out)
         inputs, shape = self.device_inputs(batch)
         self.state, result = _step(self.params, self.cfg, self.spec, self.state, inputs,
-                                   first_pass_len=F, impl=self.impl, shape=shape)
+                                   first_pass_len=F, backend=self.backend, shape=shape)
         result.copy_to_host_async()                        # the step's only device->host copy
         return result
 

@@ -1,35 +1,15 @@
-"""Attention: dense causal (no cache) and paged attention behind one dispatch function.
+"""Plain-jnp attention: dense causal (no cache) and paged attention over GQA pages.
 
-`paged_attention(..., impl=...)` is the single switch between implementations:
-  "reference"  plain jnp (gathers pages; what CPU runs and what every kernel is tested against)
-  "pallas"     the Pallas GPU kernels in `pallas_kernels/` (decode/verify and ragged)
-  "auto"       "pallas" on GPU, "reference" elsewhere (the default).
-The environment variable MTPJAX_ATTENTION_IMPL overrides "auto" (e.g. to force the reference on GPU).
+`paged_attention_reference` is what CPU runs and what every kernel is tested against; the
+choice between it and the Pallas kernels is the run's `AttentionBackend` (model/backend.py).
 """
 
 from __future__ import annotations
-
-import os
 
 import jax
 import jax.numpy as jnp
 
 from mtpjax.cache import PagedBatch
-
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
-
-
-def resolve_impl(impl: str) -> str:
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention impl {impl!r} not in {ATTENTION_IMPLS}")
-    if impl != "auto":
-        return impl
-    env = os.environ.get("MTPJAX_ATTENTION_IMPL")
-    if env:
-        if env not in ATTENTION_IMPLS or env == "auto":
-            raise ValueError(f"MTPJAX_ATTENTION_IMPL={env!r}; expected one of {ATTENTION_IMPLS[1:]}")
-        return env
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
 def _grouped_scores(q, k, scale):
@@ -106,16 +86,3 @@ def paged_attention_reference(q, k_pages, v_pages, batch: PagedBatch, *, sm_scal
     mask = (t[None, :] <= batch.positions[:, None]) & valid_kv            # [N, C]
     o = _softmax_mix(s, mask[:, None, None, None, :], v_tok, q.dtype)     # [N, 1, KV, G, hd]
     return o.reshape(N, NH, hd)
-
-
-def paged_attention(q, k_pages, v_pages, batch: PagedBatch, *, impl: str = "auto",
-                    sm_scale=None, soft_cap=None):
-    """The one attention call of every cached path. q [N, NH, hd] -> [N, NH, hd]."""
-    impl = resolve_impl(impl)
-    if impl == "reference":
-        return paged_attention_reference(q, k_pages, v_pages, batch, sm_scale=sm_scale,
-                                         soft_cap=soft_cap)
-    from mtpjax.model import pallas_dispatch  # imported lazily: kernels are optional on CPU
-    return pallas_dispatch.paged_attention(q, k_pages, v_pages, batch, sm_scale=sm_scale,
-                                           soft_cap=soft_cap,
-                                           interpret=impl == "pallas_interpret")

@@ -1,4 +1,4 @@
-"""Building blocks shared by the target and the MTP modules: norms, RoPE, projections, MLP."""
+"""Building blocks shared by the target and the MTP modules: norms, RoPE, the decoder layer."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtpjax.config import ModelConfig, RopeScaling
+from mtpjax.model.kinds import attention_kind, ffn_kind
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -78,34 +79,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Arra
     return out.astype(x.dtype)
 
 
-def qkv_projection(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
-    """x [..., T, E] -> q [..., T, NH, hd], k/v [..., T, KV, hd] with bias, q/k norm and RoPE."""
-    hd = cfg.head_dim
-    q = x @ p["wq"]
-    k = x @ p["wk"]
-    v = x @ p["wv"]
-    if "bq" in p:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    q = q.reshape(*q.shape[:-1], cfg.num_heads, hd)
-    k = k.reshape(*k.shape[:-1], cfg.num_kv_heads, hd)
-    v = v.reshape(*v.shape[:-1], cfg.num_kv_heads, hd)
-    if "q_norm" in p:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, positions, cfg), apply_rope(k, positions, cfg), v
+def decoder_block(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig,
+                  kinds: tuple[str, str], pages=None, paged=None):
+    """Pre-norm decoder layer of `kinds` = (attention kind, FFN kind) -> (x, pages).
 
-
-def mlp(p: dict, x: jax.Array) -> jax.Array:
-    return (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
-
-
-def decoder_block(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, attend):
-    """Pre-norm decoder layer. `attend(q, k, v) -> o [..., T, NH, hd]` hides how KV is stored."""
+    paged None: causal attention over x [B, T, E] itself (no cache, the reference). Else x [N, E]
+    are ragged tokens whose KV goes to `pages` (see the attention kind)."""
+    attention, ffn = attention_kind(kinds[0]), ffn_kind(kinds[1])
     with jax.named_scope("attention"):
-        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = qkv_projection(p, h, positions, cfg)
-        o = attend(q, k, v)
-        x = x + o.reshape(*o.shape[:-2], -1) @ p["wo"]
+        o, pages = attention(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, cfg,
+                             pages, paged)
+        x = x + o
     with jax.named_scope("mlp"):
-        x = x + mlp(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps))
-    return x
+        x = x + ffn(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, positions >= 0)
+    return x, pages

@@ -16,15 +16,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mtpjax.cache import KVCache, PagedBatch, slot_indices
+from mtpjax.cache import KVCache, PagedBatch, PagedContext
 from mtpjax.config import ModelConfig
-from mtpjax.model.attention import dense_causal_attention
 from mtpjax.model.layers import decoder_block, rms_norm
-from mtpjax.model.transformer import cached_block, logits_from_hidden
-
-
-def module_params(params, k: int) -> dict:
-    return jax.tree.map(lambda a: a[k], params["mtp"])
+from mtpjax.model.transformer import logits_from_hidden
 
 
 def _module_input(params, mp, cfg: ModelConfig, hidden_prev, tokens, positions):
@@ -52,37 +47,37 @@ def mtp_forward(params, cfg: ModelConfig, k: int, hidden_prev: jax.Array, tokens
     B, T = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    mp = module_params(params, k)
+    mp = params["mtp"][k]
     u = _module_input(params, mp, cfg, hidden_prev, tokens, positions)
-    y = decoder_block(mp["block"], u, positions, cfg, dense_causal_attention)
+    y, _ = decoder_block(mp["block"], u, positions, cfg, cfg.mtp_layer_kind())
     h_next, normed = _module_output(mp, cfg, y)
     return h_next, logits_from_hidden(params, normed)
 
 
 def mtp_forward_cached(params, cfg: ModelConfig, k: int, cache: KVCache, hidden_prev: jax.Array,
-                       tokens: jax.Array, batch: PagedBatch, *, impl: str = "auto"):
+                       tokens: jax.Array, batch: PagedBatch, *, backend):
     """Module k over ragged tokens [N] through its own paged KV (same block tables as the target).
 
     Returns (h^{k+1} [N, E], normed [N, E] (lm_head input: `logits_from_hidden`), cache).
     Logits are left to the caller, which usually needs them at a few rows only.
     """
-    mp = module_params(params, k)
-    page, offset = slot_indices(batch, cache.page_size, cache.num_pages)
+    mp = params["mtp"][k]
     u = _module_input(params, mp, cfg, hidden_prev, tokens, batch.positions)
-    ks, vs = list(cache.mtp_k), list(cache.mtp_v)
-    y, ks[k], vs[k] = cached_block(mp["block"], u, batch, cfg, ks[k], vs[k], page, offset, impl)
+    pages = list(cache.mtp)
+    y, pages[k] = decoder_block(mp["block"], u, batch.positions, cfg, cfg.mtp_layer_kind(),
+                                pages[k], PagedContext.build(batch, cache, backend))
     h_next, normed = _module_output(mp, cfg, y)
-    return h_next, normed, cache.replace(mtp_k=tuple(ks), mtp_v=tuple(vs))
+    return h_next, normed, cache.replace(mtp=tuple(pages))
 
 
 def mtp_forward_cached_switch(params, cfg: ModelConfig, k: jax.Array, cache: KVCache,
-                              hidden_prev, tokens, batch: PagedBatch, *, impl: str = "auto"):
+                              hidden_prev, tokens, batch: PagedBatch, *, backend):
     """Like `mtp_forward_cached` with a traced module index (inside a fori_loop)."""
     D = cfg.num_mtp_layers
     if D == 1:
-        return mtp_forward_cached(params, cfg, 0, cache, hidden_prev, tokens, batch, impl=impl)
+        return mtp_forward_cached(params, cfg, 0, cache, hidden_prev, tokens, batch, backend=backend)
     branches = [
-        (lambda c, h, t, d=d: mtp_forward_cached(params, cfg, d, c, h, t, batch, impl=impl))
+        (lambda c, h, t, d=d: mtp_forward_cached(params, cfg, d, c, h, t, batch, backend=backend))
         for d in range(D)
     ]
     return jax.lax.switch(k, branches, cache, hidden_prev, tokens)

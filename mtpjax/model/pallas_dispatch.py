@@ -34,12 +34,15 @@ def unsupported_reason(q, k_pages) -> str | None:
 
 
 def paged_attention(q, k_pages, v_pages, batch: PagedBatch, *, sm_scale=None, soft_cap=None,
-                    interpret: bool = False):
-    """q [N, NH, hd] -> [N, NH, hd]. Shapes the kernels do not support fall back to the
-    reference (with a warning once per reason)."""
+                    interpret: bool = False, fallback: bool = False):
+    """q [N, NH, hd] -> [N, NH, hd]. A shape the kernels do not support is a ValueError naming
+    it, unless `fallback` (the "auto" backend): then the reference runs (warned once per reason)."""
     N, NH, hd = q.shape
     reason = unsupported_reason(q, k_pages)
     if reason is not None:
+        if not fallback:
+            raise ValueError(f"the Pallas attention kernels do not support {reason}; use "
+                             "attention_impl='auto' (falls back to the reference) or 'reference'")
         if reason not in _warned:
             _warned.add(reason)
             warnings.warn(f"Pallas attention does not support {reason}; using the reference")

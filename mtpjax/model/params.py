@@ -1,86 +1,98 @@
-"""The parameter tree: one table of shapes, logical axes and initialisers, declared once.
+"""The parameter tree: one table of shapes, logical axes and initialisers, derived from the kinds.
 
-Params are a nested dict of arrays. Target decoder layers are stacked on a leading `layers`
-axis (scanned with `lax.scan`); the D MTP modules are stacked on a leading `mtp` axis.
+Params are a nested dict of arrays. Every decoder layer has its own leaves (a tuple entry per
+layer, not one stacked array): a slice of a stacked weight inside the on-device loops is
+materialized as a copy on GPU (measured in docs/benchmarks.md), a per-layer buffer is read in
+place.
 
     embed        [V, E]                 token embedding (shared with MTP modules)
     lm_head      [E, V]                 absent when tie_word_embeddings (embed.T is used)
     final_norm   [E]
-    layers/      one decoder block, each leaf with a leading [L] axis (see `_block_specs`)
-    mtp/enorm    [D, E]                 norm of the token embedding
-    mtp/hnorm    [D, E]                 norm of the previous depth's hidden state
-    mtp/eh_proj  [D, 2E, E]             projection of the concatenation
-    mtp/out_norm [D, E]                 shared_head.norm (DeepSeek) / final_layernorm (MiMo)
-    mtp/block/   one decoder block per module, each leaf with a leading [D] axis
+    layers       L x {attn_norm [E], mlp_norm [E], <attention kind leaves>, <FFN kind leaves>}
+    mtp          D x {enorm [E], hnorm [E], eh_proj [2E, E], out_norm [E], block: one layer}
+
+`mtp/out_norm` is DeepSeek's shared_head.norm / MiMo's final_layernorm.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from mtpjax.config import ModelConfig
+from mtpjax.model.kinds import ParamSpec, attention_kind, ffn_kind
+
+__all__ = ["ParamSpec", "param_specs", "layer_specs", "abstract_params", "logical_axes",
+           "init_params", "lm_head_weight", "tree_items", "tree_from_items"]
 
 
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    shape: tuple[int, ...]
-    axes: tuple[str, ...]          # logical axis names, one per dim (for sharding rules)
-    init: str                      # "normal" | "ones" | "zeros"
-
-
-def _block_specs(cfg: ModelConfig, n: int, stack_axis: str) -> dict[str, ParamSpec]:
-    E, I, HD = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    NH, KV = cfg.num_heads, cfg.num_kv_heads
-    s = lambda *shape: (n, *shape)
-    a = lambda *axes: (stack_axis, *axes)
-    specs = {
-        "attn_norm": ParamSpec(s(E), a("embed"), "ones"),
-        "mlp_norm": ParamSpec(s(E), a("embed"), "ones"),
-        "wq": ParamSpec(s(E, NH * HD), a("embed", "q_heads"), "normal"),
-        "wk": ParamSpec(s(E, KV * HD), a("embed", "kv_heads"), "normal"),
-        "wv": ParamSpec(s(E, KV * HD), a("embed", "kv_heads"), "normal"),
-        "wo": ParamSpec(s(NH * HD, E), a("q_heads", "embed"), "normal"),
-        "w_gate": ParamSpec(s(E, I), a("embed", "mlp"), "normal"),
-        "w_up": ParamSpec(s(E, I), a("embed", "mlp"), "normal"),
-        "w_down": ParamSpec(s(I, E), a("mlp", "embed"), "normal"),
+def layer_specs(cfg: ModelConfig, kinds: tuple[str, str]) -> dict[str, ParamSpec]:
+    """One decoder layer of (attention kind, FFN kind): its two norms and each kind's leaves."""
+    E = cfg.hidden_size
+    return {
+        "attn_norm": ParamSpec((E,), ("embed",), "ones"),
+        "mlp_norm": ParamSpec((E,), ("embed",), "ones"),
+        **attention_kind(kinds[0]).param_specs(cfg),
+        **ffn_kind(kinds[1]).param_specs(cfg),
     }
-    if cfg.qkv_bias:
-        specs["bq"] = ParamSpec(s(NH * HD), a("q_heads"), "zeros")
-        specs["bk"] = ParamSpec(s(KV * HD), a("kv_heads"), "zeros")
-        specs["bv"] = ParamSpec(s(KV * HD), a("kv_heads"), "zeros")
-    if cfg.qk_norm:
-        specs["q_norm"] = ParamSpec(s(HD), a("head_dim"), "ones")
-        specs["k_norm"] = ParamSpec(s(HD), a("head_dim"), "ones")
-    return specs
 
 
 def param_specs(cfg: ModelConfig) -> dict:
     """The single declaration of every parameter's shape, logical axes and init."""
-    E, V, D = cfg.hidden_size, cfg.vocab_size, cfg.num_mtp_layers
+    E, V = cfg.hidden_size, cfg.vocab_size
     specs: dict = {
         "embed": ParamSpec((V, E), ("vocab", "embed"), "normal"),
         "final_norm": ParamSpec((E,), ("embed",), "ones"),
-        "layers": _block_specs(cfg, cfg.num_layers, "layers"),
+        "layers": tuple(layer_specs(cfg, k) for k in cfg.layer_kinds()),
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((E, V), ("embed", "vocab"), "normal")
-    if D:
-        specs["mtp"] = {
-            "enorm": ParamSpec((D, E), ("mtp", "embed"), "ones"),
-            "hnorm": ParamSpec((D, E), ("mtp", "embed"), "ones"),
-            "eh_proj": ParamSpec((D, 2 * E, E), ("mtp", "embed2", "embed"), "normal"),
-            "out_norm": ParamSpec((D, E), ("mtp", "embed"), "ones"),
-            "block": _block_specs(cfg, D, "mtp"),
-        }
+    if cfg.num_mtp_layers:
+        specs["mtp"] = tuple({
+            "enorm": ParamSpec((E,), ("embed",), "ones"),
+            "hnorm": ParamSpec((E,), ("embed",), "ones"),
+            "eh_proj": ParamSpec((2 * E, E), ("embed2", "embed"), "normal"),
+            "out_norm": ParamSpec((E,), ("embed",), "ones"),
+            "block": layer_specs(cfg, cfg.mtp_layer_kind()),
+        } for _ in range(cfg.num_mtp_layers))
     return specs
 
 
 def _is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
+
+
+def tree_items(tree, prefix=()):
+    """(path tuple, leaf) of a nested dict/tuple tree in order; tuple entries have int keys."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from tree_items(v, prefix + (k,))
+    elif isinstance(tree, (tuple, list)):
+        for i, v in enumerate(tree):
+            yield from tree_items(v, prefix + (i,))
+    else:
+        yield prefix, tree
+
+
+def tree_from_items(items) -> dict:
+    """Inverse of `tree_items`: nodes whose keys are ints become tuples."""
+    root: dict = {}
+    for path, leaf in items:
+        node = root
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = leaf
+
+    def fix(node):
+        if not isinstance(node, dict):
+            return node
+        if node and all(isinstance(k, int) for k in node):
+            return tuple(fix(node[i]) for i in range(len(node)))
+        return {k: fix(v) for k, v in node.items()}
+
+    return fix(root)
 
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.float32):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mtpjax.cache import KVCache, PagedBatch, slot_indices, write_kv
+from mtpjax.cache import KVCache, PagedBatch, PagedContext
 from mtpjax.config import ModelConfig
-from mtpjax.model.attention import dense_causal_attention, paged_attention
 from mtpjax.model.layers import decoder_block, rms_norm
 from mtpjax.model.params import lm_head_weight
 
@@ -29,47 +28,25 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, return_hidden: bool 
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     x = params["embed"][tokens]
-
-    def layer(x, p):
-        return decoder_block(p, x, positions, cfg, dense_causal_attention), None
-
-    x, _ = jax.lax.scan(layer, x, params["layers"])
+    for p, kinds in zip(params["layers"], cfg.layer_kinds()):
+        x, _ = decoder_block(p, x, positions, cfg, kinds)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = logits_from_hidden(params, hidden)
     return (logits, hidden) if return_hidden else logits
 
 
-def layer_params(stacked: dict, i: int) -> dict:
-    return jax.tree.map(lambda a: a[i], stacked)
-
-
-def cached_block(p, x, batch: PagedBatch, cfg: ModelConfig, k_pages, v_pages, page, offset,
-                 impl: str):
-    """One decoder block over ragged tokens x [N, E]: writes its KV, attends through the cache."""
-    new_pages = []
-
-    def attend(q, k, v):
-        kp, vp = write_kv(k_pages, v_pages, k, v, page, offset)
-        new_pages.extend((kp, vp))
-        return paged_attention(q, kp, vp, batch, impl=impl)
-
-    x = decoder_block(p, x, batch.positions, cfg, attend)
-    return x, new_pages[0], new_pages[1]
-
-
 def forward_cached(params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
-                   batch: PagedBatch, *, impl: str = "auto"):
+                   batch: PagedBatch, *, backend):
     """Target forward over ragged tokens int32[N] through the paged cache.
 
     Writes the KV of every non-padding token, returns (final-normed hidden [N, E], cache).
-    Layers are unrolled so each layer's pages are updated in place (see KVCache).
+    Layers are unrolled, each with its own weight buffers and pages (read and updated in place).
     """
-    page, offset = slot_indices(batch, cache.page_size, cache.num_pages)
+    paged = PagedContext.build(batch, cache, backend)
     x = params["embed"][tokens]
-    ks, vs = list(cache.target_k), list(cache.target_v)
-    for i in range(cfg.num_layers):
+    pages = list(cache.target)
+    for i, (p, kinds) in enumerate(zip(params["layers"], cfg.layer_kinds())):
         with jax.named_scope(f"layer_{i}"):
-            x, ks[i], vs[i] = cached_block(layer_params(params["layers"], i), x, batch, cfg,
-                                           ks[i], vs[i], page, offset, impl)
+            x, pages[i] = decoder_block(p, x, batch.positions, cfg, kinds, pages[i], paged)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return hidden, cache.replace(target_k=tuple(ks), target_v=tuple(vs))
+    return hidden, cache.replace(target=tuple(pages))

@@ -79,7 +79,7 @@ def roll_by_one(tokens: jax.Array, next_same: jax.Array, new: jax.Array, row_of:
 def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
                window: PagedBatch, hidden0: jax.Array, tokens0: jax.Array,
                next_same: jax.Array, last_rows: jax.Array, seq_len: jax.Array,
-               block_tables: jax.Array, sp: SamplingArrays, impl: str,
+               block_tables: jax.Array, sp: SamplingArrays, backend,
                drafting: jax.Array | None = None, fixed_next: jax.Array | None = None,
                source: str = "model", forced=None):
     """Drafts d_1..d_K for R requests from a first pass over a flat ragged window.
@@ -113,7 +113,7 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
         def module_pass(k, carry):
             cache, hidden, tokens, drafts, probs = carry
             h_next, normed, cache = mtp_forward_cached_switch(
-                params, cfg, k, cache, hidden, tokens, window, impl=impl)
+                params, cfg, k, cache, hidden, tokens, window, backend=backend)
             tok, q = draw(normed[last_rows], k)
             drafts, probs = record(drafts, probs, tok, q, k)
             new = tok
@@ -131,7 +131,7 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
     h_last = normed_last = None
     for m in range(min(K, D)):
         h_next, normed, cache = mtp_forward_cached(params, cfg, m, cache, hidden0, tokens0,
-                                                   window, impl=impl)
+                                                   window, backend=backend)
         if m == 0:
             h_last, normed_last = h_next[last_rows], normed[last_rows]
     tok, q = draw(normed_last, 0)
@@ -146,7 +146,7 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
         outs = []
         for m in range(min(K, D)):
             h_next, normed, cache = mtp_forward_cached(params, cfg, m, cache, h_prev,
-                                                       drafts[:, s - 1], batch, impl=impl)
+                                                       drafts[:, s - 1], batch, backend=backend)
             outs.append((h_next, normed))
         h_next, normed = jax.tree.map(lambda *xs: jnp.stack(xs)[s % len(outs)], *outs)
         tok, q = draw(normed, s)

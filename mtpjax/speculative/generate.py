@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,28 +9,29 @@ import numpy as np
 
 from mtpjax.config import ModelConfig, SpecConfig
 from mtpjax.speculative.step import SpecState, spec_prefill, spec_step
+from mtpjax.step_jit import step_jit
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "max_new", "impl", "source"),
+@step_jit(static_argnames=("cfg", "spec", "max_new", "backend", "source"),
                    donate_argnames=("cache",))
 def _prefill(params, cfg, spec, cache, tokens, positions, lens, tables, sp, limits, forced, *,
-             max_new, impl, source):
+             max_new, backend, source):
     return spec_prefill(params, cfg, spec, cache, tokens, positions, lens, tables, sp, limits,
-                        max_new=max_new, impl=impl, source=source, forced=forced)
+                        max_new=max_new, backend=backend, source=source, forced=forced)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "impl", "source"),
+@step_jit(static_argnames=("cfg", "spec", "backend", "source"),
                    donate_argnames=("state",))
-def _loop(params, cfg, spec, state: SpecState, sp, limits, forced, *, impl, source):
+def _loop(params, cfg, spec, state: SpecState, sp, limits, forced, *, backend, source):
     return jax.lax.while_loop(
         lambda s: ~jnp.all(s.done),
-        lambda s: spec_step(params, cfg, spec, s, sp, limits, impl=impl, source=source,
+        lambda s: spec_step(params, cfg, spec, s, sp, limits, backend=backend, source=source,
                             forced=forced),
         state)
 
 
 def speculative_generate(params, cfg: ModelConfig, spec: SpecConfig, cache, tokens, positions,
-                         lens, tables, sp, limits, *, max_new: int, impl: str,
+                         lens, tables, sp, limits, *, max_new: int, backend,
                          draft_source: str = "model", forced_tokens=None):
     from mtpjax.generate import GenerateOutput
     lim = limits
@@ -44,8 +44,8 @@ def speculative_generate(params, cfg: ModelConfig, spec: SpecConfig, cache, toke
                 else jnp.asarray(forced_tokens, jnp.int32)))
     draft_source = sources[0] if len(set(sources)) == 1 else "mixed"
     state = _prefill(params, cfg, spec, cache, tokens, positions, lens, tables, sp, lim, forced,
-                     max_new=max_new, impl=impl, source=draft_source)
-    state = _loop(params, cfg, spec, state, sp, lim, forced, impl=impl, source=draft_source)
+                     max_new=max_new, backend=backend, source=draft_source)
+    state = _loop(params, cfg, spec, state, sp, lim, forced, backend=backend, source=draft_source)
     num_out = np.asarray(state.num_out)
     out = np.asarray(state.out_tokens)
     toks = [out[i, :num_out[i]].tolist() for i in range(out.shape[0])]

@@ -77,7 +77,7 @@ class MixedBatch:
 
 
 def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, batch: MixedBatch,
-               *, first_pass_len: int, impl: str):
+               *, first_pass_len: int, backend):
     """-> (state, committed_tokens int32[R, K+1], num_committed int32[R]).
 
     spec=None: plain autoregressive decoding (decode rows carry one token, no drafting).
@@ -108,7 +108,7 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
                                drafts[batch.seq_ids, jnp.clip(j - 1, 0, K - 1)], tokens)
         pb = PagedBatch(positions=positions, seq_ids=batch.seq_ids,
                         block_tables=batch.block_tables, kv_lens=kv_lens, cu_q_lens=cu)
-        hidden, cache = forward_cached(params, cfg, state.cache, tokens, pb, impl=impl)
+        hidden, cache = forward_cached(params, cfg, state.cache, tokens, pb, backend=backend)
         rows = jnp.where(is_dec[:, None], cu[:-1, None] + jnp.arange(K + 1)[None, :],
                          (cu[1:] - 1)[:, None])
         logits = logits_from_hidden(params, hidden[jnp.clip(rows, 0, T - 1)])   # [R, K+1, V]
@@ -178,7 +178,7 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         cache, new_drafts, new_probs = run_drafts(
             params, cfg, spec, cache, window=window, hidden0=h0, tokens0=t0,
             next_same=next_same, last_rows=last_rows, seq_len=new_len,
-            block_tables=batch.block_tables, sp=batch.sampling, impl=impl,
+            block_tables=batch.block_tables, sp=batch.sampling, backend=backend,
             drafting=is_dec | is_last, fixed_next=fixed)
 
     state = SlotState(

@@ -3,7 +3,7 @@
 After a verify step commits `num_new[b]` tokens, request b's window of cached draft inputs
 (token ids and target hidden states of its last W positions, seed 001's "cached prev tokens /
 hidden states") drops its `num_new[b]` oldest entries and takes the new ones at its tail.
-`impl="pallas"` runs the fused kernel in `pallas_kernels.draft_roll` on the flattened batch.
+A kernel backend (`pallas`, `pallas_interpret`) runs the fused kernel in `pallas_kernels.draft_roll` on the flattened batch.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def roll_window(window: jax.Array, new: jax.Array, num_new: jax.Array) -> jax.Ar
     return jnp.take_along_axis(cat, idx, axis=1)
 
 
-def roll_draft_inputs(tokens, hidden, new_tokens, new_hidden, num_new, *, impl: str = "reference"):
+def roll_draft_inputs(tokens, hidden, new_tokens, new_hidden, num_new, *, backend):
     """Rolls the token window int32[B, W] and hidden window [B, W, E] together."""
-    if impl.startswith("pallas"):
+    if backend.uses_kernels:
         from pallas_kernels.draft_roll import draft_roll
         B, W = tokens.shape
         N = new_tokens.shape[1]
@@ -34,6 +34,6 @@ def roll_draft_inputs(tokens, hidden, new_tokens, new_hidden, num_new, *, impl: 
         pos = jnp.zeros((B * W,), jnp.int32)
         t, _, h = draft_roll(tokens.reshape(-1), pos, hidden.reshape(B * W, -1), cu, new_tokens,
                              jnp.zeros((B, N), jnp.int32), new_hidden, num_new,
-                             interpret=impl == "pallas_interpret")
+                             interpret=backend.interpret)
         return t.reshape(B, W), h.reshape(hidden.shape)
     return roll_window(tokens, new_tokens, num_new), roll_window(hidden, new_hidden, num_new)

@@ -68,7 +68,7 @@ def commit(state: SpecState, tokens, num_accepted, limits: Limits):
 
 
 def spec_step(params, cfg: ModelConfig, spec: SpecConfig, state: SpecState, sp: SamplingArrays,
-              limits: Limits, *, impl: str, source: str = "model", forced=None) -> SpecState:
+              limits: Limits, *, backend, source: str = "model", forced=None) -> SpecState:
     B, K = state.drafts.shape
     W = state.hist_tokens.shape[1]
     N = state.seq_len
@@ -76,7 +76,7 @@ def spec_step(params, cfg: ModelConfig, spec: SpecConfig, state: SpecState, sp: 
         tokens = jnp.concatenate([state.last_token[:, None], state.drafts], axis=1)   # [B, K+1]
         pos = N[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None, :]
         hidden, cache = forward_cached(params, cfg, state.cache, tokens.reshape(-1),
-                                       PagedBatch.uniform(pos, state.block_tables), impl=impl)
+                                       PagedBatch.uniform(pos, state.block_tables), backend=backend)
         logits = logits_from_hidden(params, hidden).reshape(B, K + 1, -1)
     with jax.named_scope("accept"):
         acc_tokens, num_accepted, thinking = apply_acceptance(
@@ -87,14 +87,14 @@ def spec_step(params, cfg: ModelConfig, spec: SpecConfig, state: SpecState, sp: 
     seq_len = N + n
     hist_tokens, hist_hidden = roll_draft_inputs(
         state.hist_tokens, state.hist_hidden, acc_tokens,
-        hidden.reshape(B, K + 1, -1), n, impl=impl)
+        hidden.reshape(B, K + 1, -1), n, backend=backend)
     with jax.named_scope("draft"):
         j = jnp.arange(B * W) % W
         cache, drafts, probs = run_drafts(
             params, cfg, spec, cache, window=window_batch(seq_len, W, state.block_tables),
             hidden0=hist_hidden.reshape(B * W, -1), tokens0=hist_tokens.reshape(-1),
             next_same=j < W - 1, last_rows=jnp.arange(B) * W + W - 1, seq_len=seq_len,
-            block_tables=state.block_tables, sp=sp, impl=impl, source=source, forced=forced)
+            block_tables=state.block_tables, sp=sp, backend=backend, source=source, forced=forced)
     return SpecState(cache=cache, block_tables=state.block_tables, seq_len=seq_len,
                      hist_tokens=hist_tokens, hist_hidden=hist_hidden, drafts=drafts,
                      draft_probs=probs, in_thinking=jnp.where(state.done, state.in_thinking, thinking),
@@ -104,14 +104,14 @@ def spec_step(params, cfg: ModelConfig, spec: SpecConfig, state: SpecState, sp: 
 
 def spec_prefill(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, tokens, positions,
                  lens, block_tables, sp: SamplingArrays, limits: Limits, *, max_new: int,
-                 impl: str, source: str = "model", forced=None) -> SpecState:
+                 backend, source: str = "model", forced=None) -> SpecState:
     """Prefills left-padded prompts int32[B, T], samples each first token, drafts K tokens."""
     B, T = tokens.shape
     K = spec.num_speculative_tokens
     W = window_size(spec)
     rows = jnp.arange(B)
     batch = PagedBatch.uniform(positions, block_tables)      # left padded: ends aligned
-    hidden, cache = forward_cached(params, cfg, cache, tokens.reshape(-1), batch, impl=impl)
+    hidden, cache = forward_cached(params, cfg, cache, tokens.reshape(-1), batch, backend=backend)
     hidden = hidden.reshape(B, T, -1)
     first = sample(logits_from_hidden(params, hidden[:, T - 1]), sp, lens)
     # the token one past each position: the prompt shifted by one, the first token at the end
@@ -120,7 +120,7 @@ def spec_prefill(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, tok
     cache, drafts, probs = run_drafts(
         params, cfg, spec, cache, window=batch, hidden0=hidden.reshape(B * T, -1),
         tokens0=ahead.reshape(-1), next_same=j < T - 1, last_rows=rows * T + T - 1,
-        seq_len=lens, block_tables=block_tables, sp=sp, impl=impl, source=source, forced=forced)
+        seq_len=lens, block_tables=block_tables, sp=sp, backend=backend, source=source, forced=forced)
     # History window: the last W rows (positions P-W..P-1; zeros before position 0).
     valid = (positions >= 0)[..., None]
     pad = lambda a: jnp.concatenate([jnp.zeros_like(a[:, :W]), a], axis=1)[:, -W:]

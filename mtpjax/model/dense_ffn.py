@@ -1,0 +1,32 @@
+"""FFN kind "dense": the SwiGLU MLP of Llama/Qwen, `down(silu(x gate) * (x up))`."""
+
+from __future__ import annotations
+
+import jax
+
+from mtpjax.model.kinds import ParamSpec, register_ffn_kind
+
+
+class DenseFFN:
+    name = "dense"
+    hf_rows = {
+        "w_gate": ("mlp.gate_proj.weight", True),
+        "w_up": ("mlp.up_proj.weight", True),
+        "w_down": ("mlp.down_proj.weight", True),
+    }
+    activation = staticmethod(jax.nn.silu)
+
+    def param_specs(self, cfg) -> dict[str, ParamSpec]:
+        E, I = cfg.hidden_size, cfg.intermediate_size
+        return {
+            "w_gate": ParamSpec((E, I), ("embed", "mlp"), "normal"),
+            "w_up": ParamSpec((E, I), ("embed", "mlp"), "normal"),
+            "w_down": ParamSpec((I, E), ("mlp", "embed"), "normal"),
+        }
+
+    def __call__(self, p: dict, x, cfg, valid):
+        """x [N, E] -> [N, E]; a per-token op, so padding rows (valid False) need no mask."""
+        return (self.activation(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+
+
+DENSE = register_ffn_kind(DenseFFN())

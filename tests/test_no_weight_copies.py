@@ -1,0 +1,132 @@
+"""Guards the on-device loops against copying weights (issue: end-to-end speed).
+
+Measured on an H100 (docs/benchmarks.md): a slice of a stacked-layer weight inside
+`generate`'s while_loop was materialized as a copy every iteration (13 GB per step at the 8B
+shape), and XLA's GPU DotMerger concatenated q/k/v and gate/up weights every step. The fixes are
+structural: every layer has its own weight buffers (nothing to slice), and every step is compiled
+through `step_jit` (DotMerger off). These tests compile the real loops on CPU for a small model
+whose weight shapes are unique and assert that no copy / slice / transpose / concatenate in the
+optimized HLO produces a weight-shaped array, and that every jitted step goes through step_jit.
+Speed itself stays in benchmarks.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import mtpjax
+from mtpjax.step_jit import STEP_COMPILER_OPTIONS, STEP_FUNCTIONS
+
+# unique weight shapes: E=48, heads 4 x 16 (q 64), kv 2 x 16 (32), I=80, V=200
+CFG = mtpjax.ModelConfig(vocab_size=200, hidden_size=48, intermediate_size=80, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=16, num_mtp_layers=2)
+MOVES = ("copy", "slice", "dynamic-slice", "transpose", "concatenate")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\S* ([\w-]+)\(")
+
+
+def weight_shapes(params):
+    shapes = set()
+    for leaf in jax.tree.leaves(params):
+        if leaf.ndim == 2:
+            shapes |= {tuple(leaf.shape), tuple(reversed(leaf.shape))}
+    return shapes
+
+
+def weight_moves(hlo_text: str, shapes) -> list[str]:
+    """Instructions that move (copy, slice, transpose, concatenate) a weight-shaped array, or
+    concatenate weights (an output whose leading dim is a weight's and the rest a sum)."""
+    bad = []
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m or m.group(2) not in MOVES or not m.group(1):
+            continue
+        dims = tuple(int(d) for d in m.group(1).split(","))
+        while len(dims) > 2 and dims[0] == 1:        # a stacked slice [1, a, b]
+            dims = dims[1:]
+        if dims in shapes or (m.group(2) == "concatenate" and len(dims) == 2
+                              and dims[0] == CFG.hidden_size and dims[1] > CFG.hidden_size):
+            bad.append(line.strip()[:160])
+    return bad
+
+
+def capture_and_compile(monkeypatch, module, name, run):
+    """Runs `run()`, capturing the abstract arguments of module.<name>; returns its optimized
+    HLO for them."""
+    fn = getattr(module, name)
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen["args"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                    if isinstance(a, jax.Array) else a, args)
+        seen["kwargs"] = kwargs
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    run()
+    monkeypatch.undo()
+    return fn.lower(*seen["args"], **seen["kwargs"]).compile().as_text()
+
+
+@pytest.fixture(scope="module")
+def params():
+    return mtpjax.init_params(CFG, jax.random.PRNGKey(0))
+
+
+def test_every_layer_has_its_own_weights(params):
+    assert isinstance(params["layers"], tuple) and len(params["layers"]) == CFG.num_layers
+    assert isinstance(params["mtp"], tuple) and len(params["mtp"]) == CFG.num_mtp_layers
+    assert params["layers"][0]["wq"].shape == (48, 64)
+
+
+def test_the_detector_sees_a_stacked_weight_slice(params):
+    """The HLO check itself: slicing a stacked weight inside a loop is reported."""
+    stacked = jnp.stack([p["wq"] for p in params["layers"]])
+
+    @jax.jit
+    def loop(w, x):
+        return jax.lax.fori_loop(0, 3, lambda i, x: x @ w[1] @ w[2].T, x)
+
+    hlo = loop.lower(stacked, jnp.ones((2, 48))).compile().as_text()
+    assert weight_moves(hlo, weight_shapes(params))
+
+
+def test_generate_loop_moves_no_weights(params, monkeypatch):
+    gen = __import__("mtpjax.generate", fromlist=["_ar_loop"])
+    hlo = capture_and_compile(monkeypatch, gen, "_ar_loop", lambda: mtpjax.generate(
+        params, CFG, [[1, 2, 3], [4, 5]], max_new_tokens=4))
+    assert "while" in hlo
+    assert weight_moves(hlo, weight_shapes(params)) == []
+
+
+@pytest.mark.parametrize("method,K", [("chain", 3), ("multi_layer", 2)])
+def test_speculative_loop_and_draft_loop_move_no_weights(params, monkeypatch, method, K):
+    sg = __import__("mtpjax.speculative.generate", fromlist=["_loop"])
+    spec = mtpjax.SpecConfig(num_speculative_tokens=K, method=method)
+    hlo = capture_and_compile(monkeypatch, sg, "_loop", lambda: mtpjax.generate(
+        params, CFG, [[1, 2, 3], [4, 5]], max_new_tokens=4, spec=spec))
+    assert hlo.count("while") >= 2                     # the generate loop and the draft loop
+    assert weight_moves(hlo, weight_shapes(params)) == []
+
+
+def test_engine_step_moves_no_weights(params, monkeypatch):
+    runner = __import__("mtpjax.engine.runner", fromlist=["_step"])
+    llm = mtpjax.LLM(params, CFG, mtpjax.SpecConfig(num_speculative_tokens=2), num_pages=32,
+                     page_size=8, max_num_seqs=2, max_num_batched_tokens=32)
+    hlo = capture_and_compile(monkeypatch, runner, "_step", lambda: llm.generate(
+        [[1, 2, 3]], mtpjax.SamplingParams(max_tokens=3)))
+    assert weight_moves(hlo, weight_shapes(params)) == []
+
+
+def test_every_jitted_step_goes_through_step_jit():
+    import mtpjax.engine.runner as runner
+    import mtpjax.speculative.generate as sg
+    gen = __import__("mtpjax.generate", fromlist=["_ar_loop"])
+    jitted = [getattr(m, n) for m in (gen, sg, runner) for n in dir(m)
+              if hasattr(getattr(m, n), "lower") and hasattr(getattr(m, n), "trace")]
+    assert len(jitted) >= 5
+    missing = [f.__name__ for f in jitted if not any(f is g for g in STEP_FUNCTIONS)]
+    assert missing == []
+    assert STEP_COMPILER_OPTIONS == {"xla_gpu_dot_merger_threshold_mb": 0}
