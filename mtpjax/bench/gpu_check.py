@@ -1,5 +1,5 @@
 """GPU smoke check (not a test): Pallas and reference attention give the same greedy tokens,
-through `generate` (uniform batches) and the engine (ragged batches), in bf16.
+through `generate` (uniform batches) and the engine (ragged batches), with float32 params.
 
     python -m mtpjax.bench.gpu_check
 """
