@@ -16,12 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mtpjax.cache import KVCache, PagedBatch, init_cache
+from mtpjax.cache import init_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.model.backend import resolve_backend
-from mtpjax.model.transformer import forward_cached, logits_from_hidden
-from mtpjax.sampling import (Limits, SamplingArrays, as_sampling_list, is_stop, sample,
-                             stop_id_array)
+from mtpjax.sampling import Limits, SamplingArrays, as_sampling_list, is_stop, stop_id_array
+from mtpjax.speculative.draft import DRAFT_SOURCES, DraftOverride, draft_shape
+from mtpjax.speculative.metrics import SpecStats
+from mtpjax.speculative.mixed_step import (KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD, MixedBatch,
+                                           SlotState, mixed_step, thinking_after)
 from mtpjax.step_jit import step_jit
 
 
@@ -32,15 +34,15 @@ class GenerateOutput:
 
 
 @struct.dataclass
-class DecodeState:
-    cache: KVCache
+class GenerateState:
+    """generate's loop state: the engine's slot state (slot b = request b) plus the outputs."""
+
+    slots: SlotState          # cache, per-request seq_len, pending token, drafts, history
     block_tables: jax.Array   # int32[B, M]
-    seq_len: jax.Array        # int32[B] tokens whose KV is committed
-    last_token: jax.Array     # int32[B] newest token, at position seq_len, no KV yet
-    out_tokens: jax.Array     # int32[B, max_new] generated ids, -1 past num_out
+    out_tokens: jax.Array     # int32[B, max_new + K + 1] generated ids, -1 past num_out
     num_out: jax.Array        # int32[B]
     done: jax.Array           # bool[B]
-    steps: jax.Array          # int32[] decode steps taken
+    stats: SpecStats          # acceptance statistics (K = 0 without speculation)
 
 
 def validate_prompts(prompts, cfg: ModelConfig) -> list[list[int]]:
@@ -106,44 +108,118 @@ def pack_prompts(prompts: list[list[int]]):
     return tokens, positions
 
 
-@step_jit(static_argnames=("cfg", "backend", "max_new"), donate_argnames=("cache",))
-def _ar_prefill(params, cfg: ModelConfig, cache: KVCache, tokens, positions, lens, block_tables,
-                sp: SamplingArrays, limits: Limits, *, backend, max_new: int):
-    B, T = tokens.shape
-    batch = PagedBatch.uniform(positions, block_tables)      # left padded: ends aligned
-    hidden, cache = forward_cached(params, cfg, cache, tokens.reshape(-1), batch, backend=backend)
-    last = hidden.reshape(B, T, -1)[:, T - 1]
-    first = sample(logits_from_hidden(params, last), sp, lens)
-    out = jnp.full((B, max_new), -1, jnp.int32).at[:, 0].set(first)
+def commit(out_tokens, num_out, done, tokens, num_accepted, limits: Limits):
+    """Truncates each accepted run (tokens int32[B, K+1], num_accepted int32[B]) at the first
+    stop token / max_new and appends it to the output.
+
+    Returns (num_committed int32[B] (0 for finished requests), out_tokens, num_out, done).
+    """
+    B, K1 = tokens.shape
+    live = ~done
+    j = jnp.arange(K1)[None, :]
+    stop = is_stop(tokens, limits.stop_ids) & (j < num_accepted[:, None])
+    first_stop = jnp.where(jnp.any(stop, 1), jnp.argmax(stop, 1) + 1, K1 + 1)
+    n = jnp.minimum(jnp.minimum(num_accepted, first_stop), limits.max_new - num_out)
+    n = jnp.where(live, n, 0).astype(jnp.int32)
+    cols = num_out[:, None] + j
+    cols = jnp.where(j < n[:, None], cols, out_tokens.shape[1])       # dropped
+    out = out_tokens.at[jnp.arange(B)[:, None], cols].set(tokens, mode="drop")
+    num_out = num_out + n
+    done = done | (live & ((first_stop <= n) | (num_out >= limits.max_new)))
+    return n, out, num_out, done
+
+
+def prefill_batch(prompts: list[list[int]], spec: SpecConfig | None, sampling: SamplingArrays,
+                  block_tables: np.ndarray) -> tuple[MixedBatch, int]:
+    """Every prompt as one final prefill chunk of the engine's ragged batch (host numpy), and
+    the first-pass bucket."""
+    B = len(prompts)
+    K, W = draft_shape(spec)
+    lens = [len(p) for p in prompts]
+    T = bucket_size(sum(lens))
+    tokens = np.zeros(T, np.int32)
+    positions = np.full(T, -1, np.int32)
+    seq_ids = np.zeros(T, np.int32)
+    cu = np.zeros(B + 1, np.int32)
+    for i, p in enumerate(prompts):
+        cu[i + 1] = cu[i] + len(p)
+        tokens[cu[i]:cu[i + 1]] = p
+        positions[cu[i]:cu[i + 1]] = np.arange(len(p))
+        seq_ids[cu[i]:cu[i + 1]] = i
+    relaxed = spec is not None and spec.acceptance == "relaxed"
+    batch = MixedBatch(
+        tokens=tokens, positions=positions, seq_ids=seq_ids, cu_q_lens=cu,
+        kv_lens=np.asarray(lens, np.int32), block_tables=block_tables,
+        slots=np.arange(B, dtype=np.int32), kinds=np.full(B, KIND_LAST_CHUNK, np.int32),
+        next_tokens=np.full((B, K + 1), -1, np.int32),
+        thinking=np.asarray([relaxed and thinking_after(p, spec) for p in prompts]),
+        hist_from=np.zeros(B, np.int32), sampling=sampling)
+    return batch, bucket_size(sum(max(W, n) for n in lens))
+
+
+def decode_batch(state: GenerateState, sampling: SamplingArrays, K: int) -> MixedBatch:
+    """Every unfinished request as a decode row of K+1 tokens (finished ones: padding rows),
+    built on device: a decode row's positions, tokens and drafts come from its slot."""
+    B, Q = state.done.shape[0], K + 1
+    rows = jnp.arange(B, dtype=jnp.int32)
+    return MixedBatch(
+        tokens=jnp.zeros((B * Q,), jnp.int32),
+        positions=jnp.repeat(jnp.where(state.done, -1, 0).astype(jnp.int32), Q),
+        seq_ids=jnp.repeat(rows, Q), cu_q_lens=jnp.arange(B + 1, dtype=jnp.int32) * Q,
+        kv_lens=jnp.zeros((B,), jnp.int32), block_tables=state.block_tables, slots=rows,
+        kinds=jnp.where(state.done, KIND_PAD, KIND_DECODE).astype(jnp.int32),
+        next_tokens=jnp.full((B, Q), -1, jnp.int32), thinking=jnp.zeros((B,), bool),
+        hist_from=jnp.zeros((B,), jnp.int32), sampling=sampling)
+
+
+def generate_prefill(params, cfg: ModelConfig, spec: SpecConfig | None, slots: SlotState,
+                     batch: MixedBatch, limits: Limits, *, first_pass_len: int, max_new: int,
+                     backend, draft_source: str = "model", forced=None) -> GenerateState:
+    """The engine's step over the prompts: KV, first token, first drafts; -> GenerateState."""
+    K, _ = draft_shape(spec)
+    B = batch.kinds.shape[0]
+    slots, acc, _ = mixed_step(params, cfg, spec, slots, batch, first_pass_len=first_pass_len,
+                               backend=backend, draft_source=draft_source, forced=forced)
+    first = acc[:, 0]
+    out = jnp.full((B, max_new + K + 1), -1, jnp.int32).at[:, 0].set(first)
     done = is_stop(first, limits.stop_ids) | (limits.max_new <= 1)
-    return DecodeState(cache=cache, block_tables=block_tables, seq_len=lens, last_token=first,
-                       out_tokens=out, num_out=jnp.ones((B,), jnp.int32), done=done,
-                       steps=jnp.zeros((), jnp.int32))
+    return GenerateState(slots=slots, block_tables=batch.block_tables, out_tokens=out,
+                         num_out=jnp.ones((B,), jnp.int32), done=done, stats=SpecStats.zeros(K))
 
 
-def ar_step(params, cfg: ModelConfig, state: DecodeState, sp: SamplingArrays,
-            limits: Limits, *, backend) -> DecodeState:
-    """One autoregressive step for every request (finished ones are frozen)."""
-    B = state.seq_len.shape[0]
-    live = ~state.done
-    batch = PagedBatch.uniform(state.seq_len[:, None], state.block_tables)
-    hidden, cache = forward_cached(params, cfg, state.cache, state.last_token, batch, backend=backend)
-    tok = sample(logits_from_hidden(params, hidden), sp, state.seq_len + 1)
-    idx = jnp.minimum(state.num_out, state.out_tokens.shape[1] - 1)
-    out = state.out_tokens.at[jnp.arange(B), idx].set(
-        jnp.where(live, tok, state.out_tokens[jnp.arange(B), idx]))
-    num_out = state.num_out + live
-    done = state.done | (live & (is_stop(tok, limits.stop_ids) | (num_out >= limits.max_new)))
-    return DecodeState(cache=cache, block_tables=state.block_tables,
-                       seq_len=state.seq_len + live, last_token=jnp.where(live, tok, state.last_token),
-                       out_tokens=out, num_out=num_out, done=done, steps=state.steps + 1)
+def generate_step(params, cfg: ModelConfig, spec: SpecConfig | None, state: GenerateState,
+                  sampling: SamplingArrays, limits: Limits, *, backend,
+                  draft_source: str = "model", forced=None) -> GenerateState:
+    """One step of every unfinished request: the engine's step (`mixed_step`) on a batch of
+    decode rows, then stop / max-token truncation into the outputs."""
+    K, W = draft_shape(spec)
+    B = state.done.shape[0]
+    slots, acc, num_accepted = mixed_step(
+        params, cfg, spec, state.slots, decode_batch(state, sampling, K), first_pass_len=B * W,
+        backend=backend, draft_source=draft_source, forced=forced)
+    n, out, num_out, done = commit(state.out_tokens, state.num_out, state.done, acc,
+                                   num_accepted, limits)
+    return GenerateState(slots=slots, block_tables=state.block_tables, out_tokens=out,
+                         num_out=num_out, done=done,
+                         stats=state.stats.update(~state.done, num_accepted, n))
 
 
-@step_jit(static_argnames=("cfg", "backend"), donate_argnames=("state",))
-def _ar_loop(params, cfg: ModelConfig, state: DecodeState, sp, limits, *, backend):
+@step_jit(static_argnames=("cfg", "spec", "first_pass_len", "max_new", "backend", "draft_source"),
+          donate_argnames=("slots",))
+def _prefill(params, cfg, spec, slots, batch, limits, forced, *, first_pass_len, max_new,
+             backend, draft_source):
+    return generate_prefill(params, cfg, spec, slots, batch, limits,
+                            first_pass_len=first_pass_len, max_new=max_new, backend=backend,
+                            draft_source=draft_source, forced=forced)
+
+
+@step_jit(static_argnames=("cfg", "spec", "backend", "draft_source"), donate_argnames=("state",))
+def _loop(params, cfg, spec, state: GenerateState, sampling, limits, forced, *, backend,
+          draft_source):
     return jax.lax.while_loop(
         lambda s: ~jnp.all(s.done),
-        lambda s: ar_step(params, cfg, s, sp, limits, backend=backend),
+        lambda s: generate_step(params, cfg, spec, s, sampling, limits, backend=backend,
+                                draft_source=draft_source, forced=forced),
         state)
 
 
@@ -182,34 +258,42 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
                                    page_size, num_pages, seed)
     dtype = cache_dtype or params["embed"].dtype
     cache = init_cache(cfg, num_pages, page_size, dtype)
-    tokens, positions = pack_prompts(prompts)
     sp_arrays = SamplingArrays.build(sps, seed)
     limits = Limits(max_new=jnp.asarray(max_new, jnp.int32),
                            stop_ids=jnp.asarray(stop_id_array(sps)))
-    args = (jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(lens, jnp.int32),
-            jnp.asarray(tables))
-    if spec is not None:
-        from mtpjax.speculative.generate import speculative_generate
-        from mtpjax.speculative.draft import DRAFT_SOURCES
-        sources = [draft_source] if isinstance(draft_source, str) else list(draft_source)
-        if len(sources) not in (1, len(prompts)):
-            raise ValueError(f"draft_source has {len(sources)} entries for {len(prompts)} prompts")
-        for src in sources:
-            if src not in DRAFT_SOURCES:
-                raise ValueError(f"draft_source {src!r} not in {DRAFT_SOURCES}")
-        if ("forced" in sources) != (forced_drafts is not None):
-            raise ValueError("forced_drafts must be given exactly when a draft_source is 'forced'")
-        return speculative_generate(params, cfg, spec, cache, *args, sp_arrays, limits,
-                                    max_new=max(max_new), backend=resolve_backend(attention_impl),
-                                    draft_source=draft_source, forced_tokens=forced_drafts)
+    draft_source, forced = _draft_override(draft_source, forced_drafts, len(prompts))
     backend = resolve_backend(attention_impl)
-    state = _ar_prefill(params, cfg, cache, *args, sp_arrays, limits, backend=backend,
-                        max_new=max(max_new))
-    state = _ar_loop(params, cfg, state, sp_arrays, limits, backend=backend)
+    batch, F = prefill_batch(prompts, spec, sp_arrays, tables)
+    slots = SlotState.create(cfg, spec, cache, len(prompts), dtype)
+    state = _prefill(params, cfg, spec, slots, jax.device_put(batch), limits, forced,
+                     first_pass_len=F, max_new=max(max_new), backend=backend,
+                     draft_source=draft_source)
+    state = _loop(params, cfg, spec, state, sp_arrays, limits, forced, backend=backend,
+                  draft_source=draft_source)
     num_out = np.asarray(state.num_out)
     out = np.asarray(state.out_tokens)
     toks = [out[i, :num_out[i]].tolist() for i in range(len(prompts))]
-    total = int(num_out.sum())
+    if spec is not None:
+        return GenerateOutput(tokens=toks, stats=state.stats.finalize(prefill_tokens=len(prompts)))
+    steps = int(state.stats.steps)
     return GenerateOutput(tokens=toks, stats={
-        "decode_steps": int(state.steps), "generated_tokens": total,
-        "target_forward_passes": int(state.steps) + 1})
+        "decode_steps": steps, "generated_tokens": int(num_out.sum()),
+        "target_forward_passes": steps + 1})
+
+
+def _draft_override(draft_source, forced_drafts, B: int):
+    """(static source name, DraftOverride) for the test hooks of the draft loop."""
+    sources = [draft_source] if isinstance(draft_source, str) else list(draft_source)
+    if len(sources) not in (1, B):
+        raise ValueError(f"draft_source has {len(sources)} entries for {B} prompts")
+    for src in sources:
+        if src not in DRAFT_SOURCES:
+            raise ValueError(f"draft_source {src!r} not in {DRAFT_SOURCES}")
+    if ("forced" in sources) != (forced_drafts is not None):
+        raise ValueError("forced_drafts must be given exactly when a draft_source is 'forced'")
+    sources = sources * B if len(sources) == 1 else sources
+    forced = DraftOverride(
+        modes=jnp.asarray([DRAFT_SOURCES.index(s) for s in sources], jnp.int32),
+        tokens=(jnp.zeros((B, 1), jnp.int32) if forced_drafts is None
+                else jnp.asarray(forced_drafts, jnp.int32)))
+    return (sources[0] if len(set(sources)) == 1 else "mixed"), forced

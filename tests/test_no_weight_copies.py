@@ -10,7 +10,7 @@ optimized HLO produces a weight-shaped array, and that every jitted step goes th
 Speed itself stays in benchmarks.
 """
 
-import dataclasses
+import importlib
 import re
 
 import jax
@@ -19,6 +19,8 @@ import pytest
 
 import mtpjax
 from mtpjax.step_jit import STEP_COMPILER_OPTIONS, STEP_FUNCTIONS
+
+gen = importlib.import_module("mtpjax.generate")   # the module (mtpjax.generate is the function)
 
 # unique weight shapes: E=48, heads 4 x 16 (q 64), kv 2 x 16 (32), I=80, V=200
 CFG = mtpjax.ModelConfig(vocab_size=200, hidden_size=48, intermediate_size=80, num_layers=3,
@@ -94,8 +96,7 @@ def test_the_detector_sees_a_stacked_weight_slice(params):
 
 
 def test_generate_loop_moves_no_weights(params, monkeypatch):
-    gen = __import__("mtpjax.generate", fromlist=["_ar_loop"])
-    hlo = capture_and_compile(monkeypatch, gen, "_ar_loop", lambda: mtpjax.generate(
+    hlo = capture_and_compile(monkeypatch, gen, "_loop", lambda: mtpjax.generate(
         params, CFG, [[1, 2, 3], [4, 5]], max_new_tokens=4))
     assert "while" in hlo
     assert weight_moves(hlo, weight_shapes(params)) == []
@@ -103,9 +104,8 @@ def test_generate_loop_moves_no_weights(params, monkeypatch):
 
 @pytest.mark.parametrize("method,K", [("chain", 3), ("multi_layer", 2)])
 def test_speculative_loop_and_draft_loop_move_no_weights(params, monkeypatch, method, K):
-    sg = __import__("mtpjax.speculative.generate", fromlist=["_loop"])
     spec = mtpjax.SpecConfig(num_speculative_tokens=K, method=method)
-    hlo = capture_and_compile(monkeypatch, sg, "_loop", lambda: mtpjax.generate(
+    hlo = capture_and_compile(monkeypatch, gen, "_loop", lambda: mtpjax.generate(
         params, CFG, [[1, 2, 3], [4, 5]], max_new_tokens=4, spec=spec))
     assert hlo.count("while") >= 2                     # the generate loop and the draft loop
     assert weight_moves(hlo, weight_shapes(params)) == []
@@ -122,11 +122,32 @@ def test_engine_step_moves_no_weights(params, monkeypatch):
 
 def test_every_jitted_step_goes_through_step_jit():
     import mtpjax.engine.runner as runner
-    import mtpjax.speculative.generate as sg
-    gen = __import__("mtpjax.generate", fromlist=["_ar_loop"])
-    jitted = [getattr(m, n) for m in (gen, sg, runner) for n in dir(m)
+    jitted = [getattr(m, n) for m in (gen, runner) for n in dir(m)
               if hasattr(getattr(m, n), "lower") and hasattr(getattr(m, n), "trace")]
-    assert len(jitted) >= 5
+    assert len(jitted) >= 3
     missing = [f.__name__ for f in jitted if not any(f is g for g in STEP_FUNCTIONS)]
     assert missing == []
     assert STEP_COMPILER_OPTIONS == {"xla_gpu_dot_merger_threshold_mb": 0}
+
+
+def test_generate_and_the_engine_run_the_same_step(params, monkeypatch):
+    """One device step: both paths trace `mixed_step` (and nothing else that steps)."""
+    import mtpjax.engine.runner as runner
+    ms = importlib.import_module("mtpjax.speculative.mixed_step")
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["first_pass_len"])
+        return ms.mixed_step(*args, **kwargs)
+
+    monkeypatch.setattr(gen, "mixed_step", counting)
+    monkeypatch.setattr(runner, "mixed_step", counting)
+    spec = mtpjax.SpecConfig(num_speculative_tokens=2)
+    # shapes not compiled elsewhere in this file, so every program is traced here
+    out = mtpjax.generate(params, CFG, [[7, 8, 9, 10, 11]], max_new_tokens=5, spec=spec)
+    assert len(calls) == 2                                # prefill + the loop body
+    llm = mtpjax.LLM(params, CFG, spec, num_pages=32, page_size=8, max_num_seqs=3,
+                     max_num_batched_tokens=64)
+    got = llm.generate([[7, 8, 9, 10, 11]], mtpjax.SamplingParams(max_tokens=5))
+    assert len(calls) > 2                                 # the engine's buckets
+    assert got[0].token_ids == out.tokens[0]

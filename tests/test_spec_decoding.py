@@ -1,6 +1,7 @@
 """Speculative decoding end to end: lossless greedy and sampling, incremental == from scratch."""
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -10,16 +11,18 @@ import pytest
 import mtpjax
 from mtpjax import SamplingParams, SpecConfig
 from mtpjax.cache import init_cache
-from mtpjax.generate import pack_prompts, plan_pages
+from mtpjax.generate import plan_pages
+from mtpjax.speculative.mixed_step import SlotState
 from mtpjax.model.mtp import mtp_forward
 from mtpjax.sampling import SamplingArrays, filtered_probs
 from mtpjax.sampling import Limits
-from mtpjax.speculative.step import spec_prefill, spec_step
 from mtpjax.model.backend import AttentionBackend
 
 REFERENCE = AttentionBackend("reference")
 from tests.conftest import tiny_config
 from tests.test_accept import chi2_pvalue
+
+gen = importlib.import_module("mtpjax.generate")   # the module (mtpjax.generate is the function)
 
 # (method, K, D)
 CASES = [("chain", 1, 1), ("chain", 2, 1), ("chain", 3, 2), ("chain", 4, 1),
@@ -184,28 +187,29 @@ def test_incremental_drafts_equal_from_scratch(method, K, D):
     prompts = [[3, 1, 4, 1, 5, 9, 2], [6, 5]]
     tables, num_pages = plan_pages([len(p) + 40 for p in prompts], 4, None, 0)
     cache = init_cache(cfg, num_pages, 4)
-    tokens, positions = pack_prompts(prompts)
     spa = SamplingArrays.build([sp, sp], 0)
     lim = Limits(max_new=jnp.asarray([30, 30]), stop_ids=jnp.full((2, 1), -1, jnp.int32))
-    state = jax.jit(spec_prefill, static_argnames=("cfg", "spec", "max_new", "backend"))(
-        params, cfg, spec, cache, jnp.asarray(tokens), jnp.asarray(positions),
-        jnp.asarray([len(p) for p in prompts], jnp.int32), jnp.asarray(tables), spa, lim,
-        max_new=30, backend=REFERENCE)
-    step = jax.jit(spec_step, static_argnames=("cfg", "spec", "backend"))
+    batch, F = gen.prefill_batch(prompts, spec, spa, tables)
+    slots = SlotState.create(cfg, spec, cache, len(prompts))
+    state = jax.jit(gen.generate_prefill, static_argnames=(
+        "cfg", "spec", "first_pass_len", "max_new", "backend"))(
+        params, cfg, spec, slots, jax.device_put(batch), lim, first_pass_len=F, max_new=30,
+        backend=REFERENCE)
+    step = jax.jit(gen.generate_step, static_argnames=("cfg", "spec", "backend"))
     patterns = set()
     for it in range(6):
         for b, p in enumerate(prompts):
             seq = p + np.asarray(state.out_tokens[b, :int(state.num_out[b])]).tolist()
-            assert len(seq) - 1 == int(state.seq_len[b])
+            assert len(seq) - 1 == int(state.slots.seq_len[b])
             ref = _reference_draft_probs(params, cfg, spec, seq,
-                                         np.asarray(state.drafts[b]).tolist(), sp)
-            np.testing.assert_allclose(np.asarray(state.draft_probs[b]), ref, atol=2e-5)
+                                         np.asarray(state.slots.drafts[b]).tolist(), sp)
+            np.testing.assert_allclose(np.asarray(state.slots.draft_probs[b]), ref, atol=2e-5)
             # the cached target hidden window equals the from-scratch target hidden states
             _, h0 = _jitted(cfg)[0](params, _pad(jnp.asarray([seq[:-1]])))
-            W = state.hist_hidden.shape[1]
+            W = state.slots.hist_hidden.shape[1]
             N = len(seq) - 1
             n = min(W, N)
-            np.testing.assert_allclose(np.asarray(state.hist_hidden[b, W - n:]),
+            np.testing.assert_allclose(np.asarray(state.slots.hist_hidden[b, W - n:]),
                                        np.asarray(h0[0, N - n:N]), atol=2e-5)
         before = np.asarray(state.num_out)
         state = step(params, cfg, spec, state, spa, lim, backend=REFERENCE)

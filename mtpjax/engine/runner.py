@@ -25,7 +25,8 @@ from mtpjax.model.backend import resolve_backend
 from mtpjax.sampling import SamplingArrays, request_key
 from mtpjax.speculative.draft import draft_shape
 from mtpjax.speculative.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
-                                    MixedBatch, SlotState, mixed_step)
+                                    MixedBatch, SlotState, mixed_step,
+                                           thinking_after)
 from mtpjax.step_jit import step_jit
 
 
@@ -157,7 +158,7 @@ class ModelRunner:
                 next_tokens[i, :len(after)] = after
                 first_pass += max(self.W, n)
                 if self.spec is not None and self.spec.acceptance == "relaxed":
-                    thinking[i] = _thinking_after(seq.token_ids[:s + n], self.spec)
+                    thinking[i] = thinking_after(seq.token_ids[:s + n], self.spec)
                 kv_lens[i] = s + n
             else:
                 # positions, tokens and kv_len come from the slot's device state
@@ -203,13 +204,3 @@ class ModelRunner:
         scheduler's stop / max_tokens truncation)."""
         result = np.asarray(result)
         return [result[i, :result[i, -1]].tolist() for i in range(len(out.requests))]
-
-
-def _thinking_after(tokens, spec: SpecConfig) -> bool:
-    start = end = -1
-    for i, t in enumerate(tokens):
-        if t == spec.think_start_token_id:
-            start = i
-        elif t == spec.think_end_token_id:
-            end = i
-    return start > end

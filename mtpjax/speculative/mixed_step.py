@@ -77,10 +77,12 @@ class MixedBatch:
 
 
 def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, batch: MixedBatch,
-               *, first_pass_len: int, backend):
+               *, first_pass_len: int, backend, draft_source: str = "model", forced=None):
     """-> (state, committed_tokens int32[R, K+1], num_committed int32[R]).
 
     spec=None: plain autoregressive decoding (decode rows carry one token, no drafting).
+    draft_source / forced: the draft loop's test hooks (speculative/draft.py). This is the only
+    device step: the engine runs it on ragged batches, `generate` inside its while_loop.
     """
     K, W = draft_shape(spec)
     T = batch.tokens.shape[0]
@@ -179,7 +181,7 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
             params, cfg, spec, cache, window=window, hidden0=h0, tokens0=t0,
             next_same=next_same, last_rows=last_rows, seq_len=new_len,
             block_tables=batch.block_tables, sp=batch.sampling, backend=backend,
-            drafting=is_dec | is_last, fixed_next=fixed)
+            drafting=is_dec | is_last, fixed_next=fixed, source=draft_source, forced=forced)
 
     state = SlotState(
         cache=cache,
@@ -191,3 +193,14 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
                                                           state.in_thinking[s])),
         **track(new_len, pending))
     return state, acc, committed
+
+
+def thinking_after(tokens, spec: SpecConfig) -> bool:
+    """Host side: is a request inside its thinking phase after `tokens` (relaxed rule)?"""
+    start = end = -1
+    for i, t in enumerate(tokens):
+        if t == spec.think_start_token_id:
+            start = i
+        elif t == spec.think_end_token_id:
+            end = i
+    return start > end
