@@ -18,6 +18,7 @@ import numpy as np
 from flax import struct
 
 from mtpjax.cache import KVCache, PagedBatch, init_cache
+from mtpjax.compilation_cache import enable_compilation_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.model.attention import resolve_impl
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
@@ -161,12 +162,14 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     model's MTP modules. seed: base of per-request keys (a request's own `seed` wins).
     page_size / num_pages size the paged cache (default: exactly what the requests need).
     attention_impl: "auto" | "reference" | "pallas" (see mtpjax.model.attention).
+    JAX's persistent compilation cache is turned on first (mtpjax/compilation_cache.py).
     draft_source (experiments and tests): "model" (default), "random" (uniform random drafts) or
     "forced" (draft at position p is forced_drafts[b, p], e.g. the target's own continuation);
     a list gives one source per prompt (one compiled program serves them all).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    enable_compilation_cache()
     prompts = validate_prompts(prompts, cfg)
     sps = as_sampling_list(sampling, len(prompts))
     if spec is not None:
