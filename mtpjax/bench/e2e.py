@@ -102,7 +102,7 @@ def _listen() -> None:
         _LISTENING = True
 
 
-# ---- model, bytes, bandwidth ---------------------------------------------------------------------
+# ---- model, bytes, bandwidth --------------------------------------------------------------------
 
 def model_config(shape: str):
     import mtpjax
@@ -147,7 +147,7 @@ def copy_bandwidth(mib: int, rounds: int = 5, chain: int = 10) -> float:
     return 2 * n * 2 * chain / statistics.median(times)
 
 
-# ---- rows ------------------------------------------------------------------------------------------
+# ---- rows ---------------------------------------------------------------------------------------
 
 def prompts_for(cfg, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
     import numpy as np
@@ -306,17 +306,18 @@ def time_hf(cfg, batch: int, args) -> dict:
 
     def once():
         stamp = Stamp()
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=N, min_new_tokens=N, do_sample=False,
-                                 cache_implementation="static", pad_token_id=0,
-                                 stopping_criteria=transformers.StoppingCriteriaList([stamp]))
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                             cache_implementation="static", pad_token_id=0,
+                             stopping_criteria=transformers.StoppingCriteriaList([stamp]))
         torch.cuda.synchronize()
         steps = len(stamp.events) - 1
         assert out.shape[1] == args.prompt_len + N, out.shape
         return stamp.events[0].elapsed_time(stamp.events[-1]) / 1e3, steps
 
     once()                                           # compiles
+    if note.startswith("static cache, generate") and not hasattr(model, "_compiled_call"):
+        note = "static cache, NOT compiled (generate did not auto-compile)"
     runs = [once() for _ in range(args.repeats)]
     dt, steps = sorted(runs)[len(runs) // 2]
     del model
@@ -352,7 +353,7 @@ def run_warm_start(args, batch: int, cache_dir: str | None) -> dict:
     raise RuntimeError(f"warm-start process exited {proc.returncode} without a result:\n{tail}")
 
 
-# ---- table -----------------------------------------------------------------------------------------
+# ---- table --------------------------------------------------------------------------------------
 
 def _div(a, b) -> float:
     return a / b if b > 0 else float("nan")
@@ -382,7 +383,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# ---- main ------------------------------------------------------------------------------------------
+# ---- main ---------------------------------------------------------------------------------------
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="mtpjax bench e2e",
