@@ -30,7 +30,7 @@ def test_bench_e2e_tiny_prints_every_row(capsys, tmp_path):
     assert float(rows["generate plain"]["acc len"]) == 1.0
     assert math.isfinite(float(rows["start-up cold (engine MTP K=2)"]["start-up s"]))
     hf = rows["HF Llama static+compile"]
-    assert hf["ms/step"] == "" and ("no CUDA" in hf["note"] or "no torch" in hf["note"])
+    assert hf["ms/step"] == "" and "JAX runs on the CPU" in hf["note"]
     saved = json.loads((tmp_path / "e2e.json").read_text())
     assert [r["row"] for r in saved["rows"]] == list(rows)
     assert saved["copy_bandwidth_Bps"] > 0

@@ -25,9 +25,11 @@ verify step are what a real model with that acceptance would commit. Rows, at ea
   HF                              `transformers.LlamaForCausalLM` at the same shape, random bf16
         on CUDA, `generate(cache_implementation="static")` (static cache; transformers then
         compiles the decoding forward with torch.compile), greedy, min_new_tokens =
-        max_new_tokens. A StoppingCriteria records a CUDA event after every token (no sync):
-        ms/step = GPU time from the first token's event to the last / (N - 1). Skipped without
-        torch + CUDA + transformers.
+        max_new_tokens, in its own Python process (torch and JAX never share one). A
+        StoppingCriteria records a CUDA event after every token (no sync): ms/step = GPU time
+        from the first token's event to the last / (N - 1), median of `--repeats` calls after
+        a compiling one. Skipped when JAX runs on the CPU or torch + CUDA + transformers do
+        not import.
   start-up cold                   seconds from `LLM(..., warmup=True)` (MTP, largest batch) to
         the first token of one prompt, with an empty persistent compilation cache (a fresh
         folder unless the user set one: the row says which), warm-up of every bucket included.
@@ -43,9 +45,10 @@ x head_dim x 2 bytes at the mean decode context ctx = prompt + N/2 (the MTP modu
 layer per pass, is left out). Copy bandwidth: a jitted copy of `--copy-mib` MiB (default 1 GiB),
 read + written bytes / time, 10 chained copies per round, median of 5 rounds, in this process.
 
-Robustness: each row runs in its own try/except (a failing row or peer is reported, not fatal);
-progress lines go to stdout with flush; the markdown table is printed last; `--out DIR` gets
-e2e.json with every number. The persistent compilation cache goes to a fresh temporary folder
+Robustness: each row runs in its own try/except (a failing row or peer is reported, not fatal;
+the warm start and HF run in child processes with `--child-timeout`); progress lines go to
+stdout with flush; the markdown table is printed last; `--out DIR` gets e2e.json with every
+number, rewritten after each row. The persistent compilation cache goes to a fresh temporary folder
 (removed at the end; `--cache-dir` keeps one) so that the cold start is cold. JAX GPU memory
 preallocation is turned off (XLA_PYTHON_CLIENT_PREALLOCATE=false unless set) so the warm-start
 process and torch fit beside this one.
@@ -327,30 +330,30 @@ def time_hf(cfg, batch: int, args) -> dict:
                 versions=f"torch {torch.__version__}, transformers {transformers.__version__}")
 
 
-def run_warm_start(args, batch: int, cache_dir: str | None) -> dict:
-    """The start-up measurement again in a fresh Python process, reading the cache just filled."""
+def run_child(args, role: str, batch: int, env_extra: dict | None = None) -> dict:
+    """This benchmark's `role` ("startup" or "hf") for one batch size in a fresh Python process;
+    returns the dict it prints on its `E2E_RESULT` line (a crash or a hang there is an error
+    row here, not the end of the run)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ)
+    env = dict(os.environ, **(env_extra or {}))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    if cache_dir:
-        env["MTPJAX_CACHE_DIR"] = cache_dir
-    cmd = [sys.executable, "-m", "mtpjax.bench.e2e", "--startup-child", "--model-shape",
+    cmd = [sys.executable, "-m", "mtpjax.bench.e2e", "--child", role, "--model-shape",
            args.model_shape, "--batch", str(batch), "--prompt-len", str(args.prompt_len),
            "--new-tokens", str(args.new_tokens), "--k", str(args.k), "--accept-rate",
-           str(args.accept_rate), "--seed", str(args.seed)]
+           str(args.accept_rate), "--seed", str(args.seed), "--repeats", str(args.repeats)]
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=args.child_timeout)
     for line in proc.stdout.splitlines():
-        if line.startswith("E2E_STARTUP "):
-            res = json.loads(line[len("E2E_STARTUP "):])
+        if line.startswith("E2E_RESULT "):
+            res = json.loads(line[len("E2E_RESULT "):])
             res["process_s"] = time.perf_counter() - t0
             return res
     tail = (proc.stdout + proc.stderr)[-2000:]
-    raise RuntimeError(f"warm-start process exited {proc.returncode} without a result:\n{tail}")
+    raise RuntimeError(f"{role} process exited {proc.returncode} without a result:\n{tail}")
 
 
 # ---- table --------------------------------------------------------------------------------------
@@ -408,10 +411,11 @@ def parse_args(argv):
     ap.add_argument("--cache-dir", default=None,
                     help="persistent compilation cache folder (default: a fresh temporary one, "
                          "removed at the end)")
-    ap.add_argument("--child-timeout", type=float, default=600)
+    ap.add_argument("--child-timeout", type=float, default=420,
+                    help="seconds for the warm-start and each HF process")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="folder for e2e.json")
-    ap.add_argument("--startup-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["startup", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batch.split(",") if b.strip()]
     args.row_set = {r.strip() for r in args.rows.split(",") if r.strip()}
@@ -429,21 +433,25 @@ def _init_params(cfg, seed):
     return jax.block_until_ready(params)
 
 
-def startup_child(args) -> int:
-    from mtpjax.compilation_cache import enable_compilation_cache
-    enable_compilation_cache()
+def child(args) -> int:
+    """`--child startup|hf`: one measurement, printed as one JSON line for the parent."""
     cfg = model_config(args.model_shape)
-    params = _init_params(cfg, args.seed)
-    res = time_startup(params, cfg, spec_config(args), args, args.batches[0])
-    print("E2E_STARTUP " + json.dumps(res), flush=True)
+    if args.child == "hf":
+        res = time_hf(cfg, args.batches[0], args)
+    else:
+        from mtpjax.compilation_cache import enable_compilation_cache
+        enable_compilation_cache()
+        params = _init_params(cfg, args.seed)
+        res = time_startup(params, cfg, spec_config(args), args, args.batches[0])
+    print("E2E_RESULT " + json.dumps(res, default=str), flush=True)
     return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # before the backend starts
-    if args.startup_child:
-        return startup_child(args)
+    if args.child:
+        return child(args)
     import jax
     from mtpjax.compilation_cache import enable_compilation_cache, is_opted_out
     _listen()
@@ -486,6 +494,16 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
     spec = spec_config(args)
     ctx = args.prompt_len + args.new_tokens / 2
     rows: list[dict] = []
+    result = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                  args={k: v for k, v in vars(args).items() if k != "row_set"},
+                  copy_bandwidth_Bps=bw, weight_bytes=w, param_tree_bytes=tree_bytes,
+                  mean_decode_context=ctx, compilation_cache=cache_dir, rows=rows)
+
+    def save():                                  # after every row: a crash keeps what was done
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "e2e.json"), "w") as f:
+                json.dump(result, f, indent=1, default=str)
 
     def add(row: dict, batch=None, drafts=0):
         if batch is not None and "ms_per_step" in row:
@@ -494,6 +512,7 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
             row["floor_ms"] = 1e3 * b["total"] / bw
             row["pct_floor"] = 100 * row["floor_ms"] / row["ms_per_step"]
         rows.append(row)
+        save()
         shown = {k: v for k, v in row.items() if k in ("ms_per_step", "tok_per_s", "acc_len",
                                                      "pct_floor", "startup_s", "skipped",
                                                      "error")}
@@ -529,16 +548,10 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
                     K if mtp else 0)
     if "HF" in args.row_set:
         for batch in args.batches:
-            attempt("HF Llama static+compile", batch, lambda: time_hf(cfg, batch, args))
+            attempt("HF Llama static+compile", batch, lambda: _hf_row(args, batch))
 
-    result = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                  args={k: v for k, v in vars(args).items() if k != "row_set"},
-                  copy_bandwidth_Bps=bw, weight_bytes=w, param_tree_bytes=tree_bytes,
-                  mean_decode_context=ctx, compilation_cache=cache_dir, rows=rows)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "e2e.json"), "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        save()
         log(f"wrote {os.path.join(args.out, 'e2e.json')}")
     print(f"\nE2E {args.model_shape} on {dev.device_kind}: prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, K={K}, synthetic acceptance {args.accept_rate}, "
@@ -551,16 +564,24 @@ def _startup_row(params, cfg, spec, args, batch, cache_dir, fresh) -> dict:
     r = time_startup(params, cfg, spec, args, batch)
     where = ("no persistent cache" if not cache_dir else
              "empty fresh cache" if fresh else f"cache {cache_dir}")
-    r["note"] = (f"{r['buckets']} buckets; {r['programs']} programs: {r['compiled']} compiled, "
-                 f"{r['cache_hits']} from the cache ({where}); LLM() {r['construct_s']:.1f} s")
+    r["note"] = (f"{r['buckets']} step buckets; {r['programs']} programs: {r['compiled']} "
+                 f"compiled, {r['cache_hits']} from the cache ({where}); LLM() "
+                 f"{r['construct_s']:.1f} s")
     return r
 
 
+def _hf_row(args, batch) -> dict:
+    import jax
+    if jax.default_backend() == "cpu":
+        return dict(skipped="JAX runs on the CPU; the HF peer is timed on CUDA only")
+    return run_child(args, "hf", batch)           # torch in its own process: no clash with JAX
+
+
 def _warm_row(args, batch, cache_dir) -> dict:
-    r = run_warm_start(args, batch, cache_dir)
-    r["note"] = (f"{r['buckets']} buckets; {r['programs']} programs: {r['compiled']} compiled, "
-                 f"{r['cache_hits']} from the cache; LLM() {r['construct_s']:.1f} s; whole "
-                 f"process {r['process_s']:.1f} s")
+    r = run_child(args, "startup", batch, {"MTPJAX_CACHE_DIR": cache_dir} if cache_dir else None)
+    r["note"] = (f"{r['buckets']} step buckets; {r['programs']} programs: {r['compiled']} "
+                 f"compiled, {r['cache_hits']} from the cache; LLM() {r['construct_s']:.1f} s; "
+                 f"whole process {r['process_s']:.1f} s")
     return r
 
 
