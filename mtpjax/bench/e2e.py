@@ -165,10 +165,13 @@ def spec_config(args):
 
 
 def engine_kwargs(args, batch: int) -> dict:
+    """Engine limits for `batch` requests. Token budget: a whole decode step, and enough prefill
+    (up to 2048 tokens) that every prompt is in within a few steps, so the timed decode phase
+    (which starts when every request has its first token) runs the whole batch."""
     K = args.k
     tokens = args.prompt_len + args.new_tokens + 4 * (K + 1)
-    mnbt = args.max_num_batched_tokens or 1 << (max(batch * (K + 1), args.prompt_len, 8)
-                                               - 1).bit_length()
+    budget = max(batch * (K + 1), min(batch * args.prompt_len, 2048), args.prompt_len, 8)
+    mnbt = args.max_num_batched_tokens or 1 << (budget - 1).bit_length()
     return dict(num_pages=batch * (math.ceil(tokens / PAGE_SIZE) + 1) + 4, page_size=PAGE_SIZE,
                 max_num_seqs=batch, max_num_batched_tokens=mnbt, enable_prefix_caching=False,
                 max_model_len=tokens)
@@ -405,8 +408,9 @@ def parse_args(argv):
     ap.add_argument("--warm-start", action="store_true",
                     help="also time start-up in a second process with the cache filled")
     ap.add_argument("--max-num-batched-tokens", type=int, default=0,
-                    help="engine token budget (default: batch x (K+1) or the prompt, whichever "
-                         "is larger, rounded up to a power of two)")
+                    help="engine token budget (default: the largest of batch x (K+1), "
+                         "min(batch x prompt, 2048) and the prompt, rounded up to a power of "
+                         "two)")
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth copy")
     ap.add_argument("--cache-dir", default=None,
                     help="persistent compilation cache folder (default: a fresh temporary one, "
