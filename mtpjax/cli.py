@@ -5,6 +5,8 @@
     mtpjax convert ORBAX_DIR OUT_DIR --to hf           and back (safetensors, config, tokenizer)
     mtpjax bench engine [options]       engine steps/s vs the bare jitted step (host overhead)
     mtpjax bench kernels [options]      the Pallas kernel tables (python -m mtpjax.bench.kernels)
+    mtpjax bench e2e [options]          end-to-end decode speed at a model shape vs its floor and
+                                        Hugging Face, engine start-up (python -m mtpjax.bench.e2e)
 """
 
 from __future__ import annotations
@@ -168,6 +170,9 @@ def cmd_bench(args):
     if args.what == "kernels":
         from mtpjax.bench import kernels as bench
         return bench.main(args.rest)
+    if args.what == "e2e":
+        from mtpjax.bench import e2e
+        return e2e.main(args.rest)
     from mtpjax.bench.engine import main as engine_bench
     return engine_bench(args.rest)
 
@@ -207,7 +212,7 @@ def main(argv=None):
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_convert)
     b = sub.add_parser("bench", help="benchmarks (GPU machine)")
-    b.add_argument("what", choices=["engine", "kernels"])
+    b.add_argument("what", choices=["engine", "kernels", "e2e"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     b.set_defaults(fn=cmd_bench)
     args = ap.parse_args(argv)

@@ -17,6 +17,7 @@ import numpy as np
 from flax import struct
 
 from mtpjax.cache import init_cache
+from mtpjax.compilation_cache import enable_compilation_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.model.backend import resolve_backend
 from mtpjax.sampling import Limits, SamplingArrays, as_sampling_list, is_stop, stop_id_array
@@ -238,12 +239,14 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     page_size / num_pages size the paged cache (default: exactly what the requests need).
     attention_impl: "auto" | "reference" | "pallas" | "pallas_interpret" or an AttentionBackend
     (see mtpjax.model.backend).
+    JAX's persistent compilation cache is turned on first (mtpjax/compilation_cache.py).
     draft_source (experiments and tests): "model" (default), "random" (uniform random drafts) or
     "forced" (draft at position p is forced_drafts[b, p], e.g. the target's own continuation);
     a list gives one source per prompt (one compiled program serves them all).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    enable_compilation_cache()
     prompts = validate_prompts(prompts, cfg)
     sps = as_sampling_list(sampling, len(prompts))
     if spec is not None:

@@ -1,6 +1,11 @@
 import dataclasses
+import os
 
-import jax
+# No persistent compilation cache in the tests (it would write to ~/.cache/mtpjax); the cache's
+# own tests turn it on in a tmp folder.
+os.environ.setdefault("MTPJAX_COMPILATION_CACHE", "0")
+
+import jax  # noqa: E402
 import numpy as np
 import pytest
 

@@ -6,16 +6,20 @@ import dataclasses
 import gc
 import itertools
 import math
+import os
 import time
 from typing import Any, Iterator
 
+import jax
 import numpy as np
 
+from mtpjax.compilation_cache import enable_compilation_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.engine.block_manager import BlockManager
 from mtpjax.engine.runner import ModelRunner
 from mtpjax.engine.scheduler import Scheduler
 from mtpjax.engine.sequence import Sequence
+from mtpjax.engine.warmup import WarmupProgress, step_buckets
 from mtpjax.sampling import as_sampling_list
 
 
@@ -57,17 +61,26 @@ class LLM:
     async_scheduling (default True): schedule and dispatch step t+1 before reading step t back,
     so host work overlaps the device; each `step()` then returns the previous step's tokens.
     Outputs are identical either way (docs/engine.md, "Asynchronous scheduling").
+    warmup: compile the step for every bucket the engine can reach (`engine/warmup.py`) before
+    returning, with a progress bar and each bucket's compile time on stderr, so serving never
+    compiles. Default (None): on when JAX's default backend is not the CPU (GPU/TPU steps take
+    seconds to compile; on the CPU the tests' tiny engines would pay for buckets they never use).
+    `MTPJAX_WARMUP_THREADS` (default min(4, CPU count)) compiles that many buckets at once.
+    JAX's persistent compilation cache is turned on first (`mtpjax/compilation_cache.py`), so a
+    second process loads the compiled steps from disk.
     """
 
     def __init__(self, params, cfg: ModelConfig, spec: SpecConfig | None = None, *,
                  num_pages: int, page_size: int = 16, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  tokenizer=None, max_model_len: int | None = None, eos_token_id: int | None = None,
-                 attention_impl: str = "auto", seed: int = 0, async_scheduling: bool = True):
+                 attention_impl: str = "auto", seed: int = 0, async_scheduling: bool = True,
+                 warmup: bool | None = None):
         if spec is not None:
             if not isinstance(spec, SpecConfig):
                 raise ValueError(f"spec must be a SpecConfig or None, got {type(spec).__name__}")
             spec.check_model(cfg)
+        enable_compilation_cache()
         self.cfg, self.spec, self.tokenizer = cfg, spec, tokenizer
         K = spec.num_speculative_tokens if spec else 0
         chain = spec is not None and spec.method == "chain"
@@ -90,11 +103,25 @@ class LLM:
                                   max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks,
                                   seed=seed, attention_impl=attention_impl)
         self._inflight = None                       # (SchedulerOutput, result) dispatched, unread
+        self.warmup_times: list[tuple[int, int, float]] = []    # (T, F, compile seconds)
+        if warmup is None:
+            warmup = jax.default_backend() != "cpu"
+        if warmup:
+            self._warmup(max_num_batched_tokens, max_num_seqs)
         _freeze_startup_objects()
         self._ids = itertools.count()
         self._metrics: dict[int, list[int]] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+
+    def _warmup(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        buckets = step_buckets(max_num_batched_tokens, max_num_seqs, self.runner.W)
+        threads = int(os.environ.get("MTPJAX_WARMUP_THREADS", min(4, os.cpu_count() or 1)))
+        with WarmupProgress(len(buckets)) as bar:
+            def done(T, F, seconds):
+                self.warmup_times.append((T, F, seconds))
+                bar.update(T, F, seconds)
+            self.runner.warmup(buckets, on_compiled=done, threads=threads)
 
     # ---- requests ------------------------------------------------------------------------------
     def _encode(self, prompt) -> list[int]:

@@ -198,6 +198,42 @@ class ModelRunner:
         result.copy_to_host_async()                        # the step's only device->host copy
         return result
 
+    def warmup(self, buckets, on_compiled=None, threads: int = 1) -> None:
+        """Compiles the step for every (T, F) in `buckets` (`engine.warmup.step_buckets`) before
+        serving, so no step compiles mid-serving. Each bucket gets a dry run on an all-padding
+        batch: every row is a KIND_PAD row in the scratch slot at position -1, so it writes no
+        KV and changes no real slot (the donated state comes back with the same meaning).
+        threads > 1: each bucket is first lowered here and compiled ahead of time on a pool of
+        that many threads (`lower().compile()` fills the cache the dry run then hits).
+        on_compiled(T, F, seconds) after each bucket, in order."""
+        import time
+        from concurrent.futures import ThreadPoolExecutor
+
+        def timed(fn, *args):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            return out, time.perf_counter() - t0
+
+        empty, _ = self.pack(SchedulerOutput([], [], self.K))
+        with ThreadPoolExecutor(max(threads, 1)) as pool:
+            runs = []
+            for T, F in buckets:
+                batch = empty.replace(tokens=np.zeros(T, np.int32), seq_ids=np.zeros(T, np.int32),
+                                      positions=np.full(T, -1, np.int32))
+                inputs, shape = self.device_inputs(batch)
+                kw = dict(first_pass_len=F, backend=self.backend, shape=shape)
+                aot = None if threads <= 1 else pool.submit(timed, _step.lower(
+                    self.params, self.cfg, self.spec, self.state, inputs, **kw).compile)
+                runs.append((T, F, inputs, kw, aot))
+            for T, F, inputs, kw, aot in runs:
+                aot_seconds = aot.result()[1] if aot else 0.0
+                (self.state, result), seconds = timed(functools.partial(_step, **kw), self.params,
+                                                      self.cfg, self.spec, self.state, inputs)
+                jax.block_until_ready(result)
+                if on_compiled is not None:
+                    on_compiled(T, F, aot_seconds + seconds)
+        request_key(SamplingParams(), self.seed, 0)      # its eager ops compile on first use
+
     @staticmethod
     def collect(out: SchedulerOutput, result: jax.Array) -> list[list[int]]:
         """Waits for a dispatched step; each scheduled request's committed tokens (before the

@@ -1,0 +1,593 @@
+"""End-to-end decode speed at a real model shape: `generate` and the `LLM` engine, plain and with
+MTP, against Hugging Face transformers on the same GPU, plus engine start-up (cold and warm).
+
+    mtpjax bench e2e --model-shape llama3-8b [--batch 1,32] [--prompt-len 128] [--new-tokens 128]
+                     [--k 3] [--accept-rate 0.8] [--warm-start] [--out DIR]
+    (= python -m mtpjax.bench.e2e ...; `--model-shape tiny` runs on the CPU in the tests)
+
+Weights are random bf16 (std 0.02); MTP rows use K = 3 chained drafts with the benchmark-only
+synthetic acceptance (each draft accepted with probability `--accept-rate`), so their tokens per
+verify step are what a real model with that acceptance would commit. Rows, at each batch size:
+
+  generate plain / generate MTP   `mtpjax.generate`, one on-device while_loop. Decode time =
+        t(full) - t(prefill only), each the median of `--repeats` interleaved calls after one
+        untimed full call (compiles). The prefill-only call is the same program on the same
+        inputs (same max_new_tokens = N, so nothing recompiles), except that each request gets
+        its own first token (greedy, known from the full call) as a stop token: it runs the
+        same cache set-up, prefill (and first draft pass) and readback and stops before the
+        loop's first iteration, so the difference is the loop alone. ms/step = decode time /
+        loop iterations (`stats`).
+  engine plain / engine MTP       `mtpjax.LLM` (continuous batching, async scheduling), all
+        requests added at once; the clock starts when every request has its first token (all
+        prefills done) and stops when the last finishes (in-flight step flushed). ms/step =
+        that time / engine steps in it. One untimed pass of the same workload first (compiles
+        the buckets it uses); median of `--repeats` passes.
+  HF                              `transformers.LlamaForCausalLM` at the same shape, random bf16
+        on CUDA, `generate(cache_implementation="static")` (static cache; transformers then
+        compiles the decoding forward with torch.compile), greedy, min_new_tokens =
+        max_new_tokens, in its own Python process (torch and JAX never share one). A
+        StoppingCriteria records a CUDA event after every token (no sync): ms/step = GPU time
+        from the first token's event to the last / (N - 1), median of `--repeats` calls after
+        a compiling one. Skipped when JAX runs on the CPU or torch + CUDA + transformers do
+        not import.
+  start-up cold                   seconds from `LLM(..., warmup=True)` (MTP, largest batch) to
+        the first token of one prompt, with an empty persistent compilation cache (a fresh
+        folder unless the user set one: the row says which), warm-up of every bucket included.
+  start-up warm (--warm-start)    the same in a second Python process reading that cache.
+
+Columns: ms/step; tok/s = decode tokens committed / decode time (whole batch); acc len = mean
+acceptance length (tokens per verify step; 1 without MTP); floor = bytes that must move per step
+/ copy bandwidth; % floor = floor / ms/step. Bytes per step (bf16): target layers (attention,
+MLP, norms) + final norm + lm_head, read once; embedding rows gathered (B(K+1) rows) are
+negligible and not counted; with MTP add K draft passes, each reading the MTP module (block,
+eh_proj, norms) and the lm_head; plus the target's KV read once: B x ctx x layers x 2 x kv_heads
+x head_dim x 2 bytes at the mean decode context ctx = prompt + N/2 (the MTP modules' own KV, one
+layer per pass, is left out). Copy bandwidth: a jitted copy of `--copy-mib` MiB (default 1 GiB),
+read + written bytes / time, 10 chained copies per round, median of 5 rounds, in this process.
+
+Robustness: each row runs in its own try/except (a failing row or peer is reported, not fatal;
+the warm start and HF run in child processes with `--child-timeout`); progress lines go to
+stdout with flush; the markdown table is printed last; `--out DIR` gets e2e.json with every
+number, rewritten after each row. The persistent compilation cache goes to a fresh temporary folder
+(removed at the end; `--cache-dir` keeps one) so that the cold start is cold. JAX GPU memory
+preallocation is turned off (XLA_PYTHON_CLIENT_PREALLOCATE=false unless set) so the warm-start
+process and torch fit beside this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+SHAPES = {
+    # Llama 3 8B: untied lm_head, plus one MTP module of the same layer shape
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                      rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                      tie_word_embeddings=False, num_mtp_layers=1),
+    "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                 rms_norm_eps=1e-5, max_position_embeddings=1024, tie_word_embeddings=False,
+                 num_mtp_layers=1),
+}
+PAGE_SIZE = 16
+ROWS = ("generate plain", "generate MTP", "engine plain", "engine MTP", "HF")
+_T0 = time.perf_counter()
+_EVENTS: collections.Counter = collections.Counter()
+_LISTENING = False
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+def log(msg: str) -> None:
+    print(f"[e2e {time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
+
+
+def _listen() -> None:
+    """Counts programs built (XLA compilations and persistent-cache loads both record the
+    backend-compile event) and persistent-cache hits (jax.monitoring), once per process."""
+    global _LISTENING
+    if not _LISTENING:
+        import jax
+        jax.monitoring.register_event_listener(lambda name, **kw: _EVENTS.update([name]))
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda name, secs, **kw: _EVENTS.update([name]))
+        _LISTENING = True
+
+
+# ---- model, bytes, bandwidth --------------------------------------------------------------------
+
+def model_config(shape: str):
+    import mtpjax
+    return mtpjax.ModelConfig(model_type="llama", **SHAPES[shape])
+
+
+def weight_bytes(cfg, itemsize: int = 2) -> dict:
+    """Bytes of the weights a decode step reads, from the config (bf16: 2 bytes)."""
+    E, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layer = 2 * E * H * D + 2 * E * KVH * D + 3 * E * I + 2 * E      # q, o, k, v, MLP, 2 norms
+    mtp = layer + 2 * E * E + 3 * E                              # + eh_proj, enorm/hnorm/out norm
+    return {"target_layers": cfg.num_layers * layer * itemsize, "final_norm": E * itemsize,
+            "lm_head": V * E * itemsize, "mtp_module": mtp * itemsize,
+            "embed_table_not_counted": V * E * itemsize}
+
+
+def step_bytes(w: dict, cfg, batch: int, ctx: float, K: int) -> dict:
+    kv = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    target = w["target_layers"] + w["final_norm"] + w["lm_head"]
+    drafts = K * (w["mtp_module"] + w["lm_head"])
+    return {"weights": target, "mtp_drafts": drafts, "kv": kv, "total": target + drafts + kv}
+
+
+def copy_bandwidth(mib: int, rounds: int = 5, chain: int = 10) -> float:
+    """Bytes/s of a jitted array copy (read + written), median of `rounds` of `chain` copies."""
+    import jax
+    import jax.numpy as jnp
+    n = mib * 2 ** 20 // 2
+    x = jnp.ones((n,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a.copy())
+    jax.block_until_ready(copy(x))
+    times = []
+    for _ in range(rounds):
+        y = x
+        t0 = time.perf_counter()
+        for _ in range(chain):
+            y = copy(y)
+        jax.block_until_ready(y)
+        times.append(time.perf_counter() - t0)
+        del y
+    return 2 * n * 2 * chain / statistics.median(times)
+
+
+# ---- rows ---------------------------------------------------------------------------------------
+
+def prompts_for(cfg, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, cfg.vocab_size, size=(batch, prompt_len)).tolist()
+
+
+def spec_config(args):
+    import mtpjax
+    return mtpjax.SpecConfig(num_speculative_tokens=args.k, method="chain",
+                             acceptance="synthetic", synthetic_accept_rate=args.accept_rate)
+
+
+def engine_kwargs(args, batch: int) -> dict:
+    """Engine limits for `batch` requests. Token budget: a whole decode step, and enough prefill
+    (up to 2048 tokens) that every prompt is in within a few steps, so the timed decode phase
+    (which starts when every request has its first token) runs the whole batch."""
+    K = args.k
+    tokens = args.prompt_len + args.new_tokens + 4 * (K + 1)
+    budget = max(batch * (K + 1), min(batch * args.prompt_len, 2048), args.prompt_len, 8)
+    mnbt = args.max_num_batched_tokens or 1 << (budget - 1).bit_length()
+    return dict(num_pages=batch * (math.ceil(tokens / PAGE_SIZE) + 1) + 4, page_size=PAGE_SIZE,
+                max_num_seqs=batch, max_num_batched_tokens=mnbt, enable_prefix_caching=False,
+                max_model_len=tokens)
+
+
+def time_generate(params, cfg, spec, prompts, args) -> dict:
+    import mtpjax
+    N = args.new_tokens
+
+    def call(sampling=None):
+        t0 = time.perf_counter()
+        out = mtpjax.generate(params, cfg, prompts, max_new_tokens=N, spec=spec,
+                              page_size=PAGE_SIZE, sampling=sampling)
+        return out, time.perf_counter() - t0
+
+    out, _ = call()                                  # compiles; greedy first tokens
+    # The prefill-only call runs the same program: each request's own (greedy, deterministic)
+    # first token is its stop token, so the loop ends before its first iteration.
+    stop_first = [mtpjax.SamplingParams(stop_token_ids=(t[0],)) for t in out.tokens]
+    full, pre = [], []
+    for _ in range(args.repeats):                    # interleaved, so drift hits both
+        out1, t = call(stop_first)
+        pre.append(t)
+        outN, t = call()
+        full.append(t)
+    if any(len(t) != 1 for t in out1.tokens):
+        raise RuntimeError("the prefill-only call generated more than one token per request")
+    steps_key = "draft_steps" if spec is not None else "decode_steps"
+    steps = outN.stats[steps_key] - out1.stats.get(steps_key, 0)
+    tokens = sum(map(len, outN.tokens)) - sum(map(len, out1.tokens))
+    decode_s = statistics.median(full) - statistics.median(pre)
+    res = dict(acc_len=outN.stats.get("mean_acceptance_length", 1.0), steps=steps,
+               decode_tokens=tokens, prefill_s=statistics.median(pre),
+               runs_s=dict(full=full, prefill=pre))
+    if decode_s <= 0:
+        return dict(res, ms_per_step=float("nan"), tok_per_s=float("nan"),
+                    note="decode time below the timing noise: raise --new-tokens")
+    return dict(res, ms_per_step=1e3 * decode_s / steps, tok_per_s=tokens / decode_s)
+
+
+def engine_pass(llm, prompts, new_tokens: int) -> dict:
+    """One pass of the workload through generate_stream; times the decode phase."""
+    import mtpjax
+    sp = mtpjax.SamplingParams(max_tokens=new_tokens)
+    started, outs = set(), []
+    tokens = 0
+    t0 = steps0 = tokens0 = None
+    for ev in llm.generate_stream(prompts, sp):
+        tokens += len(ev.new_token_ids)
+        if ev.new_token_ids:
+            started.add(ev.request_index)
+        if ev.finished:
+            outs.append(ev.output)
+        if t0 is None and len(started) == len(prompts):
+            t0, steps0, tokens0 = time.perf_counter(), llm.num_steps, tokens
+    llm.flush()
+    dt = time.perf_counter() - t0
+    steps = llm.num_steps - steps0
+    verify = sum(o.num_verify_steps for o in outs)
+    acc = sum(o.num_accepted_draft_tokens + o.num_verify_steps for o in outs) / max(verify, 1)
+    return dict(decode_s=dt, steps=steps, decode_tokens=tokens - tokens0,
+                ms_per_step=_div(1e3 * dt, steps), tok_per_s=_div(tokens - tokens0, dt),
+                acc_len=acc if llm.spec is not None else 1.0)
+
+
+def time_engine(params, cfg, spec, prompts, args) -> dict:
+    import mtpjax
+    llm = mtpjax.LLM(params, cfg, spec, warmup=False, **engine_kwargs(args, len(prompts)))
+    engine_pass(llm, prompts, args.new_tokens)                # compiles the buckets it uses
+    passes = [engine_pass(llm, prompts, args.new_tokens) for _ in range(args.repeats)]
+    best = sorted(passes, key=lambda p: p["ms_per_step"])[len(passes) // 2]     # median pass
+    best["runs_ms_per_step"] = [p["ms_per_step"] for p in passes]
+    return best
+
+
+def time_startup(params, cfg, spec, args, batch: int) -> dict:
+    """Seconds from LLM(..., warmup=True) to the first token of one prompt."""
+    import mtpjax
+    _listen()
+    prompt = prompts_for(cfg, 1, args.prompt_len, seed=99)[0]
+    before = collections.Counter(_EVENTS)
+    t0 = time.perf_counter()
+    llm = mtpjax.LLM(params, cfg, spec, warmup=True, **engine_kwargs(args, batch))
+    t1 = time.perf_counter()
+    llm.generate([prompt], mtpjax.SamplingParams(max_tokens=1))
+    t2 = time.perf_counter()
+    ev = _EVENTS - before
+    return dict(startup_s=t2 - t0, construct_s=t1 - t0, first_token_after_construct_s=t2 - t1,
+                buckets=len(llm.warmup_times),
+                bucket_compile_s={f"{T},{F}": s for T, F, s in llm.warmup_times},
+                programs=ev[BACKEND_COMPILE], cache_hits=ev[CACHE_HIT],
+                compiled=ev[BACKEND_COMPILE] - ev[CACHE_HIT])
+
+
+def time_hf(cfg, batch: int, args) -> dict:
+    """transformers LlamaForCausalLM, static cache + torch.compile, on CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return dict(skipped="no torch")
+    if not torch.cuda.is_available():
+        return dict(skipped="no CUDA device for torch")
+    try:
+        import transformers
+    except ImportError:
+        return dict(skipped="no transformers")
+    N = args.new_tokens
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=max(cfg.max_position_embeddings, args.prompt_len + N),
+        tie_word_embeddings=False, initializer_range=0.02, pad_token_id=0)
+    torch.manual_seed(args.seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    note = "static cache, generate's torch.compile"
+    if not hasattr(model, "_valid_auto_compile_criteria"):       # older transformers
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        note = "static cache, torch.compile(forward, reduce-overhead)"
+    ids = torch.tensor(prompts_for(cfg, batch, args.prompt_len, args.seed), device="cuda")
+
+    class Stamp(transformers.StoppingCriteria):
+        def __init__(self):
+            self.events = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.events.append(e)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def once():
+        stamp = Stamp()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                             cache_implementation="static", pad_token_id=0,
+                             stopping_criteria=transformers.StoppingCriteriaList([stamp]))
+        torch.cuda.synchronize()
+        steps = len(stamp.events) - 1
+        assert out.shape[1] == args.prompt_len + N, out.shape
+        return stamp.events[0].elapsed_time(stamp.events[-1]) / 1e3, steps
+
+    once()                                           # compiles
+    if note.startswith("static cache, generate") and not hasattr(model, "_compiled_call"):
+        note = "static cache, NOT compiled (generate did not auto-compile)"
+    runs = [once() for _ in range(args.repeats)]
+    dt, steps = sorted(runs)[len(runs) // 2]
+    del model
+    torch.cuda.empty_cache()
+    return dict(ms_per_step=_div(1e3 * dt, steps), tok_per_s=_div(batch * steps, dt), acc_len=1.0,
+                steps=steps, note=note, runs_s=[r[0] for r in runs],
+                versions=f"torch {torch.__version__}, transformers {transformers.__version__}")
+
+
+def run_child(args, role: str, batch: int, env_extra: dict | None = None) -> dict:
+    """This benchmark's `role` ("startup" or "hf") for one batch size in a fresh Python process;
+    returns the dict it prints on its `E2E_RESULT` line (a crash or a hang there is an error
+    row here, not the end of the run)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, **(env_extra or {}))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    cmd = [sys.executable, "-m", "mtpjax.bench.e2e", "--child", role, "--model-shape",
+           args.model_shape, "--batch", str(batch), "--prompt-len", str(args.prompt_len),
+           "--new-tokens", str(args.new_tokens), "--k", str(args.k), "--accept-rate",
+           str(args.accept_rate), "--seed", str(args.seed), "--repeats", str(args.repeats)]
+    if args.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=args.child_timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("E2E_RESULT "):
+            res = json.loads(line[len("E2E_RESULT "):])
+            res["process_s"] = time.perf_counter() - t0
+            return res
+    tail = (proc.stdout + proc.stderr)[-2000:]
+    raise RuntimeError(f"{role} process exited {proc.returncode} without a result:\n{tail}")
+
+
+# ---- table --------------------------------------------------------------------------------------
+
+def _div(a, b) -> float:
+    return a / b if b > 0 else float("nan")
+
+
+def _fmt(x, digits=3):
+    if x is None:
+        return ""
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        return f"{x:.{digits}g}" if abs(x) < 100 else f"{x:.0f}"
+    return str(x)
+
+
+def table(rows: list[dict]) -> str:
+    head = ["row", "batch", "ms/step", "tok/s", "acc len", "floor ms", "% floor", "start-up s",
+            "note"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        note = r.get("skipped") or r.get("error") or r.get("note", "")
+        lines.append("| " + " | ".join([
+            r["row"], _fmt(r.get("batch")), _fmt(r.get("ms_per_step")), _fmt(r.get("tok_per_s")),
+            _fmt(r.get("acc_len")), _fmt(r.get("floor_ms")), _fmt(r.get("pct_floor")),
+            _fmt(r.get("startup_s")), str(note).replace("|", "/").replace("\n", " ")[:160]])
+            + " |")
+    return "\n".join(lines)
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="mtpjax bench e2e",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--model-shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--batch", default="1,32", help="comma-separated batch sizes")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=3, help="drafts per step of the MTP rows")
+    ap.add_argument("--accept-rate", type=float, default=0.8,
+                    help="synthetic acceptance probability per draft (MTP rows)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
+    ap.add_argument("--rows", default=",".join(ROWS),
+                    help=f"comma-separated subset of: {', '.join(ROWS)}")
+    ap.add_argument("--no-startup", action="store_true", help="skip the start-up rows")
+    ap.add_argument("--warm-start", action="store_true",
+                    help="also time start-up in a second process with the cache filled")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0,
+                    help="engine token budget (default: the largest of batch x (K+1), "
+                         "min(batch x prompt, 2048) and the prompt, rounded up to a power of "
+                         "two)")
+    ap.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth copy")
+    ap.add_argument("--cache-dir", default=None,
+                    help="persistent compilation cache folder (default: a fresh temporary one, "
+                         "removed at the end)")
+    ap.add_argument("--child-timeout", type=float, default=420,
+                    help="seconds for the warm-start and each HF process")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="folder for e2e.json")
+    ap.add_argument("--child", choices=["startup", "hf"], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.batches = [int(b) for b in args.batch.split(",") if b.strip()]
+    args.row_set = {r.strip() for r in args.rows.split(",") if r.strip()}
+    unknown = args.row_set - set(ROWS)
+    if unknown:
+        ap.error(f"unknown rows {sorted(unknown)}; choose from {ROWS}")
+    return args
+
+
+def _init_params(cfg, seed):
+    import jax
+    import jax.numpy as jnp
+    import mtpjax
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(seed), jnp.bfloat16, std=0.02)
+    return jax.block_until_ready(params)
+
+
+def child(args) -> int:
+    """`--child startup|hf`: one measurement, printed as one JSON line for the parent."""
+    cfg = model_config(args.model_shape)
+    if args.child == "hf":
+        res = time_hf(cfg, args.batches[0], args)
+    else:
+        from mtpjax.compilation_cache import enable_compilation_cache
+        enable_compilation_cache()
+        params = _init_params(cfg, args.seed)
+        res = time_startup(params, cfg, spec_config(args), args, args.batches[0])
+    print("E2E_RESULT " + json.dumps(res, default=str), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # before the backend starts
+    if args.child:
+        return child(args)
+    import jax
+    from mtpjax.compilation_cache import enable_compilation_cache, is_opted_out
+    _listen()
+    fresh = None
+    if args.cache_dir is None and not is_opted_out() and not jax.config.jax_compilation_cache_dir:
+        fresh = tempfile.mkdtemp(prefix="mtpjax_e2e_jax_cache_")
+    cache_dir = enable_compilation_cache(args.cache_dir or fresh)
+    cache_files = len(os.listdir(cache_dir)) if cache_dir and os.path.isdir(cache_dir) else 0
+    try:
+        return _run(args, cache_dir, cache_files, fresh)
+    finally:
+        if fresh:
+            shutil.rmtree(fresh, ignore_errors=True)
+
+
+def _run(args, cache_dir, cache_files, fresh) -> int:
+    import jax
+    cfg = model_config(args.model_shape)
+    K = args.k
+    dev = jax.devices()[0]
+    log(f"device {dev.device_kind} ({jax.default_backend()}), JAX {jax.__version__}; shape "
+        f"{args.model_shape}; batches {args.batches}; prompt {args.prompt_len}, new tokens "
+        f"{args.new_tokens}, K={K}, synthetic acceptance {args.accept_rate}")
+    log(f"compilation cache: {cache_dir or 'off'}"
+        + (f" ({'fresh' if fresh else 'given'}, {cache_files} entries at start)"
+           if cache_dir else ""))
+    bw = copy_bandwidth(args.copy_mib)
+    log(f"copy bandwidth {bw / 1e12:.3f} TB/s ({args.copy_mib} MiB jitted copy, read + written)")
+    t0 = time.perf_counter()
+    params = _init_params(cfg, args.seed)
+    tree_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    log(f"random bf16 params: {tree_bytes / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
+    w = weight_bytes(cfg)
+    counted = w["target_layers"] + w["final_norm"] + w["lm_head"] + w["mtp_module"] \
+        + w["embed_table_not_counted"]
+    log("weights per step: target layers {:.3f} GB + lm_head {:.3f} GB; MTP module {:.3f} GB "
+        "(config count {:.3f} GB incl. embedding vs param tree {:.3f} GB)".format(
+            w["target_layers"] / 1e9, w["lm_head"] / 1e9, w["mtp_module"] / 1e9,
+            counted / 1e9, tree_bytes / 1e9))
+    spec = spec_config(args)
+    ctx = args.prompt_len + args.new_tokens / 2
+    rows: list[dict] = []
+    result = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                  args={k: v for k, v in vars(args).items() if k != "row_set"},
+                  copy_bandwidth_Bps=bw, weight_bytes=w, param_tree_bytes=tree_bytes,
+                  mean_decode_context=ctx, compilation_cache=cache_dir, rows=rows)
+
+    def save():                                  # after every row: a crash keeps what was done
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "e2e.json"), "w") as f:
+                json.dump(result, f, indent=1, default=str)
+
+    def add(row: dict, batch=None, drafts=0):
+        if batch is not None and "ms_per_step" in row:
+            b = step_bytes(w, cfg, batch, ctx, drafts)
+            row["bytes_per_step"] = b
+            row["floor_ms"] = 1e3 * b["total"] / bw
+            row["pct_floor"] = 100 * row["floor_ms"] / row["ms_per_step"]
+        rows.append(row)
+        save()
+        shown = {k: v for k, v in row.items() if k in ("ms_per_step", "tok_per_s", "acc_len",
+                                                     "pct_floor", "startup_s", "skipped",
+                                                     "error")}
+        log(f"{row['row']} (batch {row.get('batch')}): " + ", ".join(
+            f"{k} {_fmt(v) if not isinstance(v, str) else v}" for k, v in shown.items()))
+
+    def attempt(name: str, batch, fn, drafts=0):
+        log(f"{name}, batch {batch} ...")
+        try:
+            res = fn()
+        except Exception as e:                                 # report, keep going
+            traceback.print_exc()
+            res = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        add(dict(row=name, batch=batch, **res), batch, drafts)
+
+    top = max(args.batches)
+    if not args.no_startup:
+        attempt(f"start-up cold (engine MTP K={K})", top,
+                lambda: _startup_row(params, cfg, spec, args, top, cache_dir, fresh))
+        if args.warm_start:
+            attempt("start-up warm (2nd process)", top,
+                    lambda: _warm_row(args, top, cache_dir))
+    names = {"generate plain": "generate plain", "generate MTP": f"generate MTP K={K}",
+             "engine plain": "engine plain", "engine MTP": f"engine MTP K={K}"}
+    for batch in args.batches:
+        prompts = prompts_for(cfg, batch, args.prompt_len, args.seed)
+        for key, name in names.items():
+            if key not in args.row_set:
+                continue
+            mtp = key.endswith("MTP")
+            fn = time_generate if key.startswith("generate") else time_engine
+            attempt(name, batch, lambda: fn(params, cfg, spec if mtp else None, prompts, args),
+                    K if mtp else 0)
+    if "HF" in args.row_set:
+        for batch in args.batches:
+            attempt("HF Llama static+compile", batch, lambda: _hf_row(args, batch))
+
+    if args.out:
+        save()
+        log(f"wrote {os.path.join(args.out, 'e2e.json')}")
+    print(f"\nE2E {args.model_shape} on {dev.device_kind}: prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, K={K}, synthetic acceptance {args.accept_rate}, "
+          f"copy {bw / 1e12:.3f} TB/s, floor ctx {ctx:g}")
+    print(table(rows), flush=True)
+    return 0
+
+
+def _startup_row(params, cfg, spec, args, batch, cache_dir, fresh) -> dict:
+    r = time_startup(params, cfg, spec, args, batch)
+    where = ("no persistent cache" if not cache_dir else
+             "empty fresh cache" if fresh else f"cache {cache_dir}")
+    r["note"] = (f"{r['buckets']} step buckets; {r['programs']} programs: {r['compiled']} "
+                 f"compiled, {r['cache_hits']} from the cache ({where}); LLM() "
+                 f"{r['construct_s']:.1f} s")
+    return r
+
+
+def _hf_row(args, batch) -> dict:
+    import jax
+    if jax.default_backend() == "cpu":
+        return dict(skipped="JAX runs on the CPU; the HF peer is timed on CUDA only")
+    return run_child(args, "hf", batch)           # torch in its own process: no clash with JAX
+
+
+def _warm_row(args, batch, cache_dir) -> dict:
+    r = run_child(args, "startup", batch, {"MTPJAX_CACHE_DIR": cache_dir} if cache_dir else None)
+    r["note"] = (f"{r['buckets']} step buckets; {r['programs']} programs: {r['compiled']} "
+                 f"compiled, {r['cache_hits']} from the cache; LLM() {r['construct_s']:.1f} s; "
+                 f"whole process {r['process_s']:.1f} s")
+    return r
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""Engine warm-up: the step buckets an engine can reach, and a progress display for compiling
+them at start-up (`LLM(..., warmup=True)`, `ModelRunner.warmup`).
+
+A step is compiled once per (T, F): T = bucketed query tokens, F = bucketed MTP first-pass
+length (both `bucket_size`, powers of two >= 8; rows, block-table width and everything else are
+fixed per engine). The scheduler puts S <= max_num_batched_tokens query tokens in at most
+max_num_seqs rows: a decode row has K + 1 tokens, a prefill chunk 1..S. The runner's first pass
+(`ModelRunner.pack`) takes max(W, q) entries per row (W = first-pass window, 1 without
+speculation; a decode's K + 1 <= W), so for S tokens in m rows
+
+    first_pass >= max(W, S)                               (one row)
+    first_pass <= (m - 1) * W + max(W, S - m + 1)         (m - 1 one-token chunks + one row)
+
+and every value in between is reachable up to gaps smaller than a bucket. Each T bucket covers
+S in (T/2, T] (S in 1..8 for T = 8); its F buckets run from bucket(max(W, S_min)) to
+bucket((m - 1) W + max(W, S_max - m + 1)) with m = min(max_num_seqs, S_max).
+`tests/test_warmup.py` checks this against brute force over all row mixes.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from mtpjax.generate import bucket_size
+
+
+def step_buckets(max_num_batched_tokens: int, max_num_seqs: int,
+                 window: int) -> list[tuple[int, int]]:
+    """Every (T, F) step shape an engine with these limits can dispatch, sorted."""
+    B, R, W = max_num_batched_tokens, max_num_seqs, window
+    out = []
+    T = bucket_size(1)
+    while True:
+        lo, hi = (1 if T == bucket_size(1) else T // 2 + 1), min(T, B)
+        if lo > hi:
+            return out
+        m = min(R, hi)
+        F, f_hi = bucket_size(max(W, lo)), bucket_size((m - 1) * W + max(W, hi - m + 1))
+        while F <= f_hi:
+            out.append((T, F))
+            F *= 2
+        T *= 2
+
+
+class WarmupProgress:
+    """A rich progress bar on stderr when rich is installed, else one plain line per bucket.
+    Each bucket's compile time is printed once, when it is done."""
+
+    def __init__(self, total: int, label: str = "compiling step buckets"):
+        self.total, self.label, self.done = total, label, 0
+        self.t0 = time.perf_counter()
+        self.bar = self.task = None
+        try:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
+                TimeElapsedColumn
+            self.bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=Console(stderr=True))
+        except ImportError:
+            pass
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+            self.task = self.bar.add_task(self.label, total=self.total)
+        return self
+
+    def update(self, T: int, F: int, seconds: float) -> None:
+        self.done += 1
+        line = f"[{self.done}/{self.total}] step bucket T={T} F={F}: {seconds:.2f} s"
+        if self.bar is not None:
+            self.bar.console.print(line)
+            self.bar.update(self.task, advance=1)
+        else:
+            print(f"{self.label} {line}", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        print(f"warm-up: {self.done} step buckets in {time.perf_counter() - self.t0:.1f} s",
+              file=sys.stderr, flush=True)
+        return False

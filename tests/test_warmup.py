@@ -1,0 +1,81 @@
+"""Engine warm-up: the bucket list is exactly what the scheduler can reach, and after warm-up a
+mixed workload compiles nothing and gives the tokens of an engine that was not warmed up."""
+
+import jax
+import numpy as np
+import pytest
+
+import mtpjax
+from mtpjax import SamplingParams, SpecConfig
+from mtpjax.engine import runner as runner_mod
+from mtpjax.engine.warmup import step_buckets
+from mtpjax.generate import bucket_size
+from tests.conftest import random_params, tiny_config
+
+_COMPILES = []
+
+
+def _count_compiles(name, seconds, **kw):
+    if name == "/jax/core/compile/backend_compile_duration":
+        _COMPILES.append(seconds)
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def _reachable(max_tokens, max_rows, window):
+    """(T, F) of every mix of 1..max_rows rows of q >= 1 tokens, sum(q) <= max_tokens (a decode
+    row is q = K + 1 <= W, the same as a chunk of K + 1 tokens)."""
+    out = set()
+
+    def add(q_min, rows, S, first_pass):
+        if rows:
+            out.add((bucket_size(S), bucket_size(first_pass)))
+        if rows < max_rows:
+            for q in range(q_min, max_tokens - S + 1):
+                add(q, rows + 1, S + q, first_pass + max(window, q))
+    add(1, 0, 0, 0)
+    return out
+
+
+@pytest.mark.parametrize("max_tokens", [3, 8, 9, 16, 20, 33])
+@pytest.mark.parametrize("max_rows", [1, 3, 5])
+@pytest.mark.parametrize("window", [1, 2, 4, 6])     # no spec; chain K=1, 3; multi_layer K=3
+def test_step_buckets_are_exactly_the_reachable_shapes(max_tokens, max_rows, window):
+    assert set(step_buckets(max_tokens, max_rows, window)) == _reachable(max_tokens, max_rows,
+                                                                          window)
+
+
+def test_no_compilation_after_warmup_and_same_tokens(monkeypatch):
+    monkeypatch.setenv("MTPJAX_WARMUP_THREADS", "2")        # the ahead-of-time path too
+    cfg = tiny_config(vocab_size=40)                         # a config no other test compiles
+    params = random_params(cfg)
+    spec = SpecConfig(num_speculative_tokens=1)
+    kw = dict(num_pages=40, page_size=4, max_num_seqs=2, max_num_batched_tokens=8)
+    rng = np.random.default_rng(0)
+    # buckets (8, 8) and (8, 16): a 1-token prompt admitted with a 7-token chunk takes a first
+    # pass of 2 + 7 = 9 entries; a chunked prompt (21 tokens), sampling and greedy requests
+    prompts = [[5], rng.integers(0, 40, 7).tolist(), rng.integers(0, 40, 21).tolist(), [7],
+               rng.integers(0, 40, 3).tolist(), [1, 2]]
+    sps = [SamplingParams(max_tokens=int(m), temperature=t, seed=i)
+           for i, (m, t) in enumerate(zip([3, 9, 6, 4, 7, 5], [0, 0.8, 0, 1.0, 0, 0]))]
+
+    llm = mtpjax.LLM(params, cfg, spec, warmup=True, **kw)
+    buckets = set(step_buckets(8, 2, llm.runner.W))
+    assert [(T, F) for T, F, _ in llm.warmup_times] == sorted(buckets)
+    used = set()
+    pack = llm.runner.pack
+
+    def spy(out):
+        batch, F = pack(out)
+        used.add((batch.tokens.shape[0], F))
+        return batch, F
+    llm.runner.pack = spy
+    before, size = len(_COMPILES), runner_mod._step._cache_size()
+    outs = llm.generate(prompts, sps)
+    assert len(_COMPILES) == before, "a step compiled after warm-up"
+    assert runner_mod._step._cache_size() == size
+    assert used == buckets == {(8, 8), (8, 16)}, used
+
+    cold = mtpjax.LLM(params, cfg, spec, warmup=False, **kw)
+    assert [o.token_ids for o in cold.generate(prompts, sps)] == [o.token_ids for o in outs]
