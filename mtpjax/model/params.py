@@ -106,9 +106,32 @@ def logical_axes(cfg: ModelConfig):
     return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
 
 
+def _stack(entries: tuple) -> dict | tuple:
+    """Per-layer spec dicts -> one dict of [n, ...] specs when every entry has the same leaves
+    (the layout params had before layers got their own leaves); else the entries unchanged."""
+    first = entries[0]
+    if any(jax.tree.structure(e, is_leaf=_is_spec) != jax.tree.structure(first, is_leaf=_is_spec)
+           or jax.tree.leaves(e, is_leaf=_is_spec) != jax.tree.leaves(first, is_leaf=_is_spec)
+           for e in entries):
+        return entries
+    return jax.tree.map(lambda s: ParamSpec((len(entries), *s.shape), s.axes, s.init), first,
+                        is_leaf=_is_spec)
+
+
+def _unstack(tree, n: int) -> tuple:
+    return tuple(jax.tree.map(lambda a: a[i], tree) for i in range(n))
+
+
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, *, std: float = 0.02):
-    """Random parameters (normal(0, std) weights, unit norms, zero biases)."""
-    specs = param_specs(cfg)
+    """Random parameters (normal(0, std) weights, unit norms, zero biases).
+
+    Uniform layers are drawn as one [L, ...] array per leaf and then split, so a seed gives the
+    same model it gave when params were stored stacked (tests and notebooks keep their models).
+    """
+    specs = dict(param_specs(cfg))
+    for name in ("layers", "mtp"):
+        if name in specs:
+            specs[name] = _stack(specs[name])
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
     keys = jax.random.split(key, len(leaves))
     inits: dict[str, Callable] = {
@@ -116,7 +139,11 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, *, std: flo
         "ones": lambda k, s: jnp.ones(s.shape, dtype),
         "zeros": lambda k, s: jnp.zeros(s.shape, dtype),
     }
-    return jax.tree.unflatten(treedef, [inits[s.init](k, s) for k, s in zip(keys, leaves)])
+    params = jax.tree.unflatten(treedef, [inits[s.init](k, s) for k, s in zip(keys, leaves)])
+    for name, n in (("layers", cfg.num_layers), ("mtp", cfg.num_mtp_layers)):
+        if name in params and isinstance(params[name], dict):
+            params[name] = _unstack(params[name], n)
+    return params
 
 
 def lm_head_weight(params) -> jax.Array:
