@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+import numpy as np
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MTP_CONCAT_ORDERS = ("embed_hidden", "hidden_embed")
@@ -203,9 +205,39 @@ class ModelConfig:
         return cls(**kwargs)
 
 
+# A request's PRNG key is jax.random.PRNGKey(seed), which keeps the low 32 bits of the seed
+# (mtpjax.sampling.request_key): seed and seed + 2**32 would silently give the same tokens.
+SEED_RANGE = (0, 2**32)
+INT32_MAX = 2**31 - 1        # top_k and stop ids travel to the device as int32
+
+
+def _is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value: Any) -> bool:
+    """A Python or numpy real number, not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) \
+        and not isinstance(value, (bool, np.bool_))
+
+
+def check_seed(name: str, value: Any) -> int:
+    """`value` as a Python int if it is a valid PRNG seed, else ValueError naming it."""
+    lo, hi = SEED_RANGE
+    if not _is_int(value) or not lo <= value < hi:
+        raise ValueError(f"{name} must be an int in [0, 2**32) (a PRNG key keeps 32 bits of the "
+                         f"seed; larger ones would repeat smaller ones), got {name}={value!r}")
+    return int(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 is greedy; top_k 0 disables top-k; top_p 1 disables top-p."""
+    """Per-request sampling. temperature 0 is greedy; top_k 0 disables top-k; top_p 1 disables top-p.
+
+    Numbers may be Python or numpy scalars; they are stored as Python int / float. Every field is
+    checked here, so a request that passes cannot fail later inside a step.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
@@ -215,22 +247,35 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 disables), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        set_ = lambda name, v: object.__setattr__(self, name, v)    # noqa: E731 (frozen)
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got temperature={t!r}")
+        set_("temperature", float(t))
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be an int in [0, 2**31 - 1] (0 disables), got "
+                             f"top_k={self.top_k!r}")
+        set_("top_k", int(self.top_k))
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got top_p={self.top_p!r}")
+        set_("top_p", float(self.top_p))
         if self.max_tokens is not None:
-            _positive_int("max_tokens", self.max_tokens)
-        stops = tuple(self.stop_token_ids)
+            if not _is_int(self.max_tokens) or self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be a positive int or None, got "
+                                 f"max_tokens={self.max_tokens!r}")
+            set_("max_tokens", int(self.max_tokens))
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or _is_int(stops) or not hasattr(stops, "__iter__"):
+            raise ValueError(f"stop_token_ids must be a sequence of token ids (e.g. (2,)), got "
+                             f"stop_token_ids={stops!r}")
+        stops = tuple(stops)
         for t in stops:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
-        object.__setattr__(self, "stop_token_ids", stops)
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r} in "
+                                 f"stop_token_ids={stops!r}")
+        set_("stop_token_ids", tuple(int(t) for t in stops))
+        if self.seed is not None:
+            set_("seed", check_seed("seed", self.seed))
 
     @property
     def greedy(self) -> bool:
