@@ -41,6 +41,10 @@ class Block:
         return f"Block({self.block_id}, ref={self.ref_count}, cached={self.hash is not None})"
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -57,13 +61,10 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
                  num_hash_lookahead_tokens: int = 0):
-        if int(num_blocks) < 1:
-            raise ValueError(f"num_blocks must be >= 1, got num_blocks={num_blocks!r}")
-        if int(block_size) < 1:
-            raise ValueError(f"block_size must be >= 1, got block_size={block_size!r}")
-        if int(num_hash_lookahead_tokens) < 0:
-            raise ValueError("num_hash_lookahead_tokens must be >= 0, got "
-                             f"num_hash_lookahead_tokens={num_hash_lookahead_tokens!r}")
+        for name, value, lo in (("num_blocks", num_blocks, 1), ("block_size", block_size, 1),
+                                ("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0)):
+            if not _is_int(value) or value < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {name}={value!r}")
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
         self.enable_prefix_caching = bool(enable_prefix_caching)
@@ -270,6 +271,27 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_cached_tokens = 0
         seq.num_computed_tokens = 0
+
+    def reset(self, keep_prefix_cache: bool = True) -> None:
+        """Recovery after an engine step failed part-way: every block becomes unreferenced, as if
+        each holder had been deallocated (the caller has dropped every block table: no sequence
+        may hold blocks afterwards). Registered blocks hold committed KV and stay reusable when
+        `keep_prefix_cache`; pass False when the KV cache itself was lost. Repairs any
+        half-done move (a block taken but not yet in a table, a half-registered hash)."""
+        old_free, old_evictable = list(self._free), list(self._evictable)
+        for h, block_id in list(self.hash_to_block.items()):
+            if not keep_prefix_cache or self.blocks[block_id].hash != h:
+                del self.hash_to_block[h]
+        for block in self.blocks:
+            block.ref_count = 0
+            if block.hash is not None and self.hash_to_block.get(block.hash) != block.block_id:
+                block.hash, block.token_ids = None, ()
+        # keep the old free / LRU order, then what was in use, in block order
+        order = list(dict.fromkeys(old_free + old_evictable + list(range(self.num_blocks))))
+        self._free = collections.deque(b for b in order if self.blocks[b].hash is None)
+        self._evictable = collections.OrderedDict(
+            (b, None) for b in order if self.blocks[b].hash is not None)
+        self._num_used = 0
 
     # ---- fork --------------------------------------------------------------------------------
     def _num_fork_blocks(self, seq: Sequence) -> tuple[int, int]:
