@@ -173,9 +173,10 @@ class Scheduler:
             limit = min(limit, self.max_num_batched_tokens - num_prompt_tokens + 1)
         return limit
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new request. Refuses (ValueError) one that could never finish; a request with
-        max_tokens=None gets the largest max_tokens that fits (finish_reason "length" there)."""
+    def check(self, seq: Sequence) -> None:
+        """What `add` checks, without queueing: raises ValueError for a request that could never
+        finish; a request with max_tokens=None gets the largest max_tokens that fits
+        (finish_reason "length" there). Changes nothing else."""
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_completion_tokens:
             raise ValueError(f"sequence {seq.seq_id} is not a fresh request ({seq!r})")
         limit = self.max_completion_tokens(seq.num_prompt_tokens)
@@ -185,6 +186,10 @@ class Scheduler:
             seq.max_tokens = limit
         elif seq.max_tokens > limit:
             raise ValueError(self._oversize_message(seq, seq.max_tokens))
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request after `check` (ValueError, nothing queued, if it fails)."""
+        self.check(seq)
         self.waiting.append(seq)
 
     @property
@@ -209,7 +214,8 @@ class Scheduler:
         return msg
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a waiting or running request and free its blocks."""
+        """Drop a waiting or running request and free its blocks (finish_reason "abort"); rows of
+        steps in flight become void. The engine's slot is the caller's: use `mtpjax.LLM.abort`."""
         if seq in self.running:
             self.running.remove(seq)
             self.block_manager.deallocate(seq)
@@ -238,6 +244,41 @@ class Scheduler:
         seq.num_prefill_tokens = seq.num_tokens
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def requeue_all(self, orphans: _Seq[Sequence] = ()) -> list[Sequence]:
+        """Recovery after an engine step failed part-way (its results, and those of any other
+        step in flight, are lost): forget every in-flight step and put every running request,
+        then `orphans` (unfinished requests found in no queue), at the front of `waiting`,
+        oldest first, to be recomputed like preempted ones. Every queued request's block table
+        is dropped WITHOUT freeing: the caller then calls `BlockManager.reset()`. A request
+        whose committed tokens already end it (a stop token or max_tokens that postprocess
+        appended but had not yet acted on) is finished instead. Returns the finished ones."""
+        self._inflight.clear()
+        self._dropped.clear()
+        requeue, finished = [], []
+        for seq in list(self.running) + [s for s in orphans if s not in self.running]:
+            if seq.finish_reason is None:
+                last = seq.token_ids[-1]
+                if seq.num_completion_tokens and self._is_stop(seq, last):
+                    seq.finish_reason = "stop"
+                elif seq.max_tokens is not None and seq.num_completion_tokens >= seq.max_tokens:
+                    seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                seq.status = SequenceStatus.FINISHED
+                finished.append(seq)
+            else:
+                if seq.status is SequenceStatus.RUNNING:
+                    seq.num_preemptions += 1
+                seq.status = SequenceStatus.WAITING
+                requeue.append(seq)
+        queued = set(map(id, requeue))
+        self.running = []
+        self.waiting = collections.deque(requeue + [s for s in self.waiting if id(s) not in queued])
+        for seq in list(self.waiting) + finished:
+            seq.block_table, seq.block_hashes = [], []
+            seq.num_cached_tokens = seq.num_computed_tokens = 0
+            seq.num_prefill_tokens = seq.num_tokens
+        return finished
 
     # ---- in-flight steps (async scheduling) --------------------------------------------------
     def _drop_inflight(self, seq: Sequence) -> None:
