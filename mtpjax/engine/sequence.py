@@ -19,11 +19,12 @@ from typing import Any, Iterable, Sequence as _Seq
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()   # queued (new or preempted); holds no blocks
     RUNNING = enum.auto()   # holds blocks; prefilling (possibly in chunks) or decoding
-    FINISHED = enum.auto()  # stop token or max_tokens reached; blocks released
+    FINISHED = enum.auto()  # stop token, max_tokens reached or aborted; blocks released
 
 
 class Sequence:
-    """One request. Mutated only by the Scheduler and the BlockManager.
+    """One request. Mutated only by the Scheduler and the BlockManager (and the LLM's counters
+    at the end of __init__).
 
     `sampling_params` (mtpjax.config.SamplingParams or anything with the same attributes) is read
     duck-typed: `max_tokens` (None: bounded by the Scheduler at add(), see Scheduler.add),
@@ -48,7 +49,7 @@ class Sequence:
         self.ignore_eos: bool = bool(getattr(sampling_params, "ignore_eos", False))
 
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None          # "stop" | "length" once FINISHED
+        self.finish_reason: str | None = None          # "stop" | "length" | "abort" once FINISHED
         self.token_ids: list[int] = token_ids
         self.num_prompt_tokens: int = len(token_ids)
         # KV bookkeeping (owned by BlockManager / Scheduler).
@@ -58,6 +59,12 @@ class Sequence:
         self.num_computed_tokens: int = 0               # seq_len: tokens whose KV is committed
         self.num_prefill_tokens: int = len(token_ids)   # the current (re)prefill ends when seq_len reaches this
         self.num_preemptions: int = 0
+        # Engine counters (mtpjax.LLM): speculation statistics, and how many completion tokens
+        # have been handed to the caller (each committed token is reported exactly once).
+        self.num_verify_steps: int = 0
+        self.num_draft_tokens: int = 0                  # drafts proposed to the target
+        self.num_accepted_draft_tokens: int = 0
+        self.num_reported_tokens: int = 0
 
     # ---- sizes -------------------------------------------------------------------------------
     def __len__(self) -> int:
