@@ -90,16 +90,26 @@ class ModelRunner:
         self.max_blocks = max_blocks_per_seq
         self.backend = resolve_backend(attention_impl)
         self.seed = seed
-        dtype = cache_dtype or params["embed"].dtype
-        cache = init_cache(cfg, num_pages, page_size, dtype)
+        self.num_pages, self.dtype = num_pages, cache_dtype or params["embed"].dtype
         self.num_slots = max_num_seqs + 1                 # last slot: scratch for padding rows
-        self.state = SlotState.create(cfg, spec, cache, self.num_slots, dtype)
-        self.free_slots = list(range(max_num_seqs))
+        self.reset_state()
+
+    def reset_state(self) -> None:
+        """A fresh paged cache and slot state, every slot free. Also how the engine recovers when
+        a step's donated state never came back (an exception between dispatch and return)."""
+        self.state = None                                 # free the old buffers first
+        cache = init_cache(self.cfg, self.num_pages, self.page_size, self.dtype)
+        self.state = SlotState.create(self.cfg, self.spec, cache, self.num_slots, self.dtype)
+        self.release_all()
+
+    # ---- slots ---------------------------------------------------------------------------------
+    def release_all(self) -> None:
+        """Frees every slot (engine recovery: no request keeps device draft state)."""
+        self.free_slots = list(range(self.max_num_seqs))
         self.slot_of: dict[int, int] = {}                 # seq_id -> slot
         self.hist_from: dict[int, int] = {}               # seq_id -> first self-computed position
         self.keys: dict[int, np.ndarray] = {}             # seq_id -> uint32[2] PRNG key (host)
 
-    # ---- slots ---------------------------------------------------------------------------------
     def release(self, seq_id: int) -> None:
         """Frees a finished or preempted request's slot (its device draft state is dropped)."""
         slot = self.slot_of.pop(seq_id, None)
