@@ -51,11 +51,21 @@ def validate_prompts(prompts, cfg: ModelConfig) -> list[list[int]]:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     out = []
     for i, p in enumerate(prompts):
-        ids = [int(t) for t in np.asarray(p).reshape(-1)] if not isinstance(p, str) else None
-        if ids is None:
+        if isinstance(p, str):
             raise ValueError(f"prompt {i} is a string; pass token ids (or use mtpjax.LLM with a tokenizer)")
+        if isinstance(p, (int, np.integer)):
+            raise ValueError(f"prompts must be a list of token-id lists; prompts[{i}] is the int "
+                             f"{p!r} (for one prompt pass [[1, 2, 3]], not [1, 2, 3])")
+        arr = np.asarray(p)
+        if arr.dtype == object or arr.ndim != 1 or (
+                arr.size and (arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer))):
+            raise ValueError(f"prompt {i} must be a 1-D list of integer token ids, got {p!r}"[:200])
+        ids = arr.tolist()
         if not ids:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if len(ids) > cfg.max_position_embeddings:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens, more than the model's "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(
