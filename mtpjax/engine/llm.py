@@ -1,12 +1,25 @@
-"""`mtpjax.LLM`: the batched generator (continuous batching, paged KV cache, MTP speculation)."""
+"""`mtpjax.LLM`: the batched generator (continuous batching, paged KV cache, MTP speculation).
+
+Reliability contract (docs/engine.md, "Errors, abort, interrupts and threads"):
+- a bad argument raises ValueError naming it before anything changes; a full waiting queue raises
+  QueueFullError; nothing is ever half-queued;
+- an exception or KeyboardInterrupt escaping a step leaves a working engine: every running request
+  is preempted (recomputed later), in-flight steps are dropped, the device state is rebuilt if its
+  donated buffers were lost;
+- `abort` frees a request's blocks and engine slot at once, in any state; a stream that is closed,
+  broken out of or garbage collected aborts its requests;
+- each stream gets its own events; one lock serializes engine operations across threads.
+"""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import gc
-import itertools
 import math
 import os
+import threading
 import time
 from typing import Any, Iterator
 
@@ -14,13 +27,12 @@ import jax
 import numpy as np
 
 from mtpjax.compilation_cache import enable_compilation_cache
-from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
+from mtpjax.config import ModelConfig, SamplingParams, SpecConfig, check_seed
 from mtpjax.engine.block_manager import BlockManager
 from mtpjax.engine.runner import ModelRunner
 from mtpjax.engine.scheduler import Scheduler
-from mtpjax.engine.sequence import Sequence
+from mtpjax.engine.sequence import Sequence, SequenceStatus
 from mtpjax.engine.warmup import WarmupProgress, step_buckets
-from mtpjax.sampling import as_sampling_list
 
 
 @dataclasses.dataclass
@@ -49,15 +61,123 @@ class StreamEvent:
     request_index: int                 # index into the prompts given to generate_stream
     new_token_ids: list[int]
     finished: bool
-    output: RequestOutput | None       # set when finished
+    output: RequestOutput | None       # set when finished (finish_reason "abort" if aborted)
+    request_id: int = -1               # the engine's id of the request (for LLM.abort)
+
+
+class QueueFullError(RuntimeError):
+    """add_request refused: the waiting queue already holds `max_waiting_requests` requests.
+    Nothing was queued; retry once some requests have been admitted or finished."""
+
+
+class _Stream:
+    """One generate_stream call: its requests, those not yet queued (the waiting queue is bounded,
+    so a long prompt list is fed in as room frees up) and those with events not yet yielded."""
+
+    def __init__(self, seqs: list[Sequence]):
+        self.seqs = seqs
+        self.index = {s.seq_id: i for i, s in enumerate(seqs)}
+        self.todo: collections.deque[Sequence] = collections.deque(seqs)   # not queued yet
+        self.news: dict[int, Sequence] = {}      # seq_id -> request with something to report
+        self.open = set(self.index)              # requests whose final event is not yet yielded
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _int_arg(name: str, value, lo: int, hi: int | None = None, *, none_ok: bool = False):
+    """`value` as a Python int if it is an int (numpy ints too) in [lo, hi], else ValueError."""
+    if value is None and none_ok:
+        return None
+    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+        want = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {want}{' or None' if none_ok else ''}, got "
+                         f"{name}={value!r}")
+    return int(value)
+
+
+def _path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def check_params(params, cfg: ModelConfig) -> None:
+    """ValueError naming the first leaf whose path or shape differs from the config's parameter
+    tree (`mtpjax.model.params.abstract_params(cfg)`); dtypes are not compared."""
+    from mtpjax.model.params import abstract_params
+    want = {_path_str(p): tuple(x.shape) for p, x in
+            jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]}
+    try:
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    except Exception as e:          # noqa: BLE001 -- anything that is not a tree of arrays
+        raise ValueError(f"params must be a nested dict of arrays, got {type(params).__name__}") \
+            from e
+    have = {_path_str(p): x for p, x in leaves}
+    for path, shape in want.items():
+        if path not in have:
+            raise ValueError(f"params do not match the config: missing leaf {path!r} (expected "
+                             f"shape {shape})")
+        got = getattr(have[path], "shape", None)
+        if got is None or tuple(got) != shape:
+            raise ValueError(f"params do not match the config: leaf {path!r} has shape "
+                             f"{None if got is None else tuple(got)}, expected {shape}")
+    extra = [p for p in have if p not in want]
+    if extra:
+        raise ValueError(f"params do not match the config: unexpected leaf {extra[0]!r} (shape "
+                         f"{tuple(getattr(have[extra[0]], 'shape', ()))}) is not in the config's "
+                         "parameter tree")
+
+
+def _prompt_list(prompts) -> list:
+    """The prompts argument as a list of prompts; refuses what is surely one prompt (a string, a
+    flat list of ids, a 1-D array)."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError("prompts must be a list of prompts; got a single string: pass [prompt]")
+    if hasattr(prompts, "__array__") and not isinstance(prompts, (list, tuple)):
+        arr = np.asarray(prompts)
+        if arr.ndim != 2:
+            raise ValueError(f"prompts given as an array must be 2-D [num_prompts, length], got "
+                             f"shape {arr.shape}; for one prompt pass [ids]")
+        return list(arr)
+    try:
+        prompts = list(prompts)
+    except TypeError:
+        raise ValueError("prompts must be a list of prompts (token-id lists or strings), got "
+                         f"{type(prompts).__name__}") from None
+    for i, p in enumerate(prompts):
+        if _is_int(p):
+            raise ValueError(f"prompts must be a list of prompts, each a list of token ids or a "
+                             f"string; prompts[{i}] is the int {p!r}. For one prompt pass "
+                             f"[[1, 2, 3]], not [1, 2, 3]")
+    return prompts
+
+
+def _sampling_list(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != n:
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts")
+        for j, sp in enumerate(sampling_params):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params[{j}] must be a SamplingParams, got "
+                                 f"{type(sp).__name__}")
+        return list(sampling_params)
+    raise ValueError("sampling_params must be a SamplingParams, a list of them (one per prompt) "
+                     f"or None, got {type(sampling_params).__name__}")
 
 
 class LLM:
     """Continuous-batching generator.
 
-    params/cfg: the model; spec: SpecConfig for MTP speculative decoding, None for plain decoding.
-    num_pages x page_size: the paged KV cache. max_num_seqs / max_num_batched_tokens: per-step
-    limits. tokenizer: anything with encode(str) -> ids and decode(ids) -> str (optional).
+    params/cfg: the model (the params tree must match `cfg`); spec: SpecConfig for MTP
+    speculative decoding, None for plain decoding. num_pages x page_size: the paged KV cache.
+    max_num_seqs / max_num_batched_tokens: per-step limits. max_model_len: prompt + completion
+    limit (default and maximum: cfg.max_position_embeddings). eos_token_id: finishes requests
+    (unless ignore_eos). tokenizer: anything with encode(str) -> ids and decode(ids) -> str
+    (optional). seed: base of the per-request keys of unseeded sampled requests.
     async_scheduling (default True): schedule and dispatch step t+1 before reading step t back,
     so host work overlaps the device; each `step()` then returns the previous step's tokens.
     Outputs are identical either way (docs/engine.md, "Asynchronous scheduling").
@@ -68,6 +188,11 @@ class LLM:
     `MTPJAX_WARMUP_THREADS` (default min(4, CPU count)) compiles that many buckets at once.
     JAX's persistent compilation cache is turned on first (`mtpjax/compilation_cache.py`), so a
     second process loads the compiled steps from disk.
+    max_waiting_requests (default 1024, None = unbounded): `add_request` raises QueueFullError
+    when this many requests wait; `generate`/`generate_stream` feed their prompts in as room frees.
+
+    Thread-safe: one lock serializes engine operations; several threads may call generate at once
+    and share the batch. Errors and interrupts: see the module docstring and docs/engine.md.
     """
 
     def __init__(self, params, cfg: ModelConfig, spec: SpecConfig | None = None, *,
@@ -75,11 +200,32 @@ class LLM:
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  tokenizer=None, max_model_len: int | None = None, eos_token_id: int | None = None,
                  attention_impl: str = "auto", seed: int = 0, async_scheduling: bool = True,
-                 warmup: bool | None = None):
+                 max_waiting_requests: int | None = 1024, warmup: bool | None = None):
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         if spec is not None:
             if not isinstance(spec, SpecConfig):
                 raise ValueError(f"spec must be a SpecConfig or None, got {type(spec).__name__}")
             spec.check_model(cfg)
+        num_pages = _int_arg("num_pages", num_pages, 1)
+        page_size = _int_arg("page_size", page_size, 1)
+        max_num_seqs = _int_arg("max_num_seqs", max_num_seqs, 1)
+        max_num_batched_tokens = _int_arg("max_num_batched_tokens", max_num_batched_tokens, 1)
+        max_model_len = _int_arg("max_model_len", max_model_len, 1, cfg.max_position_embeddings,
+                                 none_ok=True)
+        eos_token_id = _int_arg("eos_token_id", eos_token_id, 0, cfg.vocab_size - 1, none_ok=True)
+        self.max_waiting_requests = _int_arg("max_waiting_requests", max_waiting_requests, 1,
+                                             none_ok=True)
+        seed = check_seed("seed", seed)
+        for name, flag in (("enable_prefix_caching", enable_prefix_caching),
+                           ("async_scheduling", async_scheduling), ("warmup", warmup)):
+            if not isinstance(flag, (bool, np.bool_)) and not (name == "warmup" and flag is None):
+                raise ValueError(f"{name} must be a bool, got {name}={flag!r}")
+        if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
+                                          and callable(getattr(tokenizer, "decode", None))):
+            raise ValueError(f"tokenizer must have encode(str) and decode(ids), got "
+                             f"{type(tokenizer).__name__}")
+        check_params(params, cfg)
         enable_compilation_cache()
         self.cfg, self.spec, self.tokenizer = cfg, spec, tokenizer
         K = spec.num_speculative_tokens if spec else 0
@@ -88,14 +234,14 @@ class LLM:
         # a module's KV at position i depends on up to K tokens after i (1 for chain).
         lookahead = max(K - 1, 0) if chain else 0
         hash_lookahead = (1 if chain else K) if spec else 0
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
-        self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching,
+        self.max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
+        self.block_manager = BlockManager(num_pages, page_size, bool(enable_prefix_caching),
                                           num_hash_lookahead_tokens=hash_lookahead)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    num_speculative_tokens=K, num_lookahead_tokens=lookahead,
                                    max_model_len=self.max_model_len, eos_token_id=eos_token_id,
-                                   async_scheduling=async_scheduling)
+                                   async_scheduling=bool(async_scheduling))
         self.async_scheduling = bool(async_scheduling)
         # the largest reservation: a decode with another in flight, P + M - 2 + 2(K + 1) + L
         max_blocks = math.ceil((self.max_model_len + 2 * (K + 1) + lookahead) / page_size)
@@ -109,8 +255,17 @@ class LLM:
         if warmup:
             self._warmup(max_num_batched_tokens, max_num_seqs)
         _freeze_startup_objects()
-        self._ids = itertools.count()
-        self._metrics: dict[int, list[int]] = {}
+        self._next_id = 0
+        # Every request the engine holds, until its final output is handed over (step() result,
+        # a stream's final event, abort()'s return value); never longer.
+        self._requests: dict[int, Sequence] = {}
+        self._stream_of: dict[int, _Stream] = {}    # seq_id -> its generate_stream
+        self._streams: list[_Stream] = []           # open streams, oldest first
+        self._direct_news: dict[int, Sequence] = {}  # add_request requests with news for step()
+        self._lock = threading.Lock()
+        self._holder: int | None = None             # thread holding _lock
+        self._deferred: list[_Stream] = []          # streams closed during an operation
+        self._needs_recovery = False
         self.num_steps = 0
         self.num_preemptions = 0
 
@@ -123,39 +278,212 @@ class LLM:
                 bar.update(T, F, seconds)
             self.runner.warmup(buckets, on_compiled=done, threads=threads)
 
+    # ---- locking -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _engine(self):
+        """Holds the engine lock for one operation; repairs the engine first if an earlier
+        recovery was itself interrupted; closes streams finalized meanwhile."""
+        if self._holder == threading.get_ident():
+            raise RuntimeError("LLM is not re-entrant: an LLM method was called from inside "
+                               "another LLM call on the same thread (e.g. from a tokenizer)")
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                if self._needs_recovery:
+                    self._recover()
+                yield
+            finally:
+                try:
+                    while self._deferred and not self._needs_recovery:
+                        self._close_stream(self._deferred.pop())
+                finally:
+                    self._holder = None
+
     # ---- requests ------------------------------------------------------------------------------
-    def _encode(self, prompt) -> list[int]:
+    def _encode(self, prompt, i: int) -> list[int]:
+        """Prompt i (a string, a list of ids, a 1-D integer array) as a list of valid ids."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("got a string prompt but the LLM has no tokenizer")
             prompt = self.tokenizer.encode(prompt)
-        ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
+        if isinstance(prompt, (list, tuple)):
+            for j, t in enumerate(prompt):
+                if not _is_int(t):
+                    raise ValueError(f"prompt {i}: token ids must be ints, got {t!r} "
+                                     f"({type(t).__name__}) at position {j}")
+            ids = [int(t) for t in prompt]
+        elif hasattr(prompt, "__array__"):
+            arr = np.asarray(prompt)
+            if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+                raise ValueError(f"prompt {i} must be a 1-D sequence of integer token ids, got an "
+                                 f"array of shape {arr.shape} and dtype {arr.dtype}")
+            ids = arr.tolist()
+        else:
+            raise ValueError(f"prompt {i} must be a list of token ids or a string, got "
+                             f"{type(prompt).__name__}")
         if not ids:
-            raise ValueError("empty prompt: every prompt needs at least one token")
+            raise ValueError(f"empty prompt (prompt {i}): every prompt needs at least one token")
         bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size}) "
+                             f"(prompt {i})")
         return ids
 
+    def _new_requests(self, prompts: list, sampling_params) -> list[Sequence]:
+        """Validated Sequences with the next free ids; nothing is queued or reserved (the caller
+        commits the ids with `self._next_id += n`), so an error here changes nothing."""
+        sps = _sampling_list(sampling_params, len(prompts))
+        for sp in {id(sp): sp for sp in sps}.values():
+            bad = [t for t in sp.stop_token_ids if t >= self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"stop_token_ids has {bad[0]}, outside the vocabulary "
+                                 f"[0, {self.cfg.vocab_size})")
+        seqs = []
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            seq = Sequence(self._encode(p, i), sampling_params=sp, seq_id=self._next_id + i)
+            self.scheduler.check(seq)
+            seqs.append(seq)
+        return seqs
+
+    def _has_room(self) -> bool:
+        return (self.max_waiting_requests is None
+                or len(self.scheduler.waiting) < self.max_waiting_requests)
+
     def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> Sequence:
-        """Validates and queues one request; raises ValueError (engine state unchanged) if bad."""
-        sp = as_sampling_list(sampling_params, 1)[0]
-        seq = Sequence(self._encode(prompt), sampling_params=sp, seq_id=next(self._ids))
-        self.scheduler.add(seq)
-        self._metrics[seq.seq_id] = [0, 0, 0]
-        return seq
+        """Validates and queues one request (its id: `seq.seq_id`). Raises ValueError for a bad
+        request, QueueFullError when `max_waiting_requests` wait; either way nothing changes.
+        Its tokens come back from `step()`; the one `step()` result with `seq.is_finished` is
+        its last, `get_output(seq)` turns it into a RequestOutput."""
+        with self._engine():
+            if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+                raise ValueError(f"sampling_params must be a SamplingParams or None, got "
+                                 f"{type(sampling_params).__name__}")
+            seq, = self._new_requests([prompt], sampling_params)
+            if not self._has_room():
+                raise QueueFullError(
+                    f"the waiting queue holds max_waiting_requests={self.max_waiting_requests} "
+                    "requests; retry after some are admitted (step()) or raise the limit")
+            self._next_id += 1
+            self._requests[seq.seq_id] = seq
+            self.scheduler.waiting.append(seq)          # checked by _new_requests
+            return seq
+
+    def abort(self, request) -> RequestOutput:
+        """Stops a request (a Sequence or its id) in any state — waiting, prefilling, decoding,
+        preempted, with a step in flight — and frees its blocks and engine slot at once. Returns
+        its output so far (finish_reason "abort"); a generate_stream owning it also yields that
+        as the request's final event. A request the engine does not hold (unknown id, finished,
+        already aborted) raises ValueError and nothing changes."""
+        rid = request.seq_id if isinstance(request, Sequence) else request
+        if not _is_int(rid):
+            raise ValueError(f"abort takes a request id (int) or a Sequence, got {request!r}")
+        with self._engine():
+            seq = self._requests.get(int(rid))
+            if seq is None or seq.is_finished:
+                state = "unknown" if seq is None else f"already finished ({seq.finish_reason})"
+                raise ValueError(f"cannot abort request {rid}: {state}; only requests the engine "
+                                 "still runs or queues can be aborted")
+            self._abort(seq)
+            out = self._output(seq)
+            stream = self._stream_of.get(seq.seq_id)
+            if stream is not None:
+                stream.news[seq.seq_id] = seq           # its stream yields the final event
+            else:
+                self._forget(seq)
+            return out
+
+    def _abort(self, seq: Sequence) -> None:
+        sched = self.scheduler
+        if seq in sched.running or seq in sched.waiting:
+            sched.abort(seq)                            # blocks freed, in-flight rows void
+        else:                                           # not queued yet (stream feeding)
+            stream = self._stream_of.get(seq.seq_id)
+            if stream is not None and seq in stream.todo:
+                stream.todo.remove(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self.runner.release(seq.seq_id)                 # the slot: free at once
+
+    def get_output(self, request) -> RequestOutput:
+        """The RequestOutput of a request (a Sequence, or the id of one the engine still holds):
+        final once `request.is_finished`, a snapshot (finish_reason None) before."""
+        if not isinstance(request, Sequence) and not _is_int(request):
+            raise ValueError(f"get_output takes a Sequence or a request id, got {request!r}")
+        with self._engine():
+            seq = request if isinstance(request, Sequence) else self._requests.get(int(request))
+            if seq is None:
+                raise ValueError(f"request {request} is not held by the engine (unknown, or its "
+                                 "final output was already handed over): pass the Sequence that "
+                                 "add_request returned")
+            return self._output(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        steps, proposed, accepted = self._metrics.pop(seq.seq_id, (0, 0, 0))
         toks = list(seq.completion_token_ids)
         text = self.tokenizer.decode(toks) if self.tokenizer is not None else None
         return RequestOutput(seq.seq_id, list(seq.prompt_token_ids), toks, text,
-                             seq.finish_reason, steps, proposed, accepted)
+                             seq.finish_reason, seq.num_verify_steps, seq.num_draft_tokens,
+                             seq.num_accepted_draft_tokens)
+
+    @property
+    def _metrics(self) -> dict[int, list[int]]:
+        """(debugging) draft counters of the requests the engine holds."""
+        return {i: [s.num_verify_steps, s.num_draft_tokens, s.num_accepted_draft_tokens]
+                for i, s in self._requests.items()}
+
+    # ---- reporting -----------------------------------------------------------------------------
+    def _touch(self, seq: Sequence) -> None:
+        """`seq` has committed tokens or an end to report: route it to its owner."""
+        stream = self._stream_of.get(seq.seq_id)
+        if stream is not None:
+            stream.news[seq.seq_id] = seq
+        elif seq.seq_id in self._requests:
+            self._direct_news[seq.seq_id] = seq
+
+    def _take(self, seq: Sequence) -> tuple[list[int], bool]:
+        """The completion tokens not reported yet, and whether the request is done; a done
+        request is forgotten (this is its final report)."""
+        new = seq.token_ids[seq.num_prompt_tokens + seq.num_reported_tokens:]
+        seq.num_reported_tokens += len(new)
+        if seq.is_finished:
+            self._forget(seq)
+        return new, seq.is_finished
+
+    def _forget(self, seq: Sequence) -> None:
+        self._requests.pop(seq.seq_id, None)
+        self._stream_of.pop(seq.seq_id, None)
+        self._direct_news.pop(seq.seq_id, None)
+
+    def _direct_updates(self) -> list[tuple[Sequence, list[int]]]:
+        news, self._direct_news = self._direct_news, {}
+        return [(seq, self._take(seq)[0]) for seq in news.values()]
 
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, list[int]]]:
-        """One engine step; returns (sequence, newly committed tokens) for the requests of the step
-        that completed: this one (synchronous) or the previous one (async scheduling)."""
+        """One engine step. Returns (sequence, newly committed tokens) for the add_request
+        requests that progressed: in the step that completed — this one (synchronous) or the
+        previous one (async scheduling) — or in steps that generate calls ran meanwhile. A
+        request appears with `seq.is_finished` exactly once, then the engine forgets it.
+        If the step raises (any exception, KeyboardInterrupt included), the engine has already
+        recovered: running requests were preempted and will be recomputed."""
+        with self._engine():
+            self._top_up()
+            self._guarded(self._step)
+            return self._direct_updates()
+
+    def flush(self) -> list[tuple[Sequence, list[int]]]:
+        """Reads back and applies the step still in flight (async scheduling), if any."""
+        with self._engine():
+            self._guarded(self._flush)
+            return self._direct_updates()
+
+    def _guarded(self, fn) -> None:
+        try:
+            fn()
+        except BaseException:
+            self._recover()
+            raise
+
+    def _step(self) -> None:
+        self._reclaim_slots()
         out = self.scheduler.schedule()
         for seq in out.preempted:
             self.runner.release(seq.seq_id)
@@ -165,66 +493,174 @@ class LLM:
             launched, self._inflight = self._inflight, launched
         if launched is None:
             if out.preempted or self._inflight is not None or self.scheduler.is_finished():
-                return []
+                return
             raise RuntimeError("scheduler produced an empty step with unfinished requests")
-        return self._complete(*launched)
+        self._complete(*launched)
 
-    def flush(self) -> list[tuple[Sequence, list[int]]]:
-        """Reads back and applies the step still in flight (async scheduling), if any."""
+    def _flush(self) -> None:
         launched, self._inflight = self._inflight, None
-        return [] if launched is None else self._complete(*launched)
+        if launched is not None:
+            self._complete(*launched)
 
-    def _complete(self, out, result) -> list[tuple[Sequence, list[int]]]:
-        """Reads a dispatched step back and applies it."""
+    def _reclaim_slots(self) -> None:
+        """Slots of requests that left `running` behind the engine's back (Scheduler.abort)."""
+        if len(self.runner.slot_of) > len(self.scheduler.running):
+            running = {s.seq_id for s in self.scheduler.running}
+            for sid in [k for k in self.runner.slot_of if k not in running]:
+                self.runner.release(sid)
+
+    def _complete(self, out, result) -> None:
+        """Reads a dispatched step back, applies it and routes the news."""
         committed = self.runner.collect(out, result)
-        before = [r.seq.num_completion_tokens for r in out.requests]
         live = [not self.scheduler.is_void(out, r) for r in out.requests]
         K = self.spec.num_speculative_tokens if self.spec else 0
         self.scheduler.postprocess(out, committed)
         self.num_steps += 1
-        result = []
-        for req, toks, b, was_live in zip(out.requests, committed, before, live):
-            seq = req.seq
+        for req, toks, was_live in zip(out.requests, committed, live):
             if not was_live:
-                continue      # preempted or finished after this step was dispatched: wasted row
+                continue      # preempted, finished or aborted after dispatch: a wasted row
+            seq = req.seq
             if not req.is_prefill and K:
-                m = self._metrics[req.seq_id]
-                m[0] += 1
-                m[1] += K
-                m[2] += len(toks) - 1
-            result.append((seq, list(seq.completion_token_ids[b:])))
+                seq.num_verify_steps += 1
+                seq.num_draft_tokens += K
+                seq.num_accepted_draft_tokens += len(toks) - 1
             if seq.is_finished:
                 self.runner.release(seq.seq_id)
-        return result
+            self._touch(seq)
+
+    def _recover(self) -> None:
+        """Makes the engine consistent after an exception escaped a step part-way (or a previous
+        recovery was interrupted; it is idempotent). The results of the steps in flight are lost,
+        so every running request is preempted: blocks freed (the allocator is rebuilt, the prefix
+        cache kept), slot released, recomputed later from its committed tokens, which the caller
+        still receives exactly once. If the step's donated device state did not come back, the
+        cache and slot state are rebuilt and the prefix cache is dropped."""
+        self._needs_recovery = True
+        self._inflight = None
+        sched = self.scheduler
+        queued = {id(s) for s in sched.running} | {id(s) for s in sched.waiting} | {
+            id(s) for st in self._streams for s in st.todo}
+        orphans = [s for s in self._requests.values()
+                   if not s.is_finished and id(s) not in queued]
+        self.num_preemptions += len(sched.running)
+        sched.requeue_all(orphans)
+        lost = self._device_state_lost()
+        if lost:
+            self.runner.reset_state()
+        else:
+            self.runner.release_all()
+        self.block_manager.reset(keep_prefix_cache=not lost)
+        for seq in self._requests.values():
+            if seq.is_finished or seq.num_reported_tokens < seq.num_completion_tokens:
+                self._touch(seq)
+        self._needs_recovery = False
+
+    def _device_state_lost(self) -> bool:
+        state = self.runner.state
+        if state is None:
+            return True
+        try:
+            if any(x.is_deleted() for x in jax.tree.leaves(state)):
+                return True             # donated to a step whose new state never came back
+            jax.block_until_ready(state)
+            return False
+        except Exception:               # noqa: BLE001 -- a step that failed on the device
+            return True
+
+    # ---- streams -------------------------------------------------------------------------------
+    def _top_up(self) -> None:
+        """Feed the open streams' requests into the waiting queue while it has room."""
+        for stream in self._streams:
+            while stream.todo and self._has_room():
+                self.scheduler.waiting.append(stream.todo[0])   # checked at creation
+                stream.todo.popleft()
+
+    def _stream_events(self, stream: _Stream) -> list[StreamEvent]:
+        news, stream.news = stream.news, {}
+        events = []
+        for seq in news.values():
+            new, done = self._take(seq)
+            if new or done:
+                events.append(StreamEvent(stream.index[seq.seq_id], new, done,
+                                          self._output(seq) if done else None, seq.seq_id))
+            if done:
+                stream.open.discard(seq.seq_id)
+        return events
+
+    def _close_stream(self, stream: _Stream) -> None:
+        """Aborts what a closed stream still holds (its consumer is gone) and forgets it."""
+        if stream in self._streams:
+            self._streams.remove(stream)
+        never_queued = {id(s) for s in stream.todo}
+        stream.todo.clear()
+        for seq in stream.seqs:
+            if seq.seq_id in stream.open:
+                if not seq.is_finished:
+                    if id(seq) in never_queued:
+                        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                    else:
+                        self._abort(seq)
+                self._forget(seq)
+        stream.open.clear()
+        stream.news.clear()
 
     def generate_stream(self, prompts, sampling_params=None) -> Iterator[StreamEvent]:
-        prompts = list(prompts)
-        sps = as_sampling_list(sampling_params, len(prompts))
-        encoded = [self._encode(p) for p in prompts]          # validate all before queueing any
-        seqs = [self.add_request(p, sp) for p, sp in zip(encoded, sps)]
-        index = {s.seq_id: i for i, s in enumerate(seqs)}
-        pending = set(index)
-        while pending:
-            for seq, new in self.step():
-                if seq.seq_id not in index:
-                    continue
-                done = seq.is_finished
-                if new or done:
-                    yield StreamEvent(index[seq.seq_id], new, done,
-                                      self._output(seq) if done else None)
-                if done:
-                    pending.discard(seq.seq_id)
+        """Yields StreamEvents as tokens commit. Every prompt is validated before any is queued
+        (ValueError, nothing queued). Streams are independent: several may be consumed
+        alternately, or from several threads. Closing the generator early (break, close(),
+        garbage collection, an exception) aborts its unfinished requests."""
+        stream = None
+        try:
+            with self._engine():
+                seqs = self._new_requests(_prompt_list(prompts), sampling_params)
+                self._next_id += len(seqs)
+                stream = _Stream(seqs)
+                for seq in seqs:
+                    self._requests[seq.seq_id] = seq
+                    self._stream_of[seq.seq_id] = stream
+                self._streams.append(stream)
+            while stream.open:
+                with self._engine():
+                    self._top_up()
+                    if not stream.news:
+                        self._guarded(self._step)
+                        if not stream.news and self._idle():
+                            self._lost_requests(stream)
+                    events = self._stream_events(stream)
+                yield from events
+        finally:
+            if stream is not None:
+                if self._holder == threading.get_ident():
+                    self._deferred.append(stream)      # finalized inside an engine operation
+                else:
+                    with self._engine():
+                        self._close_stream(stream)
+
+    def _idle(self) -> bool:
+        return (self.scheduler.is_finished() and self._inflight is None
+                and not any(st.todo for st in self._streams))
+
+    def _lost_requests(self, stream: _Stream) -> None:
+        """The engine is idle but the stream still waits: report requests that finished behind
+        its back (Scheduler.abort); anything else would be a bug, never a hang."""
+        for sid in list(stream.open):
+            seq = stream.seqs[stream.index[sid]]
+            if not seq.is_finished:
+                raise RuntimeError(f"internal error: request {sid} is in no queue of an idle "
+                                   f"engine ({seq!r})")
+            stream.news[sid] = seq
 
     def generate(self, prompts, sampling_params=None, *, progress: bool = False) -> list[RequestOutput]:
         """Generates for every prompt (token-id lists or strings); outputs in prompt order."""
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         outputs: list[Any] = [None] * len(prompts)
         bar = _Progress(len(prompts)) if progress else None
-        for ev in self.generate_stream(prompts, sampling_params):
-            if ev.finished:
-                outputs[ev.request_index] = ev.output
-                if bar:
-                    bar.update(ev.output)
+        with contextlib.closing(self.generate_stream(prompts, sampling_params)) as events:
+            for ev in events:
+                if ev.finished:
+                    outputs[ev.request_index] = ev.output
+                    if bar:
+                        bar.update(ev.output)
         if bar:
             bar.close()
         return outputs
