@@ -199,7 +199,7 @@ class LLM:
                  num_pages: int, page_size: int = 16, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  tokenizer=None, max_model_len: int | None = None, eos_token_id: int | None = None,
-                 attention_impl: str = "auto", seed: int = 0, async_scheduling: bool = True,
+                 attention_impl="auto", seed: int = 0, async_scheduling: bool = True,
                  max_waiting_requests: int | None = 1024, warmup: bool | None = None):
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
@@ -503,11 +503,15 @@ class LLM:
             self._complete(*launched)
 
     def _reclaim_slots(self) -> None:
-        """Slots of requests that left `running` behind the engine's back (Scheduler.abort)."""
+        """Slots of requests that left `running` behind the engine's back (Scheduler.abort):
+        freed, and the request reported finished to its owner."""
         if len(self.runner.slot_of) > len(self.scheduler.running):
             running = {s.seq_id for s in self.scheduler.running}
             for sid in [k for k in self.runner.slot_of if k not in running]:
                 self.runner.release(sid)
+                seq = self._requests.get(sid)
+                if seq is not None and seq.is_finished:
+                    self._touch(seq)
 
     def _complete(self, out, result) -> None:
         """Reads a dispatched step back, applies it and routes the news."""
