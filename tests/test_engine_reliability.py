@@ -513,9 +513,9 @@ def test_9_bad_request_arguments_are_refused_by_name():
 
 
 @pytest.mark.parametrize("mutate, match", [
-    (lambda p: p["layers"].update(wq=np.zeros((2, 32, 16), np.float32)),
-     r"leaf 'layers/wq' has shape \(2, 32, 16\), expected \(2, 32, 32\)"),
-    (lambda p: p["mtp"].pop("hnorm"), r"missing leaf 'mtp/hnorm' \(expected shape \(2, 32\)\)"),
+    (lambda p: p["layers"][1].update(wq=np.zeros((32, 16), np.float32)),
+     r"leaf 'layers/1/wq' has shape \(32, 16\), expected \(32, 32\)"),
+    (lambda p: p["mtp"][1].pop("hnorm"), r"missing leaf 'mtp/1/hnorm' \(expected shape \(32,\)\)"),
     (lambda p: p.update(extra=np.zeros(3, np.float32)), r"unexpected leaf 'extra'"),
     (lambda p: p.update(embed=np.zeros((65, 32), np.float32)),
      r"leaf 'embed' has shape \(65, 32\), expected \(64, 32\)"),
