@@ -9,6 +9,6 @@ __all__ = ["ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig", "forwar
 __version__ = "0.1.0"
 
 from mtpjax.engine import BlockManager, Sequence  # noqa: E402
-from mtpjax.engine.llm import LLM, RequestOutput  # noqa: E402
+from mtpjax.engine.llm import LLM, QueueFullError, RequestOutput, StreamEvent  # noqa: E402
 
-__all__ += ["BlockManager", "Sequence", "LLM", "RequestOutput"]
+__all__ += ["BlockManager", "Sequence", "LLM", "QueueFullError", "RequestOutput", "StreamEvent"]

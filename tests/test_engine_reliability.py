@@ -554,10 +554,9 @@ def test_9_mtpjax_generate_refuses_prompts_longer_than_the_model():
 # ---- 10. the waiting queue is bounded ------------------------------------------------------------
 
 def test_10_add_request_refuses_past_max_waiting_requests_and_generate_feeds_in():
-    from mtpjax.engine.llm import QueueFullError
     llm = make_llm(max_waiting_requests=3)
     seqs = [llm.add_request([1, 2, i]) for i in range(3)]
-    with pytest.raises(QueueFullError, match="max_waiting_requests=3"):
+    with pytest.raises(mtpjax.QueueFullError, match="max_waiting_requests=3"):
         llm.add_request([1, 2, 3])
     assert len(llm.scheduler.waiting) == 3 and len(llm._requests) == 3
     for s in seqs:
