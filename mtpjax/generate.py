@@ -104,21 +104,6 @@ def bucket_size(n: int, minimum: int = 8) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-def pack_prompts(prompts: list[list[int]]):
-    """Left-padded tokens int32[B, T] (T bucketed) and positions (-1 at padding).
-
-    Left padding aligns every prompt to the end of its row, so a prefill is a uniform batch whose
-    queries end at each request's KV length (what the decode/verify kernels expect).
-    """
-    T = bucket_size(max(len(p) for p in prompts))
-    tokens = np.zeros((len(prompts), T), np.int32)
-    positions = np.full((len(prompts), T), -1, np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, T - len(p):] = p
-        positions[i, T - len(p):] = np.arange(len(p))
-    return tokens, positions
-
-
 def commit(out_tokens, num_out, done, tokens, num_accepted, limits: Limits):
     """Truncates each accepted run (tokens int32[B, K+1], num_accepted int32[B]) at the first
     stop token / max_new and appends it to the output.

@@ -13,7 +13,7 @@ Adding a kind: write its module (an object with the attributes of `AttentionKind
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Mapping, Protocol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,5 +72,3 @@ def _load_builtin() -> None:
     # the built-in kinds register themselves on import (lazily: they import this module)
     from mtpjax.model import dense_ffn, gqa  # noqa: F401
 
-
-LayerSpecs = Callable[[Any], dict[str, ParamSpec]]
