@@ -290,7 +290,10 @@ class SpecConfig:
     method "multi_layer": K = D distinct modules, module k consumes module k-1's hidden state.
     acceptance: "rejection" (lossless; greedy requests reduce to exact-match), "greedy"
     (exact-match on the target argmax for every request), "relaxed" (lossy, thinking phase
-    only), "synthetic" (benchmark-only: accept each draft with `synthetic_accept_rate`).
+    only), "synthetic" (benchmark-only: draft i is accepted with probability
+    `synthetic_accept_rate` (or its i-th entry) given that drafts 1..i-1 were, so P(draft i
+    accepted) is the product of the first i rates and a verify step commits on average
+    1 + r + ... + r^K tokens for a scalar r; docs/spec_decoding.md).
     """
 
     num_speculative_tokens: int = 1

@@ -2,7 +2,9 @@
 
 `filtered_probs` is the one place the sampling transform is defined; rejection sampling applies
 it to target and draft logits alike, so acceptance is lossless for the *filtered* distribution.
-A greedy request (temperature 0) gets the one-hot distribution of its argmax.
+A greedy request (temperature 0) gets the one-hot distribution of its argmax. Work that no
+request of a batch needs (the vocabulary sorts of top-k / top-p, the softmax and the random draw
+of an all-greedy batch) sits in `lax.cond` branches that such a batch does not take.
 """
 
 from __future__ import annotations
@@ -50,25 +52,55 @@ def _expand(x, logits):
 
 
 def filtered_probs(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """f32 probabilities [B, ..., V] after temperature, top-k, then top-p (ties at a cut are kept)."""
+    """f32 probabilities [B, ..., V] after temperature, top-k, then top-p (ties at a cut are kept).
+
+    temperature/top_k/top_p are per-request [B]; top_k 0 (or >= V) and top_p >= 1 are off.
+    The full-vocabulary sorts that top-k and top-p need run only inside a `lax.cond` branch
+    taken when some sampled (temperature > 0) request of the batch asks for them, and an
+    all-greedy batch skips the softmax too: its rows are the one-hot argmax either way. A row's
+    result does not depend on which branch its batch takes (the branches only select entries;
+    the softmax and the normalisation are shared), so it never depends on batch composition.
+    """
     logits = logits.astype(jnp.float32)
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jax.lax.cond(jnp.all(temperature <= 0), lambda: onehot,
+                        lambda: _sampled_probs(logits, onehot, temperature, top_k, top_p))
+
+
+def _sampled_probs(logits, onehot, temperature, top_k, top_p):
+    """filtered_probs for a batch with at least one sampled row (onehot: the greedy rows' result)."""
     V = logits.shape[-1]
-    greedy = _expand(temperature, logits) <= 0
+    sampled = ~(temperature <= 0)                               # [B]
+    greedy = ~_expand(sampled, logits)
     t = jnp.where(greedy, 1.0, _expand(temperature, logits))
     scaled = logits / t
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
     k = _expand(top_k, logits)
-    kth = jnp.take_along_axis(sorted_desc, jnp.clip(k - 1, 0, V - 1), axis=-1)
-    scaled = jnp.where((k > 0) & (scaled < kth), -jnp.inf, scaled)
+    scaled = jax.lax.cond(jnp.any(sampled & (top_k > 0) & (top_k < V)),
+                          lambda x: _top_k_mask(x, k), lambda x: x, scaled)
     probs = jax.nn.softmax(scaled, axis=-1)
+    p = _expand(top_p, logits)
+    probs = jax.lax.cond(jnp.any(sampled & (top_p < 1)),
+                         lambda x: _top_p_mask(x, p), lambda x: x, probs)
+    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    return jnp.where(greedy, onehot, probs)
+
+
+def _top_k_mask(scaled, k):
+    """-inf below each row's k-th largest value (k <= 0 or k >= V: row unchanged)."""
+    V = scaled.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    kth = jnp.take_along_axis(sorted_desc, jnp.clip(k - 1, 0, V - 1), axis=-1)
+    return jnp.where((k > 0) & (scaled < kth), -jnp.inf, scaled)
+
+
+def _top_p_mask(probs, p):
+    """Zero outside each row's nucleus: the largest entries whose mass before them is < p
+    (p >= 1: row unchanged, even where the float32 running sum reaches 1 early)."""
     sorted_p = -jnp.sort(-probs, axis=-1)
     before = jnp.cumsum(sorted_p, axis=-1) - sorted_p        # mass strictly before each entry
-    keep = before < _expand(top_p, logits)
+    keep = (before < p) | (p >= 1)
     threshold = jnp.min(jnp.where(keep, sorted_p, jnp.inf), axis=-1, keepdims=True)
-    probs = jnp.where(probs >= threshold, probs, 0.0)
-    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
-    return jnp.where(greedy, onehot, probs)
+    return jnp.where(probs >= threshold, probs, 0.0)
 
 
 def position_keys(keys: jax.Array, positions: jax.Array) -> jax.Array:
@@ -80,17 +112,33 @@ def position_keys(keys: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, positions)
 
 
-def sample_from_probs(probs: jax.Array, keys: jax.Array) -> jax.Array:
-    """probs [B, V], keys uint32[B, 2] -> int32[B] (a one-hot row returns its index exactly)."""
-    logp = jnp.log(probs)
-    return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+def sample_from_probs(probs: jax.Array, keys: jax.Array, greedy: jax.Array | None = None
+                      ) -> jax.Array:
+    """probs [B, V], keys uint32[B, 2] -> int32[B] (a one-hot row returns its index exactly).
+
+    greedy bool[B] (optional) marks rows whose probs are one-hot (filtered_probs of a greedy
+    request): when every row is, the draw is skipped for the argmax, which is the same index.
+    """
+    def draw():
+        logp = jnp.log(probs)
+        return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+    if greedy is None:
+        return draw()
+    return jax.lax.cond(jnp.all(greedy), lambda: jnp.argmax(probs, axis=-1).astype(jnp.int32),
+                        draw)
 
 
 def sample(logits: jax.Array, sp: SamplingArrays, positions: jax.Array) -> jax.Array:
-    """Sample one token per request from logits [B, V]; greedy rows take the argmax."""
-    probs = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-    tok = sample_from_probs(probs, position_keys(sp.keys, positions))
-    return jnp.where(sp.temperature <= 0, jnp.argmax(logits, axis=-1).astype(jnp.int32), tok)
+    """Sample one token per request from logits [B, V]; greedy rows take the argmax (an
+    all-greedy batch computes nothing else)."""
+    greedy = sp.temperature <= 0
+    top1 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw():
+        probs = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
+        tok = sample_from_probs(probs, position_keys(sp.keys, positions))
+        return jnp.where(greedy, top1, tok)
+    return jax.lax.cond(jnp.all(greedy), lambda: top1, draw)
 
 
 def as_sampling_list(sampling, n: int) -> list[SamplingParams]:

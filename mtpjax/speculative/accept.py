@@ -65,6 +65,20 @@ def accept_rejection(target_probs: jax.Array, draft_probs: jax.Array, draft_toke
     return tokens.astype(jnp.int32), (n + 1).astype(jnp.int32)
 
 
+def _rejection_when_greedy(target_logits, draft_tokens, num_drafts):
+    """accept_rejection's exact output when every target distribution p is one-hot (greedy
+    requests), whatever the draft distributions q: draft d is kept iff u * q(d) < p(d), i.e. iff
+    d is the argmax; the residual max(p - q, 0) at a rejection, like p after the last draft, has
+    all its mass on the argmax. No softmax, uniform or categorical draw is needed."""
+    K = draft_tokens.shape[1]
+    target = jnp.argmax(target_logits.astype(jnp.float32), axis=-1).astype(jnp.int32)  # [B, K+1]
+    n = _prefix_len(draft_tokens == target[:, :-1], num_drafts)
+    last = jnp.take_along_axis(target, n[:, None], axis=1)
+    drafts_pad = jnp.concatenate([draft_tokens, jnp.zeros_like(draft_tokens[:, :1])], axis=1)
+    tokens = jnp.where(jnp.arange(K + 1)[None, :] == n[:, None], last, drafts_pad)
+    return tokens.astype(jnp.int32), (n + 1).astype(jnp.int32)
+
+
 def accept_relaxed(target_logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
                    in_thinking: jax.Array, *, topk: int, delta: float, think_start: int,
                    think_end: int):
@@ -136,8 +150,14 @@ def apply_acceptance(spec, logits, drafts, draft_probs, num_drafts, in_thinking,
     if spec.acceptance == "greedy":
         return (*accept_greedy(logits, drafts, num_drafts), in_thinking)
     if spec.acceptance == "rejection":
-        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-        return (*accept_rejection(p, draft_probs, drafts, num_drafts, keys), in_thinking)
+        def rejection():
+            p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
+            return accept_rejection(p, draft_probs, drafts, num_drafts, keys)
+        # an all-greedy batch: p is one-hot, where rejection sampling is exact match (same output)
+        accepted = jax.lax.cond(jnp.all(sp.temperature <= 0),
+                                lambda: _rejection_when_greedy(logits, drafts, num_drafts),
+                                rejection)
+        return (*accepted, in_thinking)
     if spec.acceptance == "relaxed":
         return accept_relaxed(logits, drafts, num_drafts, in_thinking, topk=spec.relaxed_topk,
                               delta=spec.relaxed_delta, think_start=spec.think_start_token_id,

@@ -53,7 +53,7 @@ def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=Non
                                         jnp.full((B,), 2, jnp.uint32))
     if source == "model":
         q = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-        return sample_from_probs(q, keys), q
+        return sample_from_probs(q, keys, greedy=sp.temperature <= 0), q
     if source == "random":
         tok = jax.vmap(lambda k: jax.random.randint(k, (), 0, V))(keys).astype(jnp.int32)
         return tok, jnp.full((B, V), 1.0 / V, jnp.float32)

@@ -21,112 +21,112 @@ _NUM_SMS = 132  # H100 / H200
 
 
 def _default_num_splits(batch, num_kv_heads, max_pages, pages_per_block):
-  """Split the KV so that small batches still fill the GPU (~2 waves)."""
-  programs = batch * num_kv_heads
-  splits = 1
-  while programs * splits * 2 <= 2 * _NUM_SMS and splits * 2 * pages_per_block <= max_pages:
-    splits *= 2
-  return splits
+    """Split the KV so that small batches still fill the GPU (~2 waves)."""
+    programs = batch * num_kv_heads
+    splits = 1
+    while programs * splits * 2 <= 2 * _NUM_SMS and splits * 2 * pages_per_block <= max_pages:
+        splits *= 2
+    return splits
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale=None,
                     soft_cap=None, interpret=False, **tuning):
-  """Causal paged GQA attention of Q query tokens per request.
+    """Causal paged GQA attention of Q query tokens per request.
 
-  Args:
-    q: [B, Q, H, D] bf16 or f32, 1 <= Q <= 8.
-    k_pages, v_pages: [KVH, P, S, D], same dtype as q; S in 8..64, D in {64, 128}.
-    block_tables: int32 [B, M], page ids of each request.
-    kv_lens: int32 [B], KV length INCLUDING the Q query tokens (already written).
-      Query i sits at position kv_lens[b] - Q + i and sees KV 0..that position.
-      Rows whose position is < 0 output zeros.
-    sm_scale: logit scale, default 1/sqrt(D).
-    soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap)
-      (applied after sm_scale).
-    interpret: run the Pallas kernel in interpret mode (CPU tests).
-    **tuning: pages_per_block (KV pages per inner step, default 64 // S; 128 // S
-      for tiles of >= 32 rows, Q * G_p), num_splits (KV splits; default from
-      batch size), num_warps (4; 8 for tiles of >= 32 rows),
-      num_stages (1: no shared-memory pipelining; measured best on H100, see
-      docs/kernels.md), direct_items (True: one work item per request, no
-      in-kernel item search and no output memset; False is the ragged path).
-  Returns:
-    [B, Q, H, D] in q's dtype (accumulation in f32).
-  """
-  _checks.check_ndim("q", q, 4, "[batch, q_len, num_heads, head_dim]")
-  b, q_len, h, d = q.shape
-  if not 1 <= q_len <= MAX_Q:
-    raise ValueError(f"q_len (q.shape[1]) must be in 1..{MAX_Q}, got {q_len}")
-  _checks.check_kv(q, k_pages, v_pages, h, d)
-  _checks.check_ndim("block_tables", block_tables, 2, "[batch, max_pages]")
-  _checks.check_int32("block_tables", block_tables)
-  if block_tables.shape[0] != b:
-    raise ValueError(f"block_tables batch {block_tables.shape[0]} must equal q batch {b}")
-  _checks.check_int32("kv_lens", kv_lens)
-  if kv_lens.shape != (b,):
-    raise ValueError(f"kv_lens shape {tuple(kv_lens.shape)} must be ({b},)")
-  _checks.check_scalars(sm_scale, soft_cap)
-  bad = set(tuning) - set(_TUNING_KEYS)
-  if bad:
-    raise ValueError(f"unknown tuning options {sorted(bad)}; expected {_TUNING_KEYS}")
-  sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-  return _paged_attention(q, k_pages, v_pages, block_tables, kv_lens, sm_scale=sm_scale,
-                          soft_cap=soft_cap, interpret=interpret,
-                          tuning=tuple(sorted(tuning.items())))
+    Args:
+      q: [B, Q, H, D] bf16 or f32, 1 <= Q <= 8.
+      k_pages, v_pages: [KVH, P, S, D], same dtype as q; S in 8..64, D in {64, 128}.
+      block_tables: int32 [B, M], page ids of each request.
+      kv_lens: int32 [B], KV length INCLUDING the Q query tokens (already written).
+        Query i sits at position kv_lens[b] - Q + i and sees KV 0..that position.
+        Rows whose position is < 0 output zeros.
+      sm_scale: logit scale, default 1/sqrt(D).
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap)
+        (applied after sm_scale).
+      interpret: run the Pallas kernel in interpret mode (CPU tests).
+      **tuning: pages_per_block (KV pages per inner step, default 64 // S; 128 // S
+        for tiles of >= 32 rows, Q * G_p), num_splits (KV splits; default from
+        batch size), num_warps (4; 8 for tiles of >= 32 rows),
+        num_stages (1: no shared-memory pipelining; measured best on H100, see
+        docs/kernels.md), direct_items (True: one work item per request, no
+        in-kernel item search and no output memset; False is the ragged path).
+    Returns:
+      [B, Q, H, D] in q's dtype (accumulation in f32).
+    """
+    _checks.check_ndim("q", q, 4, "[batch, q_len, num_heads, head_dim]")
+    b, q_len, h, d = q.shape
+    if not 1 <= q_len <= MAX_Q:
+        raise ValueError(f"q_len (q.shape[1]) must be in 1..{MAX_Q}, got {q_len}")
+    _checks.check_kv(q, k_pages, v_pages, h, d)
+    _checks.check_ndim("block_tables", block_tables, 2, "[batch, max_pages]")
+    _checks.check_int32("block_tables", block_tables)
+    if block_tables.shape[0] != b:
+        raise ValueError(f"block_tables batch {block_tables.shape[0]} must equal q batch {b}")
+    _checks.check_int32("kv_lens", kv_lens)
+    if kv_lens.shape != (b,):
+        raise ValueError(f"kv_lens shape {tuple(kv_lens.shape)} must be ({b},)")
+    _checks.check_scalars(sm_scale, soft_cap)
+    bad = set(tuning) - set(_TUNING_KEYS)
+    if bad:
+        raise ValueError(f"unknown tuning options {sorted(bad)}; expected {_TUNING_KEYS}")
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    return _paged_attention(q, k_pages, v_pages, block_tables, kv_lens, sm_scale=sm_scale,
+                            soft_cap=soft_cap, interpret=interpret,
+                            tuning=tuple(sorted(tuning.items())))
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret", "tuning"))
 def _paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale, soft_cap,
                      interpret, tuning):
-  tuning = dict(tuning)
-  b, q_len, h, d = q.shape
-  kvh, _, page_size, _ = k_pages.shape
-  m = block_tables.shape[1]
-  # Tiles of >= 32 rows (Q * G_p, e.g. Q=4 at G=8) need ~175 registers/thread at
-  # 4 warps and 64-token KV blocks: 2 CTAs/SM, 1.94 waves at B=64, KVH=8 (ncu, H100).
-  # 8 warps and 128-token blocks measured faster there (docs/kernels.md).
-  g_p = 1 << (h // kvh - 1).bit_length()
-  rows = g_p * (1 << (max(q_len, -(-16 // g_p)) - 1).bit_length())
-  big = rows >= 32
-  ppb = tuning.get("pages_per_block", max(1, (128 if big else 64) // page_size))
-  ppb = max(1, min(ppb, 1 << (m - 1).bit_length()))
-  splits = tuning.get("num_splits") or _default_num_splits(b, kvh, m, ppb)
-  items = jnp.arange(b + 1, dtype=jnp.int32)  # one work item per request
-  out = paged_core(
-      pad_group(q.reshape(b * q_len, h, d), kvh), k_pages, v_pages, block_tables, kv_lens,
-      jnp.full((b,), q_len, jnp.int32), items * q_len, items[1:], b,
-      group=h // kvh, block_q=q_len, pages_per_block=ppb, num_splits=splits, sm_scale=sm_scale,
-      soft_cap=soft_cap, num_warps=tuning.get("num_warps", 8 if big else 4),
-      num_stages=tuning.get("num_stages", 1), interpret=interpret,
-      direct_items=tuning.get("direct_items", True))
-  return unpad_group(out, h).reshape(b, q_len, h, d)
+    tuning = dict(tuning)
+    b, q_len, h, d = q.shape
+    kvh, _, page_size, _ = k_pages.shape
+    m = block_tables.shape[1]
+    # Tiles of >= 32 rows (Q * G_p, e.g. Q=4 at G=8) need ~175 registers/thread at
+    # 4 warps and 64-token KV blocks: 2 CTAs/SM, 1.94 waves at B=64, KVH=8 (ncu, H100).
+    # 8 warps and 128-token blocks measured faster there (docs/kernels.md).
+    g_p = 1 << (h // kvh - 1).bit_length()
+    rows = g_p * (1 << (max(q_len, -(-16 // g_p)) - 1).bit_length())
+    big = rows >= 32
+    ppb = tuning.get("pages_per_block", max(1, (128 if big else 64) // page_size))
+    ppb = max(1, min(ppb, 1 << (m - 1).bit_length()))
+    splits = tuning.get("num_splits") or _default_num_splits(b, kvh, m, ppb)
+    items = jnp.arange(b + 1, dtype=jnp.int32)  # one work item per request
+    out = paged_core(
+        pad_group(q.reshape(b * q_len, h, d), kvh), k_pages, v_pages, block_tables, kv_lens,
+        jnp.full((b,), q_len, jnp.int32), items * q_len, items[1:], b,
+        group=h // kvh, block_q=q_len, pages_per_block=ppb, num_splits=splits, sm_scale=sm_scale,
+        soft_cap=soft_cap, num_warps=tuning.get("num_warps", 8 if big else 4),
+        num_stages=tuning.get("num_stages", 1), interpret=interpret,
+        direct_items=tuning.get("direct_items", True))
+    return unpad_group(out, h).reshape(b, q_len, h, d)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap"))
 def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
                               sm_scale=None, soft_cap=None):
-  """Plain-jnp reference: gathers each request's pages, masked f32 softmax."""
-  b, q_len, h, d = q.shape
-  kvh, _, page_size, _ = k_pages.shape
-  m = block_tables.shape[1]
-  g = h // kvh
-  scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-  k = k_pages[:, block_tables].reshape(kvh, b, m * page_size, d)  # [KVH, B, L, D]
-  v = v_pages[:, block_tables].reshape(kvh, b, m * page_size, d)
-  kv_pos = jnp.arange(m * page_size)
-  q_pos = kv_lens[:, None] - q_len + jnp.arange(q_len)[None, :]  # [B, Q]
-  kv_valid = kv_pos[None, :] < kv_lens[:, None]  # [B, L]
-  k = jnp.where(kv_valid[None, :, :, None], k, 0).astype(jnp.float32)
-  v = jnp.where(kv_valid[None, :, :, None], v, 0).astype(jnp.float32)
-  qg = q.reshape(b, q_len, kvh, g, d).astype(jnp.float32)
-  s = jnp.einsum("bqkgd,kbld->bqkgl", qg, k, precision="highest") * scale
-  if soft_cap is not None:
-    s = soft_cap * jnp.tanh(s / soft_cap)
-  mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]  # [B,Q,L]
-  s = jnp.where(mask[:, :, None, None, :], s, -jnp.inf)
-  mx = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.exp(s - jnp.where(jnp.isfinite(mx), mx, 0.0))
-  den = jnp.sum(p, axis=-1, keepdims=True)
-  p = p / jnp.where(den > 0, den, 1.0)
-  o = jnp.einsum("bqkgl,kbld->bqkgd", p, v, precision="highest")
-  return o.reshape(b, q_len, h, d).astype(q.dtype)
+    """Plain-jnp reference: gathers each request's pages, masked f32 softmax."""
+    b, q_len, h, d = q.shape
+    kvh, _, page_size, _ = k_pages.shape
+    m = block_tables.shape[1]
+    g = h // kvh
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    k = k_pages[:, block_tables].reshape(kvh, b, m * page_size, d)  # [KVH, B, L, D]
+    v = v_pages[:, block_tables].reshape(kvh, b, m * page_size, d)
+    kv_pos = jnp.arange(m * page_size)
+    q_pos = kv_lens[:, None] - q_len + jnp.arange(q_len)[None, :]  # [B, Q]
+    kv_valid = kv_pos[None, :] < kv_lens[:, None]  # [B, L]
+    k = jnp.where(kv_valid[None, :, :, None], k, 0).astype(jnp.float32)
+    v = jnp.where(kv_valid[None, :, :, None], v, 0).astype(jnp.float32)
+    qg = q.reshape(b, q_len, kvh, g, d).astype(jnp.float32)
+    s = jnp.einsum("bqkgd,kbld->bqkgl", qg, k, precision="highest") * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]  # [B,Q,L]
+    s = jnp.where(mask[:, :, None, None, :], s, -jnp.inf)
+    mx = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(mx), mx, 0.0))
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(den > 0, den, 1.0)
+    o = jnp.einsum("bqkgl,kbld->bqkgd", p, v, precision="highest")
+    return o.reshape(b, q_len, h, d).astype(q.dtype)
