@@ -12,6 +12,7 @@ programs are ever compiled.
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
