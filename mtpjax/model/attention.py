@@ -6,7 +6,6 @@ choice between it and the Pallas kernels is the run's `AttentionBackend` (model/
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from mtpjax.cache import PagedBatch
