@@ -6,6 +6,8 @@ family's layout (MiMo: `model.mtp_layers.{k}`; others: DeepSeek's `model.layers.
 its copies of the shared embedding and head). Each tensor is fetched from the device and
 written on its own, so host memory holds one tensor at a time. `load_hf(export_hf(x)) == x`
 bit for bit; a config that config.json cannot express is refused rather than silently changed.
+Tensors are written unquantized, in the params' dtype (or `dtype`): a model loaded from an FP8
+checkpoint exports as bf16 / f32, without the source's `quantization_config`.
 """
 
 from __future__ import annotations
@@ -31,12 +33,15 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mimo": "MiMoForCausalLM"}
 # Keys this module owns; anything else in the source config.json is kept as it was.
 _ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
+# Dropped from the source config.json: export writes the params unquantized (as they are, bf16 /
+# f32), so an FP8 checkpoint's quantization_config would describe tensors that are not there.
+_DROPPED_KEYS = ("quantization_config",)
 
 
 def hf_config_dict(cfg: ModelConfig, base: dict | None = None, torch_dtype: str | None = None) -> dict:
     """config.json for `cfg`, keeping the other keys of `base` (the source config.json)."""
     d = {k: v for k, v in (base or {}).items()
-         if k not in _ROPE_KEYS and k != "num_nextn_predict_layers"}
+         if k not in _ROPE_KEYS + _DROPPED_KEYS and k != "num_nextn_predict_layers"}
     rs = cfg.rope_scaling
     d.update(
         architectures=[ARCHITECTURES[cfg.model_type]], model_type=cfg.model_type,

@@ -6,6 +6,10 @@ tensor data is read; then the params are built leaf by leaf (`hf_keys.assemble`)
 tensor at a time. Each leaf goes to its device (and sharding) as soon as it is complete. Peak host
 memory: the output plus one leaf buffer and one tensor on CPU; with the output on an accelerator,
 just the leaf buffer and the tensor.
+
+Block-scaled FP8 checkpoints (config.json `quantization_config`, DeepSeek-V3) are dequantized to
+float32 one tensor at a time as they are read (`fp8.py`); the pairing of weights and scales is
+checked from the headers first, like everything else.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Callable
 
 import jax
 
+from mtpjax.checkpoint import fp8
 from mtpjax.checkpoint.bundle import Assets, Checkpoint
 from mtpjax.checkpoint.errors import CheckpointError
 from mtpjax.checkpoint.hf_keys import assemble, key_table, validate
@@ -73,22 +78,33 @@ def load_hf(path: str, dtype=None, *, sharding=None, mtp_layout: str | None = No
     config_overrides: ModelConfig fields that replace what config.json says.
     """
     hf_config, cfg = read_hf_config(path, **config_overrides)
+    quant = fp8.from_hf_config(hf_config, os.path.join(path, CONFIG_FILE))
     infos = scan_folder(path)
     table = key_table(cfg, mtp_layout)
-    meta = {name: (info.shape, info.dtype) for name, info in infos.items()}
+    # FP8 weights reach validation as the F32 they dequantize to, their scales not at all.
+    meta, scales = fp8.split_scales(quant, {n: (i.shape, i.dtype) for n, i in infos.items()}, path)
     validate(table, meta, path)
-    total = sum(infos[n].nbytes for n in (*table.slots, *table.copies) if n in infos)
+
+    def nbytes(name):
+        return infos[name].nbytes + (infos[scales[name]].nbytes if name in scales else 0)
+
+    total = sum(nbytes(n) for n in (*table.slots, *table.copies) if n in infos)
     done = 0
 
-    def read(name):
+    def read_one(name):
         try:
             return read_tensor(infos[name])
         except OSError as e:
             raise CheckpointError(f"{infos[name].file}: cannot read tensor {name}: {e}") from None
 
+    def read(name):
+        if name not in scales:
+            return read_one(name)
+        return fp8.dequantize(read_one(name), read_one(scales[name]), quant.block)
+
     def on_tensor(name):
         nonlocal done
-        done += infos[name].nbytes
+        done += nbytes(name)
         if progress is not None:
             progress(done, total, name)
 
