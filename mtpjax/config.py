@@ -13,7 +13,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo", "deepseek_v2", "deepseek_v3", "kimi_k2")
+DEEPSEEK_FAMILY = ("deepseek_v2", "deepseek_v3", "kimi_k2")     # MLA + MoE, DeepSeek MTP layout
+MOE_SCORING_FUNCS = ("sigmoid", "softmax")
+MOE_TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MTP_CONCAT_ORDERS = ("embed_hidden", "hidden_embed")
 SPEC_METHODS = ("chain", "multi_layer")
@@ -90,9 +93,31 @@ class ModelConfig:
     num_mtp_layers: int = 1
     mtp_concat_order: str = "embed_hidden"
     mtp_normed_hidden_to_next: bool = False
-    # layer kinds (mtpjax/model/kinds.py): every target layer and every MTP block
+    # layer kinds (mtpjax/model/kinds.py): every target layer and every MTP block; with
+    # ffn_kind "moe" the first `first_k_dense_replace` target layers are "dense"
     attention_kind: str = "gqa"
     ffn_kind: str = "dense"
+    # MLA (attention_kind "mla": DeepSeek-V2/V3, Kimi-K2). head_dim is qk_rope_head_dim there
+    # (the rotated part), and num_kv_heads == num_heads (MLA has one latent, no KV heads).
+    q_lora_rank: int | None = None        # None: one q_proj; else q_a_proj -> norm -> q_b_proj
+    kv_lora_rank: int = 0                 # width of the cached latent c_kv
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False         # rotary pairs (x0, x1), (x2, x3), ... (DeepSeek)
+    # MoE (ffn_kind "moe"; DeepSeek routing, see mtpjax/model/moe.py)
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False
+    scoring_func: str = "sigmoid"         # "sigmoid" (V3) | "softmax" (V2)
+    topk_method: str = "noaux_tc"         # "noaux_tc" (V3: bias-corrected, top-2 group score)
+                                          # | "greedy" | "group_limited_greedy" (V2: group max)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -101,6 +126,8 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "max_position_embeddings"):
             _positive_int(name, getattr(self, name))
+        if self.attention_kind == "mla":
+            self._check_mla()
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
@@ -127,10 +154,64 @@ class ModelConfig:
         from mtpjax.model.kinds import attention_kind, ffn_kind   # the registries (lazy: cycle)
         attention_kind(self.attention_kind)
         ffn_kind(self.ffn_kind)
+        if self.ffn_kind == "moe":
+            self._check_moe()
+
+    def _check_mla(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _positive_int(name, getattr(self, name))
+        if self.q_lora_rank is not None:
+            _positive_int("q_lora_rank", self.q_lora_rank)
+        if self.head_dim not in (None, self.qk_rope_head_dim):
+            raise ValueError(f"an MLA model's head_dim is its qk_rope_head_dim "
+                             f"({self.qk_rope_head_dim}), got head_dim={self.head_dim}")
+        object.__setattr__(self, "head_dim", self.qk_rope_head_dim)
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(f"an MLA model has num_kv_heads == num_heads ({self.num_heads}), "
+                             f"got num_kv_heads={self.num_kv_heads}")
+
+    def _check_moe(self) -> None:
+        for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "n_group", "topk_group"):
+            _positive_int(name, getattr(self, name))
+        X, k, G = self.n_routed_experts, self.num_experts_per_tok, self.n_group
+        if k > X:
+            raise ValueError(f"num_experts_per_tok {k} > n_routed_experts {X}")
+        if X % G:
+            raise ValueError(f"n_group {G} does not divide n_routed_experts {X}")
+        if self.topk_group > G:
+            raise ValueError(f"topk_group {self.topk_group} > n_group {G}")
+        if self.topk_method != "greedy" and self.topk_group * (X // G) < k:
+            raise ValueError(f"topk_group {self.topk_group} groups of {X // G} experts cannot "
+                             f"hold num_experts_per_tok {k} experts")
+        if not isinstance(self.n_shared_experts, int) or self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts must be an int >= 0, got {self.n_shared_experts!r}")
+        if not isinstance(self.first_k_dense_replace, int) or not \
+                0 <= self.first_k_dense_replace <= self.num_layers:
+            raise ValueError(f"first_k_dense_replace must be an int in [0, num_layers="
+                             f"{self.num_layers}], got {self.first_k_dense_replace!r}")
+        if self.scoring_func not in MOE_SCORING_FUNCS:
+            raise ValueError(f"scoring_func {self.scoring_func!r} is not supported; supported: "
+                             f"{MOE_SCORING_FUNCS}")
+        if self.topk_method not in MOE_TOPK_METHODS:
+            raise ValueError(f"topk_method {self.topk_method!r} is not supported; supported: "
+                             f"{MOE_TOPK_METHODS}")
+        if (self.topk_method == "noaux_tc") != (self.scoring_func == "sigmoid"):
+            raise ValueError(f"topk_method {self.topk_method!r} with scoring_func "
+                             f"{self.scoring_func!r}: DeepSeek pairs noaux_tc with sigmoid (V3) "
+                             "and greedy / group_limited_greedy with softmax (V2)")
+        if self.scoring_func == "softmax" and self.norm_topk_prob:
+            raise ValueError("norm_topk_prob=True with scoring_func 'softmax' is not supported "
+                             "(DeepSeek-V2's code and transformers disagree on it; released V2 "
+                             "checkpoints set it False)")
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
 
     def layer_kinds(self) -> tuple[tuple[str, str], ...]:
-        """(attention kind, FFN kind) of each target layer."""
-        return ((self.attention_kind, self.ffn_kind),) * self.num_layers
+        """(attention kind, FFN kind) of each target layer (MoE models: dense first layers)."""
+        dense = self.first_k_dense_replace if self.ffn_kind == "moe" else 0
+        return tuple((self.attention_kind, "dense" if i < dense else self.ffn_kind)
+                     for i in range(self.num_layers))
 
     def mtp_layer_kind(self) -> tuple[str, str]:
         """(attention kind, FFN kind) of every MTP module's decoder block."""
@@ -201,8 +282,54 @@ class ModelConfig:
         )
         if model_type == "qwen2" and "attention_bias" not in config:
             kwargs["qkv_bias"] = True
+        if model_type in DEEPSEEK_FAMILY:
+            kwargs.update(_deepseek_fields(config))
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+def _deepseek_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """MLA + MoE fields of a DeepSeek-V2/V3 / Kimi-K2 config.json (their own names)."""
+    model_type = config["model_type"]
+    v2 = model_type == "deepseek_v2"
+    if config.get("attention_bias", False):
+        raise ValueError("attention_bias=True is not supported for MLA models (DeepSeek ships none)")
+    if config.get("mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported (DeepSeek ships none)")
+    if config.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"moe_layer_freq {config['moe_layer_freq']!r} is not supported; "
+                         "supported: 1 (every layer after first_k_dense_replace is MoE)")
+    get = lambda name, default: default if config.get(name) is None else config[name]  # noqa: E731
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    if kv != heads:
+        raise ValueError(f"num_key_value_heads {kv} != num_attention_heads {heads}: MLA has no "
+                         "KV heads to group")
+    experts = get("n_routed_experts", get("num_experts", 0))
+    fields = dict(
+        attention_kind="mla", head_dim=config["qk_rope_head_dim"], num_kv_heads=heads,
+        qkv_bias=False, qk_norm=False,
+        q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        # V2 rotates interleaved pairs (complex multiply); V3/K2 say so in `rope_interleave`
+        rope_interleave=True if v2 else bool(get("rope_interleave", True)),
+        mtp_concat_order="embed_hidden", mtp_normed_hidden_to_next=False,
+    )
+    if experts:
+        fields.update(
+            ffn_kind="moe", n_routed_experts=experts,
+            num_experts_per_tok=config["num_experts_per_tok"],
+            n_shared_experts=get("n_shared_experts", 0),
+            moe_intermediate_size=config["moe_intermediate_size"],
+            first_k_dense_replace=get("first_k_dense_replace", 0),
+            n_group=get("n_group", 1), topk_group=get("topk_group", 1),
+            routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(get("norm_topk_prob", False)),
+            scoring_func=get("scoring_func", "softmax" if v2 else "sigmoid"),
+            topk_method=get("topk_method", "greedy" if v2 else "noaux_tc"),
+        )
+    return fields
 
 
 # A request's PRNG key is jax.random.PRNGKey(seed), which keeps the low 32 bits of the seed

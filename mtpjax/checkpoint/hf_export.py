@@ -30,7 +30,14 @@ from mtpjax.checkpoint.safetensors_io import TensorSource, write_folder
 from mtpjax.config import ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mimo": "MiMoForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "mimo": "MiMoForCausalLM",
+                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "kimi_k2": "DeepseekV3ForCausalLM"}
+# DeepSeek-family fields, written under their own names (the same names in ModelConfig)
+_MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size",
+             "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
+             "norm_topk_prob", "scoring_func", "topk_method")
 # Keys this module owns; anything else in the source config.json is kept as it was.
 _ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
 # Dropped from the source config.json: export writes the params unquantized (as they are, bf16 /
@@ -54,6 +61,14 @@ def hf_config_dict(cfg: ModelConfig, base: dict | None = None, torch_dtype: str 
         rope_scaling=None if rs.rope_type == "default" else
         {k: v for k, v in dataclasses.asdict(rs).items() if v is not None},
     )
+    if cfg.attention_kind == "mla":
+        d.update({k: getattr(cfg, k) for k in _MLA_KEYS})
+        if cfg.model_type != "deepseek_v2":
+            d["rope_interleave"] = cfg.rope_interleave
+    if cfg.ffn_kind == "moe":
+        d.update({k: getattr(cfg, k) for k in _MOE_KEYS})
+    elif cfg.model_type in ARCHITECTURES and cfg.attention_kind == "mla":
+        d.update(n_routed_experts=0, first_k_dense_replace=cfg.num_layers)   # every layer dense
     if cfg.num_mtp_layers:
         d["num_nextn_predict_layers"] = cfg.num_mtp_layers
     if torch_dtype is not None:       # transformers 5 writes "dtype", older versions "torch_dtype"
@@ -105,7 +120,7 @@ def export_hf(path: str, params, cfg: ModelConfig, *, assets: Assets | None = No
         out_dtype = np.dtype(dtype if dtype is not None else leaf.dtype)
 
         def fetch(leaf=leaf, slot=slot, out_dtype=out_dtype):
-            a = np.asarray(jax.device_get(leaf))
+            a = np.asarray(jax.device_get(leaf[slot.index] if slot.index else leaf))
             return (a.T if slot.transpose else a).astype(out_dtype, copy=False)
 
         sources.append(TensorSource(name, table.hf_shape(name), out_dtype, fetch))

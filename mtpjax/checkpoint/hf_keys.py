@@ -50,6 +50,17 @@ def layer_rows(kinds: tuple[str, str]) -> dict[str, tuple[str, bool]]:
     return {**LAYER_NORM_ROWS, **attention_kind(kinds[0]).hf_rows, **ffn_kind(kinds[1]).hf_rows}
 
 
+def _layer_slots(kinds: tuple[str, str], prefix: str, path: tuple, specs: dict) -> dict[str, Slot]:
+    """HF name -> Slot for one decoder layer: its rows, plus one row per expert of a leaf that
+    stacks experts (a kind's `hf_expert_rows`, suffixes with `{e}`)."""
+    slots = {f"{prefix}.{suffix}": Slot((*path, leaf), t)
+             for leaf, (suffix, t) in layer_rows(kinds).items() if leaf in specs}
+    for leaf, (suffix, t) in getattr(ffn_kind(kinds[1]), "hf_expert_rows", {}).items():
+        for e in range(specs[leaf].shape[0]):
+            slots[f"{prefix}.{suffix.format(e=e)}"] = Slot((*path, leaf), t, (e,))
+    return slots
+
+
 @dataclasses.dataclass(frozen=True)
 class MtpLayout:
     """Where a checkpoint family keeps MTP module k."""
@@ -76,7 +87,8 @@ MTP_LAYOUTS: dict[str, MtpLayout] = {
          "eh_proj": ("eh_proj.weight", True), "out_norm": ("shared_head.norm.weight", False)},
         {"embed_tokens.weight": "embed", "shared_head.head.weight": "lm_head"}),
 }
-FAMILY_MTP_LAYOUT = {"llama": "deepseek", "qwen2": "deepseek", "qwen3": "deepseek", "mimo": "mimo"}
+FAMILY_MTP_LAYOUT = {"llama": "deepseek", "qwen2": "deepseek", "qwen3": "deepseek", "mimo": "mimo",
+                     "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "kimi_k2": "deepseek"}
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq")
@@ -88,12 +100,14 @@ class Slot:
 
     path: tuple                  # keys into the param tree (ints index the layer tuples)
     transpose: bool
+    index: tuple = ()            # position inside the leaf (an expert's row of a stacked leaf)
 
     def describe(self) -> str:
-        """"layers/wq[3]": the leaf's name, then the layer / MTP module index."""
+        """"layers/wq[3]": the leaf's name, then the layer / MTP module index (and the expert)."""
         names = [k for k in self.path if not isinstance(k, int)]
         index = "".join(f"[{k}]" for k in self.path if isinstance(k, int))
-        return "/".join(names) + index
+        expert = "".join(f" expert {e}" for e in self.index)
+        return "/".join(names) + index + expert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +121,7 @@ class KeyTable:
     def hf_shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape as Hugging Face stores it."""
         slot = self.slots.get(name) or self.copies[name]
-        shape = _get(self.specs, slot.path).shape
+        shape = _get(self.specs, slot.path).shape[len(slot.index):]
         return tuple(reversed(shape)) if slot.transpose else tuple(shape)
 
 
@@ -133,9 +147,7 @@ def key_table(cfg: ModelConfig, mtp_layout: str | None = None) -> KeyTable:
     head = ("lm_head",) if "lm_head" in specs else ("embed",)
     slots["model.embed_tokens.weight"] = Slot(("embed",), False)
     for i, kinds in enumerate(cfg.layer_kinds()):
-        for leaf, (suffix, t) in layer_rows(kinds).items():
-            if leaf in specs["layers"][i]:
-                slots[f"model.layers.{i}.{suffix}"] = Slot(("layers", i, leaf), t)
+        slots.update(_layer_slots(kinds, f"model.layers.{i}", ("layers", i), specs["layers"][i]))
     slots["model.norm.weight"] = Slot(("final_norm",), False)
     if "lm_head" in specs:
         slots["lm_head.weight"] = Slot(("lm_head",), True)
@@ -143,9 +155,8 @@ def key_table(cfg: ModelConfig, mtp_layout: str | None = None) -> KeyTable:
         pre = layout.module_prefix(cfg, k)
         for leaf, (suffix, t) in layout.leaves.items():
             slots[f"{pre}.{suffix}"] = Slot(("mtp", k, leaf), t)
-        for leaf, (suffix, t) in layer_rows(cfg.mtp_layer_kind()).items():
-            if leaf in specs["mtp"][k]["block"]:
-                slots[f"{pre}.{suffix}"] = Slot(("mtp", k, "block", leaf), t)
+        slots.update(_layer_slots(cfg.mtp_layer_kind(), pre, ("mtp", k, "block"),
+                                  specs["mtp"][k]["block"]))
     named = {s.path for s in slots.values()}
     for path, _ in tree_items(specs):        # a leaf added to a kind without a name there
         if path not in named:
@@ -221,7 +232,7 @@ def assemble(table: KeyTable, tensors: Mapping[str, tuple[tuple[int, ...], str]]
         buf = np.empty(spec.shape, leaf_dtype)
         for name, slot in entries:
             arr = read(name)
-            buf[...] = arr.T if slot.transpose else arr
+            buf[slot.index] = arr.T if slot.transpose else arr
             del arr
             if on_tensor is not None:
                 on_tensor(name)

@@ -33,14 +33,14 @@ def _soft_cap(scores, soft_cap):
 
 
 def dense_causal_attention(q, k, v, *, sm_scale=None, soft_cap=None):
-    """q [B, T, NH, hd], k/v [B, T, KV, hd] -> [B, T, NH, hd], causal, no cache."""
+    """q [B, T, NH, hd], k [B, T, KV, hd], v [B, T, KV, hd_v] -> [B, T, NH, hd_v], causal."""
     B, T, NH, hd = q.shape
     KV = k.shape[2]
     scale = hd ** -0.5 if sm_scale is None else sm_scale
     qg = q.reshape(B, T, KV, NH // KV, hd)
     s = _soft_cap(_grouped_scores(qg, k, scale), soft_cap)
     mask = jnp.tril(jnp.ones((T, T), bool))
-    return _softmax_mix(s, mask, v, q.dtype).reshape(B, T, NH, hd)
+    return _softmax_mix(s, mask, v, q.dtype).reshape(B, T, NH, v.shape[-1])
 
 
 def _gather_pages(pages, block_tables):
@@ -52,7 +52,9 @@ def _gather_pages(pages, block_tables):
 
 def paged_attention_reference(q, k_pages, v_pages, batch: PagedBatch, *, sm_scale=None,
                               soft_cap=None):
-    """q [N, NH, hd] ragged tokens; k/v_pages [KVH, P, S, hd] -> [N, NH, hd].
+    """q [N, NH, hd] ragged tokens; k_pages [KVH, P, S, hd], v_pages [KVH, P, S, hd_v]
+    -> [N, NH, hd_v]. The one plain-jnp paged attention: GQA pages and MLA latent pages (one
+    shared head, values a prefix of the keys) both come here (`AttentionBackend`).
 
     Token n of request s at position p attends to KV positions t <= p with t < kv_lens[s].
     Keys and values past the mask are zeroed before use, so NaN in unused pages never leaks.
@@ -74,8 +76,8 @@ def paged_attention_reference(q, k_pages, v_pages, batch: PagedBatch, *, sm_scal
         qg = q.reshape(R, T, KVH, NH // KVH, hd)
         s = _soft_cap(_grouped_scores(qg, k_all, scale), soft_cap)       # [R, KV, G, T, C]
         mask = (t[None, None, :] <= pos[:, :, None]) & valid_kv[:, None, :]  # [R, T, C]
-        o = _softmax_mix(s, mask[:, None, None], v_all, q.dtype)        # [R, T, KV, G, hd]
-        return o.reshape(N, NH, hd)
+        o = _softmax_mix(s, mask[:, None, None], v_all, q.dtype)        # [R, T, KV, G, hd_v]
+        return o.reshape(N, NH, v_pages.shape[-1])
     kv_len = batch.kv_lens[batch.seq_ids]                                 # [N]
     valid_kv = t[None, :] < kv_len[:, None]                               # [N, C]
     k_tok = jnp.where(valid_kv[:, :, None, None], k_all[batch.seq_ids], 0)  # [N, C, KVH, hd]
@@ -83,5 +85,5 @@ def paged_attention_reference(q, k_pages, v_pages, batch: PagedBatch, *, sm_scal
     qg = q.reshape(N, 1, KVH, NH // KVH, hd)
     s = _soft_cap(_grouped_scores(qg, k_tok, scale), soft_cap)            # [N, KV, G, 1, C]
     mask = (t[None, :] <= batch.positions[:, None]) & valid_kv            # [N, C]
-    o = _softmax_mix(s, mask[:, None, None, None, :], v_tok, q.dtype)     # [N, 1, KV, G, hd]
-    return o.reshape(N, NH, hd)
+    o = _softmax_mix(s, mask[:, None, None, None, :], v_tok, q.dtype)     # [N, 1, KV, G, hd_v]
+    return o.reshape(N, NH, v_pages.shape[-1])

@@ -37,13 +37,18 @@ class AttentionBackend:
     def interpret(self) -> bool:
         return self.impl == "pallas_interpret"
 
-    def paged_attention(self, q, pages, batch):
-        """q [N, NH, hd] ragged tokens over one layer's pages -> [N, NH, hd]."""
+    def paged_attention(self, q, pages, batch, *, sm_scale=None):
+        """q [N, NH, hd] ragged tokens over one layer's pages -> [N, NH, hd_v].
+
+        One dispatch for every cache kind: the pages say how they read as K and V pages
+        (`kv_views`: GQA pages as they are, MLA latent pages as one shared head whose values are
+        the first kv_lora_rank entries), and the shapes pick the path."""
         from mtpjax.model.attention import paged_attention_reference
+        k_pages, v_pages = pages.kv_views()
         if not self.uses_kernels:
-            return paged_attention_reference(q, pages.k, pages.v, batch)
+            return paged_attention_reference(q, k_pages, v_pages, batch, sm_scale=sm_scale)
         from mtpjax.model import pallas_dispatch
-        return pallas_dispatch.paged_attention(q, pages.k, pages.v, batch,
+        return pallas_dispatch.paged_attention(q, k_pages, v_pages, batch, sm_scale=sm_scale,
                                                interpret=self.interpret, fallback=self.fallback)
 
 

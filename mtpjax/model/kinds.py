@@ -70,5 +70,5 @@ def ffn_kind(name: str) -> FFNKind:
 
 def _load_builtin() -> None:
     # the built-in kinds register themselves on import (lazily: they import this module)
-    from mtpjax.model import dense_ffn, gqa  # noqa: F401
+    from mtpjax.model import dense_ffn, gqa, mla, moe  # noqa: F401
 
