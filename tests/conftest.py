@@ -4,6 +4,11 @@ import os
 # No persistent compilation cache in the tests (it would write to ~/.cache/mtpjax); the cache's
 # own tests turn it on in a tmp folder.
 os.environ.setdefault("MTPJAX_COMPILATION_CACHE", "0")
+# The suite is dominated by XLA:CPU compiles of tiny models; LLVM's optimization passes make up
+# about a third of it and buy nothing at these sizes. (No fast-math either way: same numbers.)
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true").strip()
 
 import jax  # noqa: E402
 import numpy as np

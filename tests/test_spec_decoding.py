@@ -24,10 +24,10 @@ from tests.test_accept import chi2_pvalue
 
 gen = importlib.import_module("mtpjax.generate")   # the module (mtpjax.generate is the function)
 
-# (method, K, D)
-CASES = [("chain", 1, 1), ("chain", 2, 1), ("chain", 3, 2), ("chain", 4, 1),
-         ("multi_layer", 1, 1), ("multi_layer", 2, 2), ("multi_layer", 3, 3),
-         ("multi_layer", 4, 4)]
+# (method, K, D): K = 1, chain reusing one module (K > D) and cycling two, multi_layer with
+# three modules. (K 2 chain and multi_layer at D = 1, 2, 4 repeated these at a minute of
+# compile each; the engine, no-weight-copies and DeepSeek tests run multi_layer D = 2 too.)
+CASES = [("chain", 1, 1), ("chain", 3, 2), ("chain", 4, 1), ("multi_layer", 3, 3)]
 
 
 def _model(V, D, seed):
@@ -99,13 +99,13 @@ def test_lossless_sampling_distribution(method, K, D, sp):
     V = 8
     cfg, params = _model(V, D, 21)
     prompt = [1, 2, 3]
-    n = 3000
+    n, chunk = 3000, 500    # 6 batches of 500 (one compile): a 3000-row program crashed XLA:CPU
     spec = SpecConfig(num_speculative_tokens=K, method=method)
     greedy_every = 10       # greedy requests mixed into the same batch
-    sps = [SamplingParams() if i % greedy_every == 0 else sp for i in range(n)]
-    out = mtpjax.generate(params, cfg, [prompt] * n, max_new_tokens=3, spec=spec, sampling=sps,
-                          seed=5)
-    toks = np.asarray(out.tokens)
+    sps = [SamplingParams() if i % greedy_every == 0 else sp for i in range(chunk)]
+    toks = np.concatenate([np.asarray(mtpjax.generate(
+        params, cfg, [prompt] * chunk, max_new_tokens=3, spec=spec, sampling=sps,
+        seed=5 + c).tokens) for c in range(n // chunk)])
     greedy_ref = mtpjax.generate(params, cfg, [prompt], max_new_tokens=3).tokens[0]
     assert all(toks[i].tolist() == greedy_ref for i in range(0, n, greedy_every))
     sampled = np.asarray([t for i, t in enumerate(toks) if i % greedy_every])
