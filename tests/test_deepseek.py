@@ -377,3 +377,10 @@ def test_moe_never_materializes_tokens_by_experts_activations():
                                atol=1e-5)
     np.testing.assert_allclose(np.asarray(masked)[~np.asarray(valid)],
                                np.asarray(shared)[~np.asarray(valid)], atol=1e-5)
+
+
+def test_explicit_pallas_names_the_latent_pages_and_auto_falls_back():
+    cfg = ds_config(num_mtp_layers=1)
+    params = _ds_params(cfg, 0)
+    with pytest.raises(ValueError, match="MLA latent pages"):
+        mtpjax.generate(params, cfg, [[1, 2, 3]], max_new_tokens=2, attention_impl="pallas")

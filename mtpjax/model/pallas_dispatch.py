@@ -22,8 +22,11 @@ SUPPORTED_PAGE_SIZES = (8, 16, 32, 64)
 _warned: set = set()
 
 
-def unsupported_reason(q, k_pages) -> str | None:
+def unsupported_reason(q, k_pages, v_pages=None) -> str | None:
     hd, page = q.shape[-1], k_pages.shape[2]
+    if v_pages is not None and v_pages.shape[-1] != k_pages.shape[-1]:
+        return (f"MLA latent pages (key width {k_pages.shape[-1]}, value width "
+                f"{v_pages.shape[-1]}): the Pallas MLA kernel is not built yet")
     if hd not in SUPPORTED_HEAD_DIMS:
         return f"head_dim {hd} (kernels support {SUPPORTED_HEAD_DIMS})"
     if page not in SUPPORTED_PAGE_SIZES:
@@ -38,7 +41,7 @@ def paged_attention(q, k_pages, v_pages, batch: PagedBatch, *, sm_scale=None, so
     """q [N, NH, hd] -> [N, NH, hd]. A shape the kernels do not support is a ValueError naming
     it, unless `fallback` (the "auto" backend): then the reference runs (warned once per reason)."""
     N, NH, hd = q.shape
-    reason = unsupported_reason(q, k_pages)
+    reason = unsupported_reason(q, k_pages, v_pages)
     if reason is not None:
         if not fallback:
             raise ValueError(f"the Pallas attention kernels do not support {reason}; use "
