@@ -25,6 +25,16 @@ def tiny_config(**overrides) -> ModelConfig:
     return dataclasses.replace(base, **overrides)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops every compiled program after each test module. XLA:CPU maps each JIT-compiled
+    kernel into memory; an xdist worker that keeps a whole suite's programs alive reached ~43k
+    of the kernel's 65,530 `vm.max_map_count` mappings, and workers died in XLA compiles
+    (segfault / abort) once they ran out. Programs are rarely shared across modules."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

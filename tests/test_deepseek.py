@@ -384,3 +384,39 @@ def test_explicit_pallas_names_the_latent_pages_and_auto_falls_back():
     params = _ds_params(cfg, 0)
     with pytest.raises(ValueError, match="MLA latent pages"):
         mtpjax.generate(params, cfg, [[1, 2, 3]], max_new_tokens=2, attention_impl="pallas")
+
+
+@pytest.mark.parametrize("topk_method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_logits_match_transformers(tmp_path, topk_method):
+    """V2: softmax routing (no correction bias, weights never normalized), rope on interleaved
+    pairs by complex multiplication in transformers."""
+    torch.manual_seed(4)
+    v2 = {k: v for k, v in DS_BASE.items() if k not in ("norm_topk_prob",)}
+    hf_cfg = transformers.DeepseekV2Config(**{**v2, "topk_method": topk_method,
+                                              "routed_scaling_factor": 1.5})
+    hf_cfg._attn_implementation = "eager"
+    model = transformers.DeepseekV2ForCausalLM(hf_cfg).eval().float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(0.3 * torch.randn_like(p)) if "norm" in name else p.mul_(4.0)
+    model.save_pretrained(str(tmp_path))
+    ck = load_hf(str(tmp_path), jnp.float32)
+    assert (ck.cfg.scoring_func, ck.cfg.topk_method, ck.cfg.num_mtp_layers) == \
+        ("softmax", topk_method, 0)
+    ids = np.asarray([p + [3] * (14 - len(p)) for p in _prompts(9, 2)])
+    with torch.no_grad():
+        want = model(torch.as_tensor(ids)).logits.numpy()
+    got = np.asarray(mtpjax.forward(ck.params, ck.cfg, jnp.asarray(ids)))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_orbax_round_trip_keeps_the_deepseek_tree(tmp_path):
+    from mtpjax.checkpoint import restore, save
+    cfg = ds_config()
+    params = _ds_params(cfg, 2)
+    save(str(tmp_path / "ck"), params, cfg)
+    back = restore(str(tmp_path / "ck"))
+    assert back.cfg == cfg
+    assert jax.tree.structure(back.params) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
