@@ -31,7 +31,10 @@ TOY = dataclasses.replace(BASE, ffn_kind="gelu_toy")
 def test_unknown_kind_is_a_clear_error():
     with pytest.raises(ValueError, match=r"FFN kind 'nope' is not registered; known: .*dense"):
         dataclasses.replace(BASE, ffn_kind="nope")
-    with pytest.raises(ValueError, match=r"attention kind 'mla' is not registered"):
+    with pytest.raises(ValueError, match=r"attention kind 'linear' is not registered; known: .*mla"):
+        dataclasses.replace(BASE, attention_kind="linear")
+    # a registered kind whose config fields are missing names the field
+    with pytest.raises(ValueError, match=r"kv_lora_rank must be a positive int"):
         dataclasses.replace(BASE, attention_kind="mla")
 
 
