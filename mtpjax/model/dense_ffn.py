@@ -7,6 +7,11 @@ import jax
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
 
 
+def swiglu(x, w_gate, w_up, w_down, activation=jax.nn.silu):
+    """down(act(x gate) * (x up)): the dense MLP, also DeepSeek's shared experts."""
+    return (activation(x @ w_gate) * (x @ w_up)) @ w_down
+
+
 class DenseFFN:
     name = "dense"
     hf_rows = {
@@ -26,7 +31,7 @@ class DenseFFN:
 
     def __call__(self, p: dict, x, cfg, valid):
         """x [N, E] -> [N, E]; a per-token op, so padding rows (valid False) need no mask."""
-        return (self.activation(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+        return swiglu(x, p["w_gate"], p["w_up"], p["w_down"], self.activation)
 
 
 DENSE = register_ffn_kind(DenseFFN())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mtpjax.model.dense_ffn import swiglu
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
 
 
@@ -117,8 +118,8 @@ class MoEFFN:
         with jax.named_scope("experts"):
             out = routed_experts(p, x, ids, weights, valid, self.activation)
         if "shared_gate" in p:
-            act = self.activation
-            out = out + (act(x @ p["shared_gate"]) * (x @ p["shared_up"])) @ p["shared_down"]
+            out = out + swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"],
+                               self.activation)
         return out.reshape(shape)
 
 
