@@ -1,0 +1,203 @@
+"""MoE expert layer speed: XLA's `jax.lax.ragged_dot` against JAX's Pallas Mosaic-GPU grouped matmul
+(`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`) and a gather-the-touched-experts form, at
+decode sizes (few tokens per expert: weight-read bound) and prefill sizes (compute bound).
+
+    python -m mtpjax.bench.moe [--shapes v2-lite,v3-slice] [--tokens 1,32,256,4096] [--out DIR]
+
+Shapes (bf16 random weights, routing uniform random top-k without repeats per token):
+  v2-lite   DeepSeek-V2-Lite: 64 routed experts, 6 per token, hidden 2048, expert width 1408
+  v3-slice  DeepSeek-V3: 8 per token, hidden 7168, width 2048, experts subsampled 256 -> 128 to
+            fit one GPU beside the benchmark's buffers (the top-8 then touch a larger fraction)
+Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pairs + weighting):
+  ragged_dot  `mtpjax.model.moe.routed_experts` as the model runs it (XLA's ragged_dot)
+  mgpu        the same sort/scatter with ragged_dot_mgpu (Hopper WGMMA + TMA) for the matmuls
+  gather      w[ids] per (token, slot) and batched matvecs: reads each chosen expert once per
+              token (duplicates at larger N); decode sizes only
+Floors: decode = bytes of the distinct experts touched (3 matrices each) / same-run copy
+bandwidth; prefill = FLOPs (2 * N * k * 3 * E * I) / same-run dense bf16 matmul rate
+(max of the two is reported). Times: marginal per call in one jit of many calls
+(`mtpjax.bench.kernels.timeit`). GPU only for `mgpu`; the rest runs anywhere (`--shapes tiny`
+is the CPU smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtpjax.bench.kernels import copy_bandwidth, rel_err, timeit
+from mtpjax.model.moe import routed_experts
+
+SHAPES = {
+    "v2-lite": dict(experts=64, k=6, hidden=2048, width=1408),
+    "v3-slice": dict(experts=128, k=8, hidden=7168, width=2048),
+    "tiny": dict(experts=8, k=2, hidden=64, width=128),
+}
+
+
+def log(*a):
+    print(" ".join(str(x) for x in a), flush=True)
+
+
+def make_weights(shape: dict, seed: int = 0) -> dict:
+    X, E, I = shape["experts"], shape["hidden"], shape["width"]
+    keys = jax.random.split(jax.random.key(seed), 3)
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def normal(key, s):
+        return (0.02 * jax.random.normal(key, s, jnp.float32)).astype(jnp.bfloat16)
+
+    return {"w_gate": normal(keys[0], (X, E, I)), "w_up": normal(keys[1], (X, E, I)),
+            "w_down": normal(keys[2], (X, I, E))}
+
+
+def make_routing(shape: dict, n: int, seed: int):
+    """ids int32[n, k] (distinct per token), weights f32[n, k] summing to 1."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(shape["experts"], shape["k"], replace=False) for _ in range(n)])
+    w = rng.random((n, shape["k"])).astype(np.float32)
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(w / w.sum(-1, keepdims=True))
+
+
+def experts_ragged(x, p, ids, w):
+    return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu)
+
+
+def experts_gather(x, p, ids, w):
+    """x [N, E] -> [N, E]: each token's k experts gathered ([N, k, E, I]) and applied."""
+    g = jnp.einsum("ne,nkei->nki", x, p["w_gate"][ids])
+    u = jnp.einsum("ne,nkei->nki", x, p["w_up"][ids])
+    h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
+    y = jnp.einsum("nki,nkie->nke", h, p["w_down"][ids]).astype(jnp.float32)
+    return (y * w[..., None]).sum(1).astype(x.dtype)
+
+
+def _mgpu_dot(lhs, rhs, sizes, block_m):
+    """ragged_dot_mgpu with block sizes that divide the operand dims."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    n = rhs.shape[2]
+    bn = 128 if n % 128 == 0 else 64
+    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, block_m=block_m, block_n=bn,
+                                      block_k=64, max_concurrent_steps=4, grid_block_n=1)
+
+
+def experts_mgpu(x, p, ids, w, block_m=64):
+    """`routed_experts` with the three grouped matmuls on ragged_dot_mgpu."""
+    N, k = ids.shape
+    X = p["w_gate"].shape[0]
+    expert = ids.reshape(-1)
+    order = jnp.argsort(expert, stable=True)
+    token = order // k
+    sizes = jnp.zeros(X, jnp.int32).at[expert].add(1)
+    xs = x[token]
+    dot = functools.partial(_mgpu_dot, sizes=sizes, block_m=block_m)
+    h = (jax.nn.silu(dot(xs, p["w_gate"]).astype(jnp.float32))
+         * dot(xs, p["w_up"]).astype(jnp.float32)).astype(x.dtype)
+    y = dot(h, p["w_down"]).astype(jnp.float32) * w.reshape(-1)[order][:, None]
+    return jnp.zeros((N, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
+
+
+def matmul_rate(n: int = 8192, repeats: int = 10) -> float:
+    """Dense bf16 matmul FLOP/s ([n, n] x [n, n], f32 accumulate), this process."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: [jnp.dot(a + jnp.bfloat16(i), b) for i in range(4)])
+    jax.block_until_ready(f(a, b))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a, b))
+        ts.append(time.perf_counter() - t0)
+    return 4 * 2 * n ** 3 / float(np.median(ts))
+
+
+def floor_s(shape: dict, ids, n: int, copy_bw: float, flops: float) -> tuple[float, float, int]:
+    E, I = shape["hidden"], shape["width"]
+    touched = int(np.unique(np.asarray(ids)).size)
+    bytes_ = touched * 3 * E * I * 2 + 2 * n * E * 2
+    fl = 2 * n * shape["k"] * 3 * E * I
+    return max(bytes_ / copy_bw, fl / flops), bytes_, touched
+
+
+def run(shape_names, token_counts, out_dir=None):
+    on_gpu = jax.default_backend() == "gpu"
+    copy_bw, _ = copy_bandwidth() if on_gpu else (1e11, {})
+    flops = matmul_rate(8192 if on_gpu else 256)
+    log(f"device {jax.devices()[0].device_kind}; copy {copy_bw / 1e12:.3f} TB/s; "
+        f"bf16 matmul {flops / 1e12:.1f} TFLOP/s")
+    rows = []
+    for name in shape_names:
+        shape = SHAPES[name]
+        p = make_weights(shape)
+        for n in token_counts:
+            ids, w = make_routing(shape, n, seed=n)
+            calls = 16 if n <= 256 else 4
+            xs = [0.5 * jax.random.normal(jax.random.key(100 + i), (n, shape["hidden"]),
+                                          jnp.bfloat16) for i in range(calls)]
+            fl, nbytes, touched = floor_s(shape, ids, n, copy_bw, flops)
+            row = dict(shape=name, tokens=n, touched=touched, floor_us=fl * 1e6,
+                       floor_bytes=nbytes)
+            ref = None
+            variants = [("ragged_dot", experts_ragged)]
+            if on_gpu or name == "tiny":
+                variants.append(("mgpu", experts_mgpu))
+            if n <= 32:
+                variants.append(("gather", experts_gather))
+            for vname, fn in variants:
+                try:
+                    if vname == "mgpu" and not on_gpu:
+                        continue
+                    t, out = timeit(lambda x, p, ids, w: fn(x, p, ids, w), xs, (p, ids, w))
+                    err = 0.0 if ref is None else rel_err(out, ref)
+                    ref = out if ref is None else ref
+                    row[f"{vname}_us"] = t * 1e6
+                    row[f"{vname}_x_floor"] = t / fl
+                    row[f"{vname}_err"] = err
+                except Exception as e:  # noqa: BLE001
+                    row[f"{vname}_error"] = repr(e)[:300]
+                    log(f"{name} n={n} {vname} failed: {repr(e)[:300]}")
+                    traceback.print_exc()
+            log(json.dumps(row))
+            rows.append(row)
+            if out_dir:
+                with open(os.path.join(out_dir, "moe.json"), "w") as f:
+                    json.dump(dict(copy_bw=copy_bw, matmul_flops=flops, rows=rows), f, indent=1)
+        del p
+    print(table(rows), flush=True)
+    return rows
+
+
+def table(rows) -> str:
+    def cell(r, v):
+        if f"{v}_us" not in r:
+            return "fail" if f"{v}_error" in r else "-"
+        return f"{r[f'{v}_us']:.0f} ({r[f'{v}_x_floor']:.2f}x)"
+    lines = ["| shape | tokens | experts touched | floor us | ragged_dot us (x floor) | "
+             "mgpu | gather |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['tokens']} | {r['touched']} | {r['floor_us']:.0f} | "
+                     f"{cell(r, 'ragged_dot')} | {cell(r, 'mgpu')} | {cell(r, 'gather')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="v2-lite,v3-slice")
+    ap.add_argument("--tokens", default="1,32,256,4096")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+    run(a.shapes.split(","), [int(t) for t in a.tokens.split(",")], a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
