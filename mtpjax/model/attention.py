@@ -1,6 +1,7 @@
-"""Plain-jnp attention: dense causal (no cache) and paged attention over GQA pages.
+"""Plain-jnp attention: dense causal (no cache) and paged attention over any page kind.
 
-`paged_attention_reference` is what CPU runs and what every kernel is tested against; the
+`paged_attention_reference` adapts a model batch to the one jnp paged attention in
+`pallas_kernels.paged_reference` (what CPU runs and what every kernel is tested against); the
 choice between it and the Pallas kernels is the run's `AttentionBackend` (model/backend.py).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from mtpjax.cache import PagedBatch
+from pallas_kernels.paged_reference import paged_attention_rows, paged_attention_tokens
 
 
 def _grouped_scores(q, k, scale):
@@ -43,47 +45,24 @@ def dense_causal_attention(q, k, v, *, sm_scale=None, soft_cap=None):
     return _softmax_mix(s, mask, v, q.dtype).reshape(B, T, NH, v.shape[-1])
 
 
-def _gather_pages(pages, block_tables):
-    """pages [KVH, P, S, hd], block_tables [S_req, M] -> [S_req, M*S, KVH, hd]."""
-    g = pages[:, block_tables]                      # [KVH, S_req, M, S, hd]
-    KVH, R, M, S, hd = g.shape
-    return jnp.moveaxis(g.reshape(KVH, R, M * S, hd), 0, 2)
-
-
 def paged_attention_reference(q, k_pages, v_pages, batch: PagedBatch, *, sm_scale=None,
                               soft_cap=None):
     """q [N, NH, hd] ragged tokens; k_pages [KVH, P, S, hd], v_pages [KVH, P, S, hd_v]
-    -> [N, NH, hd_v]. The one plain-jnp paged attention: GQA pages and MLA latent pages (one
-    shared head, values a prefix of the keys) both come here (`AttentionBackend`).
+    -> [N, NH, hd_v]: the one plain-jnp paged attention (`pallas_kernels.paged_reference`) for a
+    model batch. GQA pages and MLA latent pages (one shared head, values a prefix of the keys)
+    both come here (`AttentionBackend`).
 
     Token n of request s at position p attends to KV positions t <= p with t < kv_lens[s].
     Keys and values past the mask are zeroed before use, so NaN in unused pages never leaks.
+    Uniform batches (`batch.q_len`) gather each request's pages once, ragged ones per token.
     """
-    N, NH, hd = q.shape
-    KVH = k_pages.shape[0]
-    scale = hd ** -0.5 if sm_scale is None else sm_scale
-    k_all = _gather_pages(k_pages, batch.block_tables)   # [S_req, C, KVH, hd], C = M*S
-    v_all = _gather_pages(v_pages, batch.block_tables)
-    C = k_all.shape[1]
-    t = jnp.arange(C)
+    N, NH, _ = q.shape
+    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap)
     if batch.q_len is not None:
-        T = batch.q_len
-        R = batch.block_tables.shape[0]
-        pos = batch.positions.reshape(R, T)
-        valid_kv = t[None, :] < batch.kv_lens[:, None]                    # [R, C]
-        k_all = jnp.where(valid_kv[:, :, None, None], k_all, 0)
-        v_all = jnp.where(valid_kv[:, :, None, None], v_all, 0)
-        qg = q.reshape(R, T, KVH, NH // KVH, hd)
-        s = _soft_cap(_grouped_scores(qg, k_all, scale), soft_cap)       # [R, KV, G, T, C]
-        mask = (t[None, None, :] <= pos[:, :, None]) & valid_kv[:, None, :]  # [R, T, C]
-        o = _softmax_mix(s, mask[:, None, None], v_all, q.dtype)        # [R, T, KV, G, hd_v]
-        return o.reshape(N, NH, v_pages.shape[-1])
-    kv_len = batch.kv_lens[batch.seq_ids]                                 # [N]
-    valid_kv = t[None, :] < kv_len[:, None]                               # [N, C]
-    k_tok = jnp.where(valid_kv[:, :, None, None], k_all[batch.seq_ids], 0)  # [N, C, KVH, hd]
-    v_tok = jnp.where(valid_kv[:, :, None, None], v_all[batch.seq_ids], 0)
-    qg = q.reshape(N, 1, KVH, NH // KVH, hd)
-    s = _soft_cap(_grouped_scores(qg, k_tok, scale), soft_cap)            # [N, KV, G, 1, C]
-    mask = (t[None, :] <= batch.positions[:, None]) & valid_kv            # [N, C]
-    o = _softmax_mix(s, mask[:, None, None, None, :], v_tok, q.dtype)     # [N, 1, KV, G, hd_v]
-    return o.reshape(N, NH, v_pages.shape[-1])
+        R, T = batch.block_tables.shape[0], batch.q_len
+        out = paged_attention_rows(q.reshape(R, T, NH, -1), k_pages, v_pages,
+                                   batch.block_tables, batch.kv_lens,
+                                   batch.positions.reshape(R, T), **kw)
+        return out.reshape(N, NH, v_pages.shape[-1])
+    return paged_attention_tokens(q, k_pages, v_pages, batch.block_tables, batch.kv_lens,
+                                  batch.seq_ids, batch.positions, **kw)

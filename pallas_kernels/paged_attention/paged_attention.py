@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _checks
 from pallas_kernels._paged_core import pad_group, paged_core, unpad_group
+from pallas_kernels.paged_reference import paged_attention_rows
 
 MAX_Q = 8
 _TUNING_KEYS = ("pages_per_block", "num_splits", "num_warps", "num_stages", "direct_items")
@@ -105,28 +106,9 @@ def _paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale, so
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap"))
 def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
                               sm_scale=None, soft_cap=None):
-    """Plain-jnp reference: gathers each request's pages, masked f32 softmax."""
-    b, q_len, h, d = q.shape
-    kvh, _, page_size, _ = k_pages.shape
-    m = block_tables.shape[1]
-    g = h // kvh
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    k = k_pages[:, block_tables].reshape(kvh, b, m * page_size, d)  # [KVH, B, L, D]
-    v = v_pages[:, block_tables].reshape(kvh, b, m * page_size, d)
-    kv_pos = jnp.arange(m * page_size)
-    q_pos = kv_lens[:, None] - q_len + jnp.arange(q_len)[None, :]  # [B, Q]
-    kv_valid = kv_pos[None, :] < kv_lens[:, None]  # [B, L]
-    k = jnp.where(kv_valid[None, :, :, None], k, 0).astype(jnp.float32)
-    v = jnp.where(kv_valid[None, :, :, None], v, 0).astype(jnp.float32)
-    qg = q.reshape(b, q_len, kvh, g, d).astype(jnp.float32)
-    s = jnp.einsum("bqkgd,kbld->bqkgl", qg, k, precision="highest") * scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]  # [B,Q,L]
-    s = jnp.where(mask[:, :, None, None, :], s, -jnp.inf)
-    mx = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(mx), mx, 0.0))
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(den > 0, den, 1.0)
-    o = jnp.einsum("bqkgl,kbld->bqkgd", p, v, precision="highest")
-    return o.reshape(b, q_len, h, d).astype(q.dtype)
+    """The one jnp paged attention (`pallas_kernels.paged_reference`) in this kernel's layout:
+    q [B, Q, H, D], the Q queries of row b at positions kv_lens[b] - Q .. kv_lens[b] - 1."""
+    q_len = q.shape[1]
+    positions = kv_lens[:, None] - q_len + jnp.arange(q_len)[None, :]   # [B, Q]
+    return paged_attention_rows(q, k_pages, v_pages, block_tables, kv_lens, positions,
+                                sm_scale=sm_scale, soft_cap=soft_cap, precision="highest")

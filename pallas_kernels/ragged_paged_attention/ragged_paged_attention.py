@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _checks
 from pallas_kernels._paged_core import pad_group, paged_core, unpad_group
+from pallas_kernels.paged_reference import paged_attention_tokens
 
 _TUNING_KEYS = ("block_q", "pages_per_block", "num_warps", "num_stages", "small_q",
                 "small_num_splits", "small_pages_per_block", "small_num_warps",
@@ -143,38 +144,17 @@ def _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *, 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap"))
 def ragged_paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
                                      num_seqs, *, sm_scale=None, soft_cap=None):
-    """Plain-jnp reference: per token, gather its sequence's pages, masked f32 softmax.
-
-    Memory is O(T * M * page_size * KVH * D): meant for tests and small batches.
-    """
-    t, h, d = q.shape
-    kvh, _, page_size, _ = k_pages.shape
-    s, m = block_tables.shape
-    g = h // kvh
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    """The one jnp paged attention (`pallas_kernels.paged_reference`) in this kernel's layout:
+    token i of sequence s (cu_q_lens[s] <= i < cu_q_lens[s + 1], s < num_seqs) sits at position
+    kv_lens[s] - q_len_s + (i - cu_q_lens[s]); tokens past the live sequences get zeros."""
+    t = q.shape[0]
+    s = block_tables.shape[0]
     num_seqs = jnp.asarray(num_seqs).reshape(())
     tok = jnp.arange(t, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right", method="compare_all"),
                    0, s - 1)
     live = (tok < cu_q_lens[jnp.minimum(num_seqs, s)]) & (seq < num_seqs)
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    pos = kv_lens[seq] - q_len + (tok - cu_q_lens[seq])  # [T]
-    pos = jnp.where(live, pos, -1)
-    kv_pos = jnp.arange(m * page_size)
-    kv_valid = kv_pos[None, :] < kv_lens[seq][:, None]  # [T, L]
-    k = k_pages[:, block_tables[seq]].reshape(kvh, t, m * page_size, d)
-    v = v_pages[:, block_tables[seq]].reshape(kvh, t, m * page_size, d)
-    k = jnp.where(kv_valid[None, :, :, None], k, 0).astype(jnp.float32)
-    v = jnp.where(kv_valid[None, :, :, None], v, 0).astype(jnp.float32)
-    qg = q.reshape(t, kvh, g, d).astype(jnp.float32)
-    logits = jnp.einsum("tkgd,ktld->tkgl", qg, k, precision="highest") * scale
-    if soft_cap is not None:
-        logits = soft_cap * jnp.tanh(logits / soft_cap)
-    mask = (kv_pos[None, :] <= pos[:, None]) & kv_valid  # [T, L]
-    logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
-    mx = jnp.max(logits, axis=-1, keepdims=True)
-    p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(den > 0, den, 1.0)
-    o = jnp.einsum("tkgl,ktld->tkgd", p, v, precision="highest")
-    return o.reshape(t, h, d).astype(q.dtype)
+    pos = jnp.where(live, kv_lens[seq] - q_len + (tok - cu_q_lens[seq]), -1)   # [T]
+    return paged_attention_tokens(q, k_pages, v_pages, block_tables, kv_lens, seq, pos,
+                                  sm_scale=sm_scale, soft_cap=soft_cap, precision="highest")
