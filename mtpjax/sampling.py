@@ -2,9 +2,23 @@
 
 `filtered_probs` is the one place the sampling transform is defined; rejection sampling applies
 it to target and draft logits alike, so acceptance is lossless for the *filtered* distribution.
-A greedy request (temperature 0) gets the one-hot distribution of its argmax. Work that no
-request of a batch needs (the vocabulary sorts of top-k / top-p, the softmax and the random draw
-of an all-greedy batch) sits in `lax.cond` branches that such a batch does not take.
+A greedy request (temperature 0) gets the one-hot distribution of its argmax.
+
+Work that no request of a batch needs is skipped by a *static* sampling mode that the host
+chooses from the batch's SamplingParams (`sampling_mode`), never by a device-side `lax.cond`:
+on a GPU every `lax.cond` copies its predicate to the host and blocks the launching thread
+until everything before it has run, which made each engine step synchronous (measured on an
+H100: the jitted step's dispatch took as long as the step itself, 9.5 ms at the 8B shape, so
+none of the host's work overlapped the device; docs/benchmarks.md). Modes:
+
+  "greedy"  every row has temperature <= 0: argmax only (no softmax, no sort, no draw)
+  "filter"  any other batch: temperature, then top-k and top-p (two vocabulary sorts) on every
+            row; a row that asks for neither passes through masks that change nothing
+
+A greedy row's result is the one-hot argmax in both modes, so no row depends on the mode, nor
+on batch composition. (A third mode without the sorts for batches that sample without top-k /
+top-p was tried: XLA fuses the softmax differently there and its probabilities differed from
+the filter mode's in the last bit, which would make a seeded token depend on its batch.)
 """
 
 from __future__ import annotations
@@ -27,16 +41,30 @@ class SamplingArrays:
     top_k: jax.Array         # int32[B]  0 = off
     top_p: jax.Array         # f32[B]    1 = off
     keys: jax.Array          # uint32[B, 2] per-request base PRNG keys
+    mode: str = struct.field(pytree_node=False, default="filter")   # static: SAMPLING_MODES
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], base_seed: int = 0) -> "SamplingArrays":
         keys = [request_key(p, base_seed, i) for i, p in enumerate(params)]
-        return cls(
-            temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
-            top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-            keys=jnp.asarray(np.stack(keys)),
-        )
+        temperature = np.asarray([p.temperature for p in params], np.float32)
+        top_k = np.asarray([p.top_k for p in params], np.int32)
+        top_p = np.asarray([p.top_p for p in params], np.float32)
+        return cls(temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k),
+                   top_p=jnp.asarray(top_p), keys=jnp.asarray(np.stack(keys)),
+                   mode=sampling_mode(temperature))
+
+
+SAMPLING_MODES = ("greedy", "filter")
+
+
+def sampling_mode(temperature) -> str:
+    """Host side: the mode that serves rows with these temperatures (numpy [B]; module doc)."""
+    return "filter" if (np.asarray(temperature) > 0).any() else "greedy"
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"sampling mode {mode!r} is not one of {SAMPLING_MODES}")
 
 
 def request_key(sp: SamplingParams, base_seed: int, index: int) -> np.ndarray:
@@ -51,36 +79,30 @@ def _expand(x, logits):
     return x.reshape(x.shape + (1,) * (logits.ndim - 1))
 
 
-def filtered_probs(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
+def filtered_probs(logits: jax.Array, temperature, top_k, top_p, mode: str = "filter"
+                   ) -> jax.Array:
     """f32 probabilities [B, ..., V] after temperature, top-k, then top-p (ties at a cut are kept).
 
     temperature/top_k/top_p are per-request [B]; top_k 0 (or >= V) and top_p >= 1 are off.
-    The full-vocabulary sorts that top-k and top-p need run only inside a `lax.cond` branch
-    taken when some sampled (temperature > 0) request of the batch asks for them, and an
-    all-greedy batch skips the softmax too: its rows are the one-hot argmax either way. A row's
-    result does not depend on which branch its batch takes (the branches only select entries;
-    the softmax and the normalisation are shared), so it never depends on batch composition.
+    mode (static, `sampling_mode`): "greedy" computes only the one-hot argmax rows (exactly
+    the "filter" result for all-greedy rows).
     """
+    _check_mode(mode)
     logits = logits.astype(jnp.float32)
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    return jax.lax.cond(jnp.all(temperature <= 0), lambda: onehot,
-                        lambda: _sampled_probs(logits, onehot, temperature, top_k, top_p))
+    if mode == "greedy":
+        return onehot
+    return _sampled_probs(logits, onehot, temperature, top_k, top_p)
 
 
 def _sampled_probs(logits, onehot, temperature, top_k, top_p):
-    """filtered_probs for a batch with at least one sampled row (onehot: the greedy rows' result)."""
-    V = logits.shape[-1]
+    """filtered_probs for a batch with sampled rows (onehot: the greedy rows' result). Rows
+    without top-k / top-p pass through masks that change nothing."""
     sampled = ~(temperature <= 0)                               # [B]
     greedy = ~_expand(sampled, logits)
     t = jnp.where(greedy, 1.0, _expand(temperature, logits))
-    scaled = logits / t
-    k = _expand(top_k, logits)
-    scaled = jax.lax.cond(jnp.any(sampled & (top_k > 0) & (top_k < V)),
-                          lambda x: _top_k_mask(x, k), lambda x: x, scaled)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    p = _expand(top_p, logits)
-    probs = jax.lax.cond(jnp.any(sampled & (top_p < 1)),
-                         lambda x: _top_p_mask(x, p), lambda x: x, probs)
+    scaled = _top_k_mask(logits / t, _expand(top_k, logits))
+    probs = _top_p_mask(jax.nn.softmax(scaled, axis=-1), _expand(top_p, logits))
     probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
     return jnp.where(greedy, onehot, probs)
 
@@ -112,33 +134,27 @@ def position_keys(keys: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, positions)
 
 
-def sample_from_probs(probs: jax.Array, keys: jax.Array, greedy: jax.Array | None = None
-                      ) -> jax.Array:
+def sample_from_probs(probs: jax.Array, keys: jax.Array, mode: str = "filter") -> jax.Array:
     """probs [B, V], keys uint32[B, 2] -> int32[B] (a one-hot row returns its index exactly).
 
-    greedy bool[B] (optional) marks rows whose probs are one-hot (filtered_probs of a greedy
-    request): when every row is, the draw is skipped for the argmax, which is the same index.
+    mode "greedy" (static): every row is one-hot (filtered_probs of greedy requests), so the
+    draw is skipped for the argmax, which is the same index.
     """
-    def draw():
-        logp = jnp.log(probs)
-        return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
-    if greedy is None:
-        return draw()
-    return jax.lax.cond(jnp.all(greedy), lambda: jnp.argmax(probs, axis=-1).astype(jnp.int32),
-                        draw)
+    _check_mode(mode)
+    if mode == "greedy":
+        return jnp.argmax(probs, axis=-1).astype(jnp.int32)
+    return jax.vmap(jax.random.categorical)(keys, jnp.log(probs)).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, sp: SamplingArrays, positions: jax.Array) -> jax.Array:
     """Sample one token per request from logits [B, V]; greedy rows take the argmax (an
-    all-greedy batch computes nothing else)."""
-    greedy = sp.temperature <= 0
+    all-greedy batch, mode "greedy", computes nothing else)."""
     top1 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def draw():
-        probs = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-        tok = sample_from_probs(probs, position_keys(sp.keys, positions))
-        return jnp.where(greedy, top1, tok)
-    return jax.lax.cond(jnp.all(greedy), lambda: top1, draw)
+    if sp.mode == "greedy":
+        return top1
+    probs = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode)
+    tok = sample_from_probs(probs, position_keys(sp.keys, positions), sp.mode)
+    return jnp.where(sp.temperature <= 0, top1, tok)
 
 
 def as_sampling_list(sampling, n: int) -> list[SamplingParams]:

@@ -1,6 +1,10 @@
-"""Sampling without vocabulary sorts unless a request asks for top-k / top-p, and without a
-softmax or a random draw for all-greedy batches: outputs bit-identical to the implementation
-that always sorted, and guards on the jaxpr / compiled HLO that the sorts stay in a branch."""
+"""Static sampling modes (sampling.py): no vocabulary sorts unless a request asks for top-k /
+top-p, no softmax or random draw for all-greedy batches, and no device-side branch at all (a
+GPU conditional blocks the host): outputs bit-identical to the implementation that always
+sorted, in the mode the host picks and in the general "filter" mode, and guards on the jaxpr /
+compiled HLO of each mode and of the engine's step."""
+
+import functools
 
 import re
 
@@ -11,8 +15,9 @@ import numpy as np
 import pytest
 
 from mtpjax import SpecConfig
-from mtpjax.sampling import (SamplingArrays, _top_k_mask, _top_p_mask, filtered_probs,
-                             position_keys, sample, sample_from_probs)
+from mtpjax.sampling import (SAMPLING_MODES, SamplingArrays, _top_k_mask, _top_p_mask,
+                             filtered_probs, position_keys, sample, sample_from_probs,
+                             sampling_mode)
 from mtpjax.speculative.accept import accept_rejection, apply_acceptance
 
 V = 48
@@ -104,7 +109,8 @@ def _batch(kinds, B, seed, scale):
     sp = SamplingArrays(temperature=jnp.asarray(temp, jnp.float32),
                         top_k=jnp.asarray(top_k, jnp.int32),
                         top_p=jnp.asarray(top_p, jnp.float32),
-                        keys=jax.random.split(jax.random.PRNGKey(seed), B))
+                        keys=jax.random.split(jax.random.PRNGKey(seed), B),
+                        mode=sampling_mode(temp))
     logits = jnp.asarray(scale * r.standard_normal((B, 4, V)), jnp.float32)
     return sp, logits, r
 
@@ -113,7 +119,7 @@ def _filters(sp):
     return sp.temperature, sp.top_k, sp.top_p
 
 
-jit_filtered = jax.jit(filtered_probs)
+jit_filtered = jax.jit(filtered_probs, static_argnames=("mode",))
 jit_ref_filtered = jax.jit(ref_filtered_probs)
 jit_forced = jax.jit(forced_sort_probs)
 jit_sample = jax.jit(sample)
@@ -125,13 +131,18 @@ jit_ref_sample = jax.jit(ref_sample)
 def test_filtered_probs_and_sample_bit_identical(batch, seed):
     B = 11
     sp, logits, r = _batch(BATCHES[batch], B, seed, scale=2.0)
+    assert sp.mode == ("greedy" if batch == "all_greedy" else "filter")
     for lg in (logits, logits[:, 0]):                    # [B, K+1, V] and [B, V]
-        new = np.asarray(jit_filtered(lg, *_filters(sp)))
-        np.testing.assert_array_equal(new, np.asarray(jit_ref_filtered(lg, *_filters(sp))))
-        np.testing.assert_array_equal(new, np.asarray(jit_forced(lg, *_filters(sp))))
+        ref = np.asarray(jit_ref_filtered(lg, *_filters(sp)))
+        for mode in (sp.mode, "filter"):                 # the host's pick and the general mode
+            new = np.asarray(jit_filtered(lg, *_filters(sp), mode=mode))
+            np.testing.assert_array_equal(new, ref)
+            np.testing.assert_array_equal(new, np.asarray(jit_forced(lg, *_filters(sp))))
     positions = jnp.asarray(r.integers(0, 1000, B), jnp.int32)
-    np.testing.assert_array_equal(np.asarray(jit_sample(logits[:, 0], sp, positions)),
-                                  np.asarray(jit_ref_sample(logits[:, 0], sp, positions)))
+    ref = np.asarray(jit_ref_sample(logits[:, 0], sp, positions))
+    for mode in (sp.mode, "filter"):
+        np.testing.assert_array_equal(
+            np.asarray(jit_sample(logits[:, 0], sp.replace(mode=mode), positions)), ref)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -140,7 +151,7 @@ def test_fast_path_equals_forced_sort_on_peaked_logits(batch, seed):
     """Peaked rows (logit scale 40) where the running sum of the sorted probabilities reaches
     1.0 in float32 before the tail: the fast path still equals the sorting path bit for bit."""
     sp, logits, _ = _batch(BATCHES[batch], 9, seed, scale=40.0)
-    np.testing.assert_array_equal(np.asarray(jit_filtered(logits, *_filters(sp))),
+    np.testing.assert_array_equal(np.asarray(jit_filtered(logits, *_filters(sp), mode=sp.mode)),
                                   np.asarray(jit_forced(logits, *_filters(sp))))
 
 
@@ -182,90 +193,79 @@ def test_apply_acceptance_rejection_bit_identical(batch, seed):
     key_pos = jnp.asarray(r.integers(0, 500, B), jnp.int32)
     thinking = jnp.zeros((B,), bool)
     spec = SpecConfig(num_speculative_tokens=K)
-    tok, num, _ = jax.jit(apply_acceptance, static_argnums=0)(
-        spec, logits, drafts, q, num_drafts, thinking, sp, key_pos)
     ref_tok, ref_num = jax.jit(ref_apply_rejection)(logits, drafts, q, num_drafts, sp, key_pos)
-    np.testing.assert_array_equal(np.asarray(num), np.asarray(ref_num))
-    np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref_tok))
+    for mode in (sp.mode, "filter"):
+        tok, num, _ = jax.jit(apply_acceptance, static_argnums=0)(
+            spec, logits, drafts, q, num_drafts, thinking, sp.replace(mode=mode), key_pos)
+        np.testing.assert_array_equal(np.asarray(num), np.asarray(ref_num))
+        np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref_tok))
 
 
-# ---- guards: the sorts (and, for all-greedy batches, softmax / draws) live in a branch ------------
+# ---- guards: what each mode computes, and no device-side branch anywhere ------------------------
 
-def _primitives(jaxpr, in_branch=False, out=None):
-    """(primitive name, inside a cond branch) for every equation, sub-jaxprs included."""
-    out = [] if out is None else out
+def _primitives(jaxpr, out=None):
+    """Every primitive name of a jaxpr, sub-jaxprs included."""
+    out = set() if out is None else out
     for eqn in jaxpr.eqns:
-        out.append((eqn.primitive.name, in_branch))
-        branch = in_branch or eqn.primitive.name == "cond"
+        out.add(eqn.primitive.name)
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            _primitives(sub, branch, out)
+            _primitives(sub, out)
     return out
 
 
-def _outside_branches(fn, *args):
-    found = _primitives(jax.make_jaxpr(fn)(*args).jaxpr)
-    return {p for p, b in found if not b}, {p for p, b in found if b}
-
-
-def _abstract_batch(B=4, K=3):
+def _abstract_batch(mode, B=4, K=3):
     sp = SamplingArrays(temperature=jnp.zeros((B,)), top_k=jnp.zeros((B,), jnp.int32),
-                        top_p=jnp.ones((B,)), keys=jnp.zeros((B, 2), jnp.uint32))
+                        top_p=jnp.ones((B,)), keys=jnp.zeros((B, 2), jnp.uint32), mode=mode)
     return sp, jnp.zeros((B, K + 1, V)), jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K, V))
 
 
-def test_jaxpr_keeps_sorts_softmax_and_draws_in_branches():
-    sp, logits, drafts, q = _abstract_batch()
+# primitives a mode must not contain (sort: top-k / top-p; exp: softmax; random_bits, log: draws)
+FORBIDDEN = {"greedy": {"sort", "exp", "random_bits", "log", "cond"}, "filter": {"cond"}}
+
+
+@pytest.mark.parametrize("mode", SAMPLING_MODES)
+def test_each_mode_computes_only_what_it_needs_and_never_branches(mode):
+    sp, logits, drafts, q = _abstract_batch(mode)
     B, K = drafts.shape
-    outside, inside = _outside_branches(filtered_probs, logits, *_filters(sp))
-    assert "sort" not in outside and "sort" in inside
-    assert "exp" not in outside and "exp" in inside                   # the softmax
-    outside, inside = _outside_branches(sample, logits[:, 0], sp, jnp.zeros((B,), jnp.int32))
-    assert {"sort", "exp", "random_bits"}.isdisjoint(outside)
-    assert {"sort", "exp", "random_bits"} <= inside
-    outside, inside = _outside_branches(
-        lambda *a: sample_from_probs(*a), q[:, 0], sp.keys, sp.temperature <= 0)
-    assert "random_bits" not in outside and "random_bits" in inside
     spec = SpecConfig(num_speculative_tokens=K)
-    outside, inside = _outside_branches(
-        lambda *a: apply_acceptance(spec, *a), logits, drafts, q, jnp.full((B,), K, jnp.int32),
-        jnp.zeros((B,), bool), sp, jnp.zeros((B,), jnp.int32))
-    assert {"sort", "exp", "log"}.isdisjoint(outside)                 # softmax, categorical
-    assert {"sort", "exp", "log"} <= inside
+    fns = {
+        "filtered_probs": lambda: filtered_probs(logits, *_filters(sp), mode=mode),
+        "sample": lambda: sample(logits[:, 0], sp, jnp.zeros((B,), jnp.int32)),
+        "sample_from_probs": lambda: sample_from_probs(q[:, 0], sp.keys, mode),
+        "apply_acceptance": lambda: apply_acceptance(
+            spec, logits, drafts, q, jnp.full((B,), K, jnp.int32), jnp.zeros((B,), bool), sp,
+            jnp.zeros((B,), jnp.int32)),
+    }
+    for name, fn in fns.items():
+        found = _primitives(jax.make_jaxpr(fn)().jaxpr)
+        assert not found & FORBIDDEN[mode], (name, found & FORBIDDEN[mode])
+    if mode == "filter":                 # the general mode does sort (else the guard is empty)
+        assert "sort" in _primitives(jax.make_jaxpr(fns["filtered_probs"])().jaxpr)
 
 
-def _hlo_computations(text):
-    """{computation name: body lines} of an HLO module's text, and the entry's name."""
-    comps, entry, name = {}, None, None
-    for line in text.splitlines():
-        m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if m and not line.startswith(" "):
-            name = m.group(2)
-            comps[name] = []
-            if m.group(1):
-                entry = name
-        elif name is not None and line.strip() == "}":
-            name = None
-        elif name is not None:
-            comps[name].append(line)
-    return comps, entry
+def test_unknown_mode_is_refused_by_name():
+    with pytest.raises(ValueError, match="'fast'.*greedy"):
+        filtered_probs(jnp.zeros((2, V)), *_filters(_abstract_batch("greedy")[0]), mode="fast")
 
 
-def test_compiled_hlo_sorts_only_inside_conditionals():
-    """After XLA's passes (on this backend), no sort is reachable from the entry computation
-    except through a conditional's branches."""
-    sp, logits, _, _ = _abstract_batch()
-    text = jax.jit(filtered_probs).lower(logits, *_filters(sp)).compile().as_text()
-    comps, entry = _hlo_computations(text)
-    assert entry is not None and any("conditional(" in line for line in comps[entry])
-    called = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
-    seen, todo = set(), [entry]
-    while todo:                                # reachable without entering a branch
-        c = todo.pop()
-        if c in seen or c not in comps:
-            continue
-        seen.add(c)
-        for line in comps[c]:
-            todo += called.findall(line)
-    unconditional = [c for c in seen if any(" sort(" in line for line in comps[c])]
-    assert not unconditional, f"sort outside a conditional in {unconditional}"
-    assert any(" sort(" in line for body in comps.values() for line in body)
+@pytest.mark.parametrize("spec", [None, SpecConfig(num_speculative_tokens=2)],
+                         ids=["plain", "chain_K2"])
+def test_engine_step_has_no_device_conditional(spec):
+    """The engine's compiled step, in each of its sampling modes, holds no `conditional` (on a
+    GPU its predicate is copied to the host and the dispatch blocks until the step is done)."""
+    from mtpjax import LLM
+    from mtpjax.engine import runner as runner_mod
+    from tests.conftest import random_params, tiny_config
+    cfg = tiny_config(vocab_size=V)
+    llm = LLM(random_params(cfg), cfg, spec, num_pages=16, page_size=4, max_num_seqs=2,
+              max_num_batched_tokens=8, warmup=False)
+    r = llm.runner
+    empty, _ = r.pack(runner_mod.SchedulerOutput([], [], r.K))
+    inputs, shape = r.device_inputs(empty)
+    for mode in runner_mod.ENGINE_SAMPLING_MODES:
+        text = runner_mod._step.lower(r.params, r.cfg, r.spec, r.state, inputs,
+                                      first_pass_len=8, backend=r.backend, shape=shape,
+                                      sampling_mode=mode).compile().as_text()
+        assert "conditional(" not in text, mode
+        if mode == "greedy":
+            assert " sort(" not in text

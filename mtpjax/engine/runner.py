@@ -23,7 +23,7 @@ from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.engine.scheduler import SchedulerOutput
 from mtpjax.generate import bucket_size
 from mtpjax.model.backend import resolve_backend
-from mtpjax.sampling import SamplingArrays, request_key
+from mtpjax.sampling import SAMPLING_MODES, SamplingArrays, request_key, sampling_mode
 from mtpjax.speculative.draft import draft_shape
 from mtpjax.speculative.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
                                     MixedBatch, SlotState, mixed_step,
@@ -46,7 +46,8 @@ def pack_host(batch: MixedBatch) -> np.ndarray:
                            floats.view(np.int32).ravel(), keys.view(np.int32).ravel()])
 
 
-def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int) -> MixedBatch:
+def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int,
+                  sampling_mode: str = "filter") -> MixedBatch:
     """Inverse of pack_host, inside the jitted step (static slices and bit-casts are free)."""
     T, R, M = num_tokens, num_rows, max_blocks
     sizes = [3 * T, None, R * M, 2 * R, 2 * R]
@@ -67,14 +68,22 @@ def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int) -> M
         kinds=per_row[:, 3], thinking=per_row[:, 4].astype(bool), hist_from=per_row[:, 5],
         next_tokens=per_row[:, 7:],
         sampling=SamplingArrays(temperature=floats[:, 0], top_k=per_row[:, 6],
-                                top_p=floats[:, 1], keys=keys))
+                                top_p=floats[:, 1], keys=keys, mode=sampling_mode))
 
 
-@step_jit(static_argnames=("cfg", "spec", "first_pass_len", "backend", "shape"),
-                   donate_argnames=("state",))
-def _step(params, cfg, spec, state, flat_inputs, *, first_pass_len, backend, shape):
+# The step is compiled once per bucket and sampling mode (sampling.py): "greedy" for
+# all-greedy batches, "filter" for any other.
+ENGINE_SAMPLING_MODES = SAMPLING_MODES
+
+
+@step_jit(static_argnames=("cfg", "spec", "first_pass_len", "backend", "shape",
+                           "sampling_mode"),
+          donate_argnames=("state",))
+def _step(params, cfg, spec, state, flat_inputs, *, first_pass_len, backend, shape,
+          sampling_mode="filter"):
     T, R, M = shape
-    batch = unpack_device(flat_inputs, num_tokens=T, num_rows=R, max_blocks=M)
+    batch = unpack_device(flat_inputs, num_tokens=T, num_rows=R, max_blocks=M,
+                          sampling_mode=sampling_mode)
     state, acc, num = mixed_step(params, cfg, spec, state, batch, first_pass_len=first_pass_len,
                                  backend=backend)
     return state, jnp.concatenate([acc, num[:, None]], axis=1)     # one array to read back
@@ -201,11 +210,13 @@ class ModelRunner:
         return jax.device_put(pack_host(batch)), shape
 
     def dispatch(self, out: SchedulerOutput) -> jax.Array:
-        """Enqueues one step; returns its result array (int32[R, K+2]) already copying to host."""
+        """Enqueues one step; returns its result array (int32[R, K+2]) already copying to host.
+        The step holds no device-side branch, so this returns as soon as it is enqueued."""
         batch, F = self.pack(out)
         inputs, shape = self.device_inputs(batch)
         self.state, result = _step(self.params, self.cfg, self.spec, self.state, inputs,
-                                   first_pass_len=F, backend=self.backend, shape=shape)
+                                   first_pass_len=F, backend=self.backend, shape=shape,
+                                   sampling_mode=sampling_mode(batch.sampling.temperature))
         result.copy_to_host_async()                        # the step's only device->host copy
         return result
 
@@ -216,7 +227,8 @@ class ModelRunner:
         KV and changes no real slot (the donated state comes back with the same meaning).
         threads > 1: each bucket is first lowered here and compiled ahead of time on a pool of
         that many threads (`lower().compile()` fills the cache the dry run then hits).
-        on_compiled(T, F, seconds) after each bucket, in order."""
+        Each bucket is compiled in both ENGINE_SAMPLING_MODES; on_compiled(T, F, seconds) after
+        each bucket (seconds summed over the modes), in order."""
         import time
         from concurrent.futures import ThreadPoolExecutor
 
@@ -232,17 +244,23 @@ class ModelRunner:
                 batch = empty.replace(tokens=np.zeros(T, np.int32), seq_ids=np.zeros(T, np.int32),
                                       positions=np.full(T, -1, np.int32))
                 inputs, shape = self.device_inputs(batch)
-                kw = dict(first_pass_len=F, backend=self.backend, shape=shape)
-                aot = None if threads <= 1 else pool.submit(timed, _step.lower(
+                kws = [dict(first_pass_len=F, backend=self.backend, shape=shape, sampling_mode=m)
+                       for m in ENGINE_SAMPLING_MODES]
+                aots = [None if threads <= 1 else pool.submit(timed, _step.lower(
                     self.params, self.cfg, self.spec, self.state, inputs, **kw).compile)
-                runs.append((T, F, inputs, kw, aot))
-            for T, F, inputs, kw, aot in runs:
-                aot_seconds = aot.result()[1] if aot else 0.0
-                (self.state, result), seconds = timed(functools.partial(_step, **kw), self.params,
-                                                      self.cfg, self.spec, self.state, inputs)
-                jax.block_until_ready(result)
+                    for kw in kws]
+                runs.append((T, F, inputs, kws, aots))
+            for T, F, inputs, kws, aots in runs:
+                total = 0.0
+                for kw, aot in zip(kws, aots):
+                    total += aot.result()[1] if aot else 0.0
+                    (self.state, result), seconds = timed(functools.partial(_step, **kw),
+                                                          self.params, self.cfg, self.spec,
+                                                          self.state, inputs)
+                    jax.block_until_ready(result)
+                    total += seconds
                 if on_compiled is not None:
-                    on_compiled(T, F, aot_seconds + seconds)
+                    on_compiled(T, F, total)
         request_key(SamplingParams(), self.seed, 0)      # its eager ops compile on first use
 
     @staticmethod

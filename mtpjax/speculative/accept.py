@@ -150,14 +150,11 @@ def apply_acceptance(spec, logits, drafts, draft_probs, num_drafts, in_thinking,
     if spec.acceptance == "greedy":
         return (*accept_greedy(logits, drafts, num_drafts), in_thinking)
     if spec.acceptance == "rejection":
-        def rejection():
-            p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-            return accept_rejection(p, draft_probs, drafts, num_drafts, keys)
-        # an all-greedy batch: p is one-hot, where rejection sampling is exact match (same output)
-        accepted = jax.lax.cond(jnp.all(sp.temperature <= 0),
-                                lambda: _rejection_when_greedy(logits, drafts, num_drafts),
-                                rejection)
-        return (*accepted, in_thinking)
+        if sp.mode == "greedy":
+            # every p is one-hot, where rejection sampling is exact match (the same output)
+            return (*_rejection_when_greedy(logits, drafts, num_drafts), in_thinking)
+        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode)
+        return (*accept_rejection(p, draft_probs, drafts, num_drafts, keys), in_thinking)
     if spec.acceptance == "relaxed":
         return accept_relaxed(logits, drafts, num_drafts, in_thinking, topk=spec.relaxed_topk,
                               delta=spec.relaxed_delta, think_start=spec.think_start_token_id,

@@ -52,8 +52,8 @@ def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=Non
     keys = jax.vmap(jax.random.fold_in)(position_keys(sp.keys, positions),
                                         jnp.full((B,), 2, jnp.uint32))
     if source == "model":
-        q = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-        return sample_from_probs(q, keys, greedy=sp.temperature <= 0), q
+        q = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode)
+        return sample_from_probs(q, keys, sp.mode), q
     if source == "random":
         tok = jax.vmap(lambda k: jax.random.randint(k, (), 0, V))(keys).astype(jnp.int32)
         return tok, jnp.full((B, V), 1.0 / V, jnp.float32)
