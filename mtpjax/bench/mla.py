@@ -128,19 +128,23 @@ def run_case(name, q_lens, kv_lens, h, page, copy_bw, mm_rate, variants, budget,
 
 
 def variants_for(q_len, h, page, b, ctx, sweep):
-    base = default_tuning(b * q_len, h, b, ctx // page, page, q_len)
     out = [dict(block_q=q_len)]
-    if not sweep:
+    if not sweep or (h > 16 and page != 64):
         return out
-    alt = []
     if q_len == 1 and h <= 16:
-        alt += [dict(num_splits=s) for s in (2, 8)]
-        alt += [dict(num_warps=8), dict(block_k=32), dict(num_stages=2)]
+        alt = [dict(block_k=32), dict(block_k=32, num_stages=2), dict(block_k=32, num_stages=3),
+               dict(block_k=16, num_stages=3), dict(block_k=32, num_stages=2, num_warps=8),
+               dict(block_k=32, num_stages=2, num_splits=8),
+               dict(block_k=32, num_stages=2, num_splits=2)]
     elif q_len == 1:
-        alt += [dict(block_h=32), dict(num_splits=1), dict(num_stages=2), dict(block_h=32, num_warps=4)]
+        alt = [dict(num_stages=2), dict(num_stages=3), dict(block_k=32, num_stages=2),
+               dict(block_k=32, num_stages=3)]
+    elif h <= 16:
+        alt = [dict(num_stages=2), dict(num_stages=3), dict(block_k=32, num_stages=2),
+               dict(block_k=32, num_stages=3), dict(num_stages=2, num_splits=2),
+               dict(num_stages=2, num_splits=8)]
     else:
-        alt += [dict(block_h=max(1, base["block_h"] // 2)), dict(num_splits=max(1, base["num_splits"] // 2)),
-                dict(num_stages=2), dict(block_k=32)]
+        alt = [dict(num_stages=2), dict(num_stages=3), dict(block_k=32, num_stages=2)]
     return out + [dict(block_q=q_len, **a) for a in alt]
 
 

@@ -105,9 +105,9 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
       kv_lora_rank: R (static): values are the first R latent entries.
       sm_scale: logit scale, default (R + dr) ** -0.5 (MLA models pass theirs).
       interpret: run the Pallas kernel interpreted (CPU tests).
-      **tuning: block_q (query tokens per tile, default 1: the dispatch passes the q_len of a
-        uniform batch), block_h (heads per tile, default min(64 // block_q, largest power of 2
-        dividing H)), block_k (KV tokens per inner step, 64), num_splits (KV splits, default
+      **tuning: block_q (query tokens per tile, rounded up to a power of 2; default 1: the
+        dispatch passes the q_len of a uniform batch), block_h (heads per tile, default
+        min(64 // block_q, largest power of 2 dividing H)), block_k (KV tokens per inner step, 64), num_splits (KV splits, default
         ~2 waves), num_warps (4 for 16-row tiles, else 8), num_stages (1).
     Returns:
       [T, H, R] in q's dtype (softmax and accumulation in f32).
@@ -121,6 +121,9 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
     full = default_tuning(t, h, block_tables.shape[0], block_tables.shape[1],
                           latent_pages.shape[1], tuning.get("block_q", 1))
     full.update(tuning)
+    if not 1 <= full["block_q"] <= 256:
+        raise ValueError(f"block_q must be in 1..256, got {full['block_q']}")
+    full["block_q"] = 1 << (full["block_q"] - 1).bit_length()   # a power of 2 (Triton tiles)
     for key in ("block_q", "block_h", "block_k"):
         if not (_pow2(full[key]) and full[key] <= 256):
             raise ValueError(f"{key} must be a power of 2 in 1..256, got {full[key]}")
