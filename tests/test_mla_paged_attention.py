@@ -68,26 +68,25 @@ CASES = [
     # dtype, H, page, q_lens, kv_lens, tuning
     ("float32", 4, 8, [1, 4, 0, 13, 3], [9, 16, 5, 30, 2], dict(block_q=4, block_k=16)),
     ("bfloat16", 8, 16, [4, 1, 4, 7], [33, 64, 4, 40],
-     dict(block_q=2, block_h=4, block_k=8, num_splits=3)),
+     dict(block_q=2, block_h=4, block_k=16, num_splits=3)),
     ("bfloat16", 2, 4, [1, 1, 5, 1], [1, 17, 11, 0], dict(num_splits=2)),
 ]
 
 
 @pytest.mark.parametrize("dtype,h,page,q_lens,kv_lens,tuning", CASES)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_kernel_matches_reference(seed, dtype, h, page, q_lens, kv_lens, tuning):
+def test_kernel_matches_reference(dtype, h, page, q_lens, kv_lens, tuning):
   rank, rope = 32, 16
-  case = _case(seed, q_lens, kv_lens, h, rank, rope, page, max_pages=-(-40 // page) + 1)
-  args = _args(case, dtype)
-  scale = 0.15 + 0.1 * seed
-  out = mla_paged_attention(*args, kv_lora_rank=rank, sm_scale=scale,
-                            interpret=interpret_mode(), **tuning)
-  ref = mla_paged_attention_reference(*args, kv_lora_rank=rank, sm_scale=scale, token_chunk=8)
-  assert out.dtype == jnp.dtype(dtype) and out.shape == (args[0].shape[0], h, rank)
-  assert rel_err(out, ref) < TOL[dtype]
-  # Tokens past cu_q_lens[num_seqs] (and rows at negative positions) read exactly zero.
-  cu, n = case[4], case[5]
-  assert not np.asarray(out[cu[n]:], np.float32).any()
+  for seed in (0, 1, 2):          # same shapes: one compile, three random draws
+    case = _case(seed, q_lens, kv_lens, h, rank, rope, page, max_pages=-(-40 // page) + 1)
+    args = _args(case, dtype)
+    out = mla_paged_attention(*args, kv_lora_rank=rank, sm_scale=0.2,
+                              interpret=interpret_mode(), **tuning)
+    ref = mla_paged_attention_reference(*args, kv_lora_rank=rank, sm_scale=0.2, token_chunk=8)
+    assert out.dtype == jnp.dtype(dtype) and out.shape == (args[0].shape[0], h, rank)
+    assert rel_err(out, ref) < TOL[dtype], seed
+    # Tokens past cu_q_lens[num_seqs] read exactly zero.
+    cu, n = case[4], case[5]
+    assert not np.asarray(out[cu[n]:], np.float32).any(), seed
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -69,20 +69,26 @@ def _check(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, interpre
 
 
 def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q=1):
-    """Tile and split sizes: rows = block_q * block_h <= 64, 64-token KV blocks, and KV splits
-    so that items x head blocks x splits is about two waves of 132 SMs."""
+    """Tile, block and split sizes (H100 sweeps at B=64, ctx 4096, 576/512, docs/kernels.md).
+
+    rows = block_q * block_h <= 64 (a [64, 512] f32 accumulator is half the register file).
+    Decode-sized tiles (<= 16 rows): 32-token KV blocks, 4 warps, no software pipelining,
+    KV splits for ~2 waves of 132 SMs. Larger tiles: 64-token blocks, 8 warps, 2 pipeline
+    stages, splits for ~1 wave (one CTA per SM fits).
+    """
     block_q = 1 << (max(1, block_q) - 1).bit_length()
     h_div = num_heads & -num_heads                        # largest power of 2 dividing H
     block_h = max(1, min(h_div, MAX_ROWS // block_q))
-    block_k = 64
+    small = block_q * block_h <= 16
+    block_k = 32 if small else 64
+    waves = 2 if small else 1
     items = min(num_seqs, num_tokens) * (num_heads // block_h)
     splits = 1
-    while (items * splits * 2 <= 2 * _NUM_SMS
+    while (items * splits * 2 <= waves * _NUM_SMS
            and splits * 2 * block_k * 4 <= max_pages * page_size):
         splits *= 2
-    rows = block_q * block_h
     return dict(block_q=block_q, block_h=block_h, block_k=block_k, num_splits=splits,
-                num_warps=4 if rows <= 16 else 8, num_stages=1)
+                num_warps=4 if small else 8, num_stages=1 if small else 2)
 
 
 def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
@@ -107,8 +113,8 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
       interpret: run the Pallas kernel interpreted (CPU tests).
       **tuning: block_q (query tokens per tile, rounded up to a power of 2; default 1: the
         dispatch passes the q_len of a uniform batch), block_h (heads per tile, default
-        min(64 // block_q, largest power of 2 dividing H)), block_k (KV tokens per inner step, 64), num_splits (KV splits, default
-        ~2 waves), num_warps (4 for 16-row tiles, else 8), num_stages (1).
+        min(64 // block_q, largest power of 2 dividing H)), block_k (KV tokens per inner step),
+        num_splits (KV splits), num_warps, num_stages: defaults in `default_tuning`.
     Returns:
       [T, H, R] in q's dtype (softmax and accumulation in f32).
     """
