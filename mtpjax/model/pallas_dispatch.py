@@ -71,7 +71,8 @@ def unsupported_reason(q, k_pages, v_pages=None, *, soft_cap=None,
 
 def paged_attention(q, k_pages, v_pages, batch: PagedBatch, *, sm_scale=None, soft_cap=None,
                     interpret: bool = False, fallback: bool = False):
-    """q [N, NH, hd] -> [N, NH, hd]. A shape the kernels do not support is a ValueError naming
+    """q [N, NH, hd] -> [N, NH, hd_v] (hd_v = hd for GQA pages, kv_lora_rank for MLA latent
+    pages: k_pages [1, P, S, hd], v_pages = its first hd_v entries). A shape the kernels do not support is a ValueError naming
     it, unless `fallback` (the "auto" backend): then the reference runs (warned once per reason)."""
     N, NH, hd = q.shape
     reason = unsupported_reason(q, k_pages, v_pages, soft_cap=soft_cap, interpret=interpret)
