@@ -1,0 +1,208 @@
+"""MLA paged attention (absorbed form, DeepSeek-V3 dims) against its roofline floor and XLA.
+
+    python -m mtpjax.bench.mla [--sections decode,verify,mixed] [--pages 64,16] [--heads 16,128]
+                               [--sweep] [--budget-s 240] [--out DIR]
+
+Shapes: B=64 requests at context 4096, latent 576 = kv_lora_rank 512 + rope 64, bf16, random
+inputs and randomly permuted block tables. Decode = q_len 1, verify = q_len 4 (causal inside
+the row), mixed = prefill chunks + verify rows in one ragged call.
+
+Floor (same run): max(bytes that must move / copy bandwidth, FLOPs / bf16 matmul rate), where
+bytes = the latent pages each request reads once + q + output, FLOPs = 2 * H * (576 + 512) per
+visible (query, key) pair; copy bandwidth = `mtpjax.bench.kernels.copy_bandwidth` (read +
+written), matmul rate = an 8192^3 bf16 `jnp.dot` timed here. Times: marginal per call between
+jits of 32 and 8 independent calls (`kernels.timeit`). Peer: the model's plain-jnp paged
+attention (`mtpjax.model.attention.paged_attention_reference` on `LatentPages.kv_views()`,
+what the MLA layer runs without the kernel) under XLA. `--sweep` also times tuning variants
+(best shown, all in $OUT/mla.json). GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtpjax.bench import kernels as kb
+from pallas_kernels.mla_paged_attention import mla_paged_attention, mla_paged_attention_reference
+from pallas_kernels.mla_paged_attention.mla_paged_attention import default_tuning
+
+RANK, ROPE = 512, 64
+WIDTH = RANK + ROPE
+ROWS = []
+T0 = time.time()
+
+
+def matmul_rate(n=8192, reps=4):
+    """bf16 matrix-multiply FLOP/s: one jit of `reps` independent n^3 products (random)."""
+    ks = jax.random.split(jax.random.key(7), 2 * reps)
+    xs = [jax.random.normal(k, (n, n), jnp.bfloat16) for k in ks]
+    f = jax.jit(lambda xs: [xs[2 * i] @ xs[2 * i + 1] for i in range(reps)])
+    jax.block_until_ready(f(xs))
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(xs))
+        ts.append(time.perf_counter() - t0)
+    return 2 * n ** 3 * reps / float(np.median(ts))
+
+
+def make_case(key, q_lens, kv_lens, h, page, dtype=jnp.bfloat16):
+    """Random latent pages [P, S, 576], permuted block tables, REPS_IN_JIT distinct q's."""
+    s = len(q_lens)
+    m = max(-(-k // page) for k in kv_lens)
+    p = s * m + 8
+    ks = jax.random.split(key, 3)
+    lat = jax.random.normal(ks[0], (p, page, WIDTH), dtype)
+    bt = jax.random.permutation(ks[1], p)[: s * m].reshape(s, m).astype(jnp.int32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    t = int(sum(q_lens))
+    qs = [jax.random.normal(k, (t, h, WIDTH), dtype)
+          for k in jax.random.split(ks[2], kb.REPS_IN_JIT)]
+    return qs, (lat, bt, jnp.asarray(kv_lens, jnp.int32), cu, jnp.int32(s))
+
+
+def floor_of(q_lens, kv_lens, h, page, copy_bw, mm_rate):
+    lat_bytes = sum(-(-k // page) * page for k in kv_lens) * WIDTH * 2   # whole pages
+    t = sum(q_lens)
+    nbytes = lat_bytes + t * h * (WIDTH + RANK) * 2
+    pairs = sum(kl - ql + j + 1 for ql, kl in zip(q_lens, kv_lens) for j in range(ql))
+    flops = 2 * h * (WIDTH + RANK) * pairs
+    return dict(bytes=nbytes, flops=flops, t_bw_us=nbytes / copy_bw * 1e6,
+                t_mm_us=flops / mm_rate * 1e6,
+                floor_us=max(nbytes / copy_bw, flops / mm_rate) * 1e6)
+
+
+def xla_peer(q_len, b):
+    """The model's reference path on a uniform batch (what MLA runs today without a kernel)."""
+    from mtpjax.cache import PagedBatch
+    from mtpjax.model.attention import paged_attention_reference
+    from mtpjax.model.mla import LatentPages
+
+    def f(q, lat, bt, kv_lens, cu, n):
+        pos = kv_lens[:, None] - q_len + jnp.arange(q_len)[None, :]
+        batch = PagedBatch.uniform(pos, bt)
+        k, v = LatentPages(lat, RANK).kv_views()
+        return paged_attention_reference(q, k, v, batch, sm_scale=WIDTH ** -0.5)
+    return f
+
+
+def run_case(name, q_lens, kv_lens, h, page, copy_bw, mm_rate, variants, budget, peer=None):
+    qs, rest = make_case(jax.random.key(len(q_lens) * 7 + h + page), q_lens, kv_lens, h, page)
+    fl = floor_of(q_lens, kv_lens, h, page, copy_bw, mm_rate)
+    ref = mla_paged_attention_reference(qs[0], *rest, kv_lora_rank=RANK, token_chunk=16)
+    best = None
+    for i, tuning in enumerate(variants):
+        if i > 0 and time.time() - T0 > budget:
+            kb.log(f"budget reached: {name} skips {len(variants) - i} variants")
+            break
+        try:
+            fn = functools.partial(mla_paged_attention, kv_lora_rank=RANK, **tuning)
+            t, out = kb.timeit(fn, qs, rest)
+            row = dict(case=name, H=h, page=page, var=json.dumps(tuning, sort_keys=True),
+                       us=t * 1e6, err=kb.rel_err(out, ref), **fl)
+            row["x_floor"] = row["us"] / fl["floor_us"]
+            row["TBs"] = fl["bytes"] / t / 1e12
+            row["TFLOPs"] = fl["flops"] / t / 1e12
+            ROWS.append(row)
+            kb.log(json.dumps(row))
+            if best is None or row["us"] < best["us"]:
+                best = row
+        except Exception:  # noqa: BLE001
+            kb.log("fail", name, tuning, traceback.format_exc()[-1500:])
+    if best is not None and peer is not None:
+        try:
+            t, out = kb.timeit(peer, qs[:2], rest, repeats=5)
+            best["xla_us"] = t * 1e6
+            best["xla_err"] = kb.rel_err(out, ref)
+        except Exception:  # noqa: BLE001
+            kb.log("xla peer failed", name, traceback.format_exc()[-800:])
+    return best
+
+
+def variants_for(q_len, h, page, b, ctx, sweep):
+    out = [dict(block_q=q_len)]
+    if not sweep or (h > 16 and page != 64):
+        return out
+    if q_len == 1 and h <= 16:
+        alt = [dict(block_k=32), dict(block_k=32, num_stages=2), dict(block_k=32, num_stages=3),
+               dict(block_k=16, num_stages=3), dict(block_k=32, num_stages=2, num_warps=8),
+               dict(block_k=32, num_stages=2, num_splits=8),
+               dict(block_k=32, num_stages=2, num_splits=2)]
+    elif q_len == 1:
+        alt = [dict(num_stages=2), dict(num_stages=3), dict(block_k=32, num_stages=2),
+               dict(block_k=32, num_stages=3)]
+    elif h <= 16:
+        alt = [dict(num_stages=2), dict(num_stages=3), dict(block_k=32, num_stages=2),
+               dict(block_k=32, num_stages=3), dict(num_stages=2, num_splits=2),
+               dict(num_stages=2, num_splits=8)]
+    else:
+        alt = [dict(num_stages=2), dict(num_stages=3), dict(block_k=32, num_stages=2)]
+    return out + [dict(block_q=q_len, **a) for a in alt]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="decode,verify,mixed")
+    ap.add_argument("--pages", default="64,16")
+    ap.add_argument("--heads", default="16,128")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=1e9,
+                    help="after this many seconds, time only each case's default variant")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args(argv)
+    kb.log(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
+    copy_bw, all_bw = kb.copy_bandwidth()
+    mm = matmul_rate()
+    kb.log(f"copy TB/s (read+write): {', '.join(f'{k} {v / 1e12:.3f}' for k, v in all_bw.items())}"
+           f"; bf16 matmul TFLOP/s: {mm / 1e12:.0f}")
+    secs = a.sections.split(",")
+    b, ctx = a.batch, a.ctx
+    best = []
+    for q_len, sec in ((1, "decode"), (4, "verify")):
+        if sec not in secs:
+            continue
+        for h in (int(x) for x in a.heads.split(",")):
+            for page in (int(x) for x in a.pages.split(",")):
+                peer = xla_peer(q_len, b) if page == 64 else None
+                r = run_case(f"{sec} q{q_len}", [q_len] * b, [ctx] * b, h, page, copy_bw, mm,
+                             variants_for(q_len, h, page, b, ctx, a.sweep), a.budget_s, peer)
+                if r:
+                    best.append(r)
+    if "mixed" in secs:
+        # 4 prefill chunks of 512 tokens (the last 512 of 2048) + 32 verify rows of 4 (ctx 4096).
+        q_lens = [512] * 4 + [4] * 32
+        kv_lens = [2048] * 4 + [ctx] * 32
+        for h in (int(x) for x in a.heads.split(",")):
+            vs = [dict(block_q=4), dict(block_q=8)] if a.sweep else [dict(block_q=4)]
+            r = run_case("mixed 4x512/2048 + 32x4", q_lens, kv_lens, h, 64, copy_bw, mm, vs,
+                         a.budget_s)
+            if r:
+                best.append(r)
+    by = {(r["case"], r["H"], r["page"]): r for r in best}
+    for r in best:
+        if r["case"].startswith("verify"):
+            d = by.get(("decode q1", r["H"], r["page"]))
+            if d:
+                r["t_over_q1"] = r["us"] / d["us"]
+    with open(os.path.join(a.out, "mla.json"), "w") as f:
+        json.dump(dict(copy_bw=copy_bw, mm_rate=mm, rows=ROWS, best=best), f, indent=1)
+    with open(os.path.join(a.out, "mla.log"), "w") as f:
+        f.write("\n".join(kb.LOG) + "\n")
+    kb.table(f"MLA paged attention, B={b} ctx={ctx}, 576/512, bf16 (best variant per case); "
+             f"copy {copy_bw / 1e12:.2f} TB/s, matmul {mm / 1e12:.0f} TFLOP/s", best,
+             ["case", "H", "page", "us", "floor_us", "x_floor", "t_bw_us", "t_mm_us", "TBs",
+              "TFLOPs", "t_over_q1", "xla_us", "err", "var"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

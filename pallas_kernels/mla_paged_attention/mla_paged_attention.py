@@ -1,0 +1,206 @@
+"""MLA (DeepSeek-V2/V3 multi-head latent attention) paged attention, absorbed form, over a
+ragged batch: decode rows (q_len 1), MTP verify rows (q_len K+1, causal inside the row) and
+prefill chunks in one call.
+
+Every token of the cache holds one latent vector [c_kv (R) | k_rope (dr)] shared by all heads.
+Head h's absorbed query q[t, h] = [q_nope W_UK (R) | q_rope (dr)] scores against the whole
+latent; its output is the softmax-weighted sum of the c_kv parts (the values are the first R
+latent entries). Output [T, H, R]; the caller applies W_UV.
+
+Kernel: `kernel.py` (Pallas, Triton backend). The wrapper cuts every sequence's query tokens
+into work items of <= block_q tokens (on device, with jnp: per-step lengths never recompile);
+an item's tokens x block_h heads form one tile, so a verify row's K+1 tokens read the latent
+pages once.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _checks
+from pallas_kernels.mla_paged_attention.kernel import mla_core
+
+_TUNING_KEYS = ("block_q", "block_h", "block_k", "num_splits", "num_warps", "num_stages")
+_NUM_SMS = 132  # H100 / H200
+MAX_ROWS = 64   # default tile rows (block_q * block_h): a [64, 512] f32 accumulator
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _check(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, interpret):
+    _checks.check_ndim("q", q, 3, "[num_tokens, num_heads, kv_lora_rank + rope_dim]")
+    _checks.check_ndim("latent_pages", latent, 3,
+                       "[num_pages, page_size, kv_lora_rank + rope_dim]")
+    if jnp.dtype(q.dtype) not in _checks.SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype must be bfloat16 or float32, got {q.dtype}")
+    if latent.dtype != q.dtype:
+        raise ValueError(f"latent_pages dtype {latent.dtype} must equal q dtype {q.dtype}")
+    width = q.shape[2]
+    if latent.shape[2] != width:
+        raise ValueError(f"latent_pages width {latent.shape[2]} must equal q width {width} "
+                         f"(kv_lora_rank + rope_dim)")
+    if not isinstance(rank, int) or not (_pow2(rank) and rank >= 16):
+        raise ValueError(f"kv_lora_rank must be a power of 2 >= 16, got {rank!r}")
+    rope = width - rank
+    min_rope = 8 if interpret else 16  # Triton's dot needs K >= 16; the interpreter does not
+    if not (_pow2(rope) and rope >= min_rope):
+        raise ValueError(f"rope_dim = width {width} - kv_lora_rank {rank} = {rope} must be a "
+                         f"power of 2 >= {min_rope}")
+    page_size = latent.shape[1]
+    if not (_pow2(page_size) and 4 <= page_size <= 256):
+        raise ValueError(f"page_size must be a power of 2 in 4..256, got {page_size}")
+    _checks.check_ndim("block_tables", block_tables, 2, "[max_num_seqs, max_pages]")
+    _checks.check_int32("block_tables", block_tables)
+    s = block_tables.shape[0]
+    _checks.check_int32("kv_lens", kv_lens)
+    if kv_lens.shape != (s,):
+        raise ValueError(f"kv_lens shape {tuple(kv_lens.shape)} must be ({s},) "
+                         f"(one per block_tables row)")
+    _checks.check_int32("cu_q_lens", cu_q_lens)
+    if cu_q_lens.shape != (s + 1,):
+        raise ValueError(f"cu_q_lens shape {tuple(cu_q_lens.shape)} must be ({s + 1},)")
+    _checks.check_int32("num_seqs", num_seqs)
+    if num_seqs.shape not in ((), (1,)):
+        raise ValueError(f"num_seqs must be a scalar or shape (1,), got {tuple(num_seqs.shape)}")
+
+
+def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q=1):
+    """Tile, block and split sizes (H100 sweeps at B=64, ctx 4096, 576/512, docs/kernels.md).
+
+    rows = block_q * block_h <= 64 (a [64, 512] f32 accumulator is half the register file).
+    Decode-sized tiles (<= 16 rows): 32-token KV blocks, 4 warps, no software pipelining,
+    KV splits for ~2 waves of 132 SMs. Larger tiles: 64-token blocks, 8 warps, 2 pipeline
+    stages, splits for ~1 wave (one CTA per SM fits).
+    """
+    block_q = 1 << (max(1, block_q) - 1).bit_length()
+    h_div = num_heads & -num_heads                        # largest power of 2 dividing H
+    block_h = max(1, min(h_div, MAX_ROWS // block_q))
+    small = block_q * block_h <= 16
+    block_k = 32 if small else 64
+    waves = 2 if small else 1
+    items = min(num_seqs, num_tokens) * (num_heads // block_h)
+    splits = 1
+    while (items * splits * 2 <= waves * _NUM_SMS
+           and splits * 2 * block_k * 4 <= max_pages * page_size):
+        splits *= 2
+    return dict(block_q=block_q, block_h=block_h, block_k=block_k, num_splits=splits,
+                num_warps=4 if small else 8, num_stages=1 if small else 2)
+
+
+def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
+                        kv_lora_rank, sm_scale=None, interpret=False, **tuning):
+    """Causal absorbed-form MLA attention over a paged latent cache, ragged batch.
+
+    Args:
+      q: [T, H, R + dr] bf16 or f32: [q_nope W_UK | q_rope] per token and head, tokens of all
+        sequences flattened. R = kv_lora_rank (power of 2 >= 16), dr = rope dim (power of 2,
+        >= 16 compiled, >= 8 interpreted).
+      latent_pages: [P, S, R + dr], same dtype: per token [c_kv | k_rope]. S a power of 2 in
+        4..256.
+      block_tables: int32 [num_seqs_max, M] page ids per sequence.
+      kv_lens: int32 [num_seqs_max], KV length incl. the sequence's query tokens (written).
+      cu_q_lens: int32 [num_seqs_max + 1], cu_q_lens[0] = 0, nondecreasing; sequence s owns
+        tokens cu_q_lens[s]:cu_q_lens[s+1]; its token j sits at position kv_lens[s] - q_len + j
+        and sees KV 0..position. Rows with position < 0 output zeros.
+      num_seqs: int32 scalar or [1]; sequences past it are padding. Tokens no live sequence
+        owns (past cu_q_lens[num_seqs], or of padding sequences) output zeros.
+      kv_lora_rank: R (static): values are the first R latent entries.
+      sm_scale: logit scale, default (R + dr) ** -0.5 (MLA models pass theirs).
+      interpret: run the Pallas kernel interpreted (CPU tests).
+      **tuning: block_q (query tokens per tile, rounded up to a power of 2; default 1: the
+        dispatch passes the q_len of a uniform batch), block_h (heads per tile, default
+        min(64 // block_q, largest power of 2 dividing H)), block_k (KV tokens per inner step),
+        num_splits (KV splits), num_warps, num_stages: defaults in `default_tuning`.
+    Returns:
+      [T, H, R] in q's dtype (softmax and accumulation in f32).
+    """
+    num_seqs = jnp.asarray(num_seqs)
+    _check(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs, kv_lora_rank, interpret)
+    bad = set(tuning) - set(_TUNING_KEYS)
+    if bad:
+        raise ValueError(f"unknown tuning options {sorted(bad)}; expected {_TUNING_KEYS}")
+    t, h, width = q.shape
+    full = default_tuning(t, h, block_tables.shape[0], block_tables.shape[1],
+                          latent_pages.shape[1], tuning.get("block_q", 1))
+    full.update(tuning)
+    if not 1 <= full["block_q"] <= 256:
+        raise ValueError(f"block_q must be in 1..256, got {full['block_q']}")
+    full["block_q"] = 1 << (full["block_q"] - 1).bit_length()   # a power of 2 (Triton tiles)
+    for key in ("block_q", "block_h", "block_k"):
+        if not (_pow2(full[key]) and full[key] <= 256):
+            raise ValueError(f"{key} must be a power of 2 in 1..256, got {full[key]}")
+    if h % full["block_h"]:
+        raise ValueError(f"block_h {full['block_h']} must divide num_heads {h}")
+    if full["block_k"] < 16 and not interpret:
+        raise ValueError(f"block_k must be >= 16 compiled (Triton dot), got {full['block_k']}")
+    if not 1 <= full["num_splits"] <= 256:
+        raise ValueError(f"num_splits must be in 1..256, got {full['num_splits']}")
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"sm_scale must be > 0 or None, got {sm_scale}")
+    sm_scale = width ** -0.5 if sm_scale is None else float(sm_scale)
+    return _mla(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs.reshape(()),
+                rank=kv_lora_rank, sm_scale=sm_scale, interpret=interpret,
+                tuning=tuple(sorted(full.items())))
+
+
+@functools.partial(jax.jit, static_argnames=("rank", "sm_scale", "interpret", "tuning"))
+def _mla(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, sm_scale, interpret,
+         tuning):
+    tuning = dict(tuning)
+    t = q.shape[0]
+    s = block_tables.shape[0]
+    bq = tuning["block_q"]
+    live = jnp.arange(s, dtype=jnp.int32) < num_seqs
+    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    item_ends = jnp.cumsum((q_lens + bq - 1) // bq).astype(jnp.int32)
+    # Static bound on the items: each has >= 1 token, and sum(ceil(len / bq)) <=
+    # (T + S * (bq - 1)) / bq.
+    num_items = max(1, min(t, (t + s * (bq - 1)) // bq))
+    return mla_core(q, latent, block_tables, kv_lens, q_lens, cu_q_lens, item_ends, num_items,
+                    rank=rank, block_q=bq, block_h=tuning["block_h"],
+                    block_k=tuning["block_k"], num_splits=tuning["num_splits"],
+                    sm_scale=sm_scale, num_warps=tuning["num_warps"],
+                    num_stages=tuning["num_stages"], interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "sm_scale", "token_chunk"))
+def mla_paged_attention_reference(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+                                  *, kv_lora_rank, sm_scale=None, token_chunk=64):
+    """Plain-jnp reference (same arguments as `mla_paged_attention`, no tuning): per token,
+    gather its sequence's latent pages and run a masked f32 softmax. Tokens are processed in
+    chunks of `token_chunk` (`lax.map`), so memory is O(token_chunk * M * S * (R + dr)).
+    """
+    t, h, width = q.shape
+    page_size = latent_pages.shape[1]
+    s, m = block_tables.shape
+    rank = kv_lora_rank
+    scale = width ** -0.5 if sm_scale is None else sm_scale
+    num_seqs = jnp.asarray(num_seqs).reshape(())
+    tok = jnp.arange(t, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right", method="compare_all"),
+                   0, s - 1)
+    live = (tok < cu_q_lens[jnp.minimum(num_seqs, s)]) & (seq < num_seqs)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = jnp.where(live, kv_lens[seq] - q_len + (tok - cu_q_lens[seq]), -1)   # [T]
+    kv_pos = jnp.arange(m * page_size)
+
+    def one(args):
+        q_t, seq_t, pos_t = args                                     # [H, W], (), ()
+        lat = latent_pages[block_tables[seq_t]].reshape(m * page_size, width)   # [L, W]
+        visible = (kv_pos <= pos_t) & (kv_pos < kv_lens[seq_t])      # [L]
+        lat = jnp.where(visible[:, None], lat, 0).astype(jnp.float32)
+        logits = jnp.einsum("hw,lw->hl", q_t.astype(jnp.float32), lat,
+                            precision="highest") * scale
+        logits = jnp.where(visible[None, :], logits, -jnp.inf)
+        mx = jnp.max(logits, axis=-1, keepdims=True)
+        p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
+        den = jnp.sum(p, axis=-1, keepdims=True)
+        p = p / jnp.where(den > 0, den, 1.0)
+        return jnp.einsum("hl,lr->hr", p, lat[:, :rank], precision="highest")  # [H, R]
+
+    out = jax.lax.map(one, (q, seq, pos), batch_size=min(t, token_chunk))
+    return out.astype(q.dtype)

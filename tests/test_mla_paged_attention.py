@@ -1,0 +1,142 @@
+"""mla_paged_attention kernel == reference == float64 oracle (interpret mode on CPU;
+MTPJAX_KERNELS_ON_DEVICE=1 runs the compiled kernel on a GPU), and its ValueErrors."""
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla_paged_attention import mla_paged_attention, mla_paged_attention_reference
+from tests.kernel_oracle import TOL, interpret_mode, rel_err
+
+
+def _case(seed, q_lens, kv_lens, h, rank, rope, page, max_pages, pad_seqs=1, pad_tokens=3):
+  """Latent pages [P, S, R + dr] NaN except the live sequences' first kv_len slots; block
+  tables randomly permuted, entries past each sequence's pages point at NaN pages."""
+  rng = np.random.default_rng(seed)
+  n = len(q_lens)
+  s = n + pad_seqs
+  width = rank + rope
+  num_pages = s * max_pages + 3
+  perm = rng.permutation(num_pages)
+  bt = perm[: s * max_pages].reshape(s, max_pages).astype(np.int32)
+  spare = perm[s * max_pages:]
+  lat = np.full((num_pages, page, width), np.nan, np.float32)
+  kv = np.zeros(s, np.int32)
+  kv[:n] = kv_lens
+  for i in range(n):
+    for pos in range(kv[i]):
+      lat[bt[i, pos // page], pos % page] = rng.standard_normal(width)
+    for j in range(-(-int(kv[i]) // page), max_pages):
+      bt[i, j] = spare[rng.integers(len(spare))]
+  cu = np.zeros(s + 1, np.int32)
+  cu[1:n + 1] = np.cumsum(q_lens)
+  cu[n + 1:] = cu[n]
+  q = rng.standard_normal((int(cu[n]) + pad_tokens, h, width)).astype(np.float32)
+  return q, lat, bt, kv, cu, np.int32(n)
+
+
+def _oracle(q, lat, bt, kv, cu, n, rank, scale):
+  """float64, one token at a time, from each sequence's gathered latent."""
+  out = np.zeros((q.shape[0], q.shape[1], rank))
+  page = lat.shape[1]
+  for s in range(int(n)):
+    ql = cu[s + 1] - cu[s]
+    pos = np.arange(kv[s])
+    c = np.asarray(lat, np.float64)[bt[s, pos // page], pos % page]      # [kv, W]
+    for j in range(ql):
+      p = kv[s] - ql + j
+      if p < 0:
+        continue
+      logits = np.asarray(q[cu[s] + j], np.float64) @ c[: p + 1].T * scale  # [H, p + 1]
+      w = np.exp(logits - logits.max(axis=1, keepdims=True))
+      out[cu[s] + j] = (w / w.sum(axis=1, keepdims=True)) @ c[: p + 1, :rank]
+  return out
+
+
+def _args(case, dtype):
+  q, lat, bt, kv, cu, n = case
+  dt = jnp.dtype(dtype)
+  return (jnp.asarray(q, dt), jnp.asarray(lat, dt), jnp.asarray(bt), jnp.asarray(kv),
+          jnp.asarray(cu), jnp.int32(n))
+
+
+# Rows: decode (1), verify (4 = K+1, causal inside the row), an empty row (0), a prefill chunk
+# (13), a row whose KV is shorter than its queries (negative positions -> zeros), ends in the
+# middle of a page and on a page boundary.
+CASES = [
+    # dtype, H, page, q_lens, kv_lens, tuning
+    ("float32", 4, 8, [1, 4, 0, 13, 3], [9, 16, 5, 30, 2], dict(block_q=4, block_k=16)),
+    ("bfloat16", 8, 16, [4, 1, 4, 7], [33, 64, 4, 40],
+     dict(block_q=2, block_h=4, block_k=16, num_splits=3)),
+    ("bfloat16", 2, 4, [1, 1, 5, 1], [1, 17, 11, 0], dict(num_splits=2)),
+]
+
+
+@pytest.mark.parametrize("dtype,h,page,q_lens,kv_lens,tuning", CASES)
+def test_kernel_matches_reference(dtype, h, page, q_lens, kv_lens, tuning):
+  rank, rope = 32, 16
+  for seed in (0, 1, 2):          # same shapes: one compile, three random draws
+    case = _case(seed, q_lens, kv_lens, h, rank, rope, page, max_pages=-(-40 // page) + 1)
+    args = _args(case, dtype)
+    out = mla_paged_attention(*args, kv_lora_rank=rank, sm_scale=0.2,
+                              interpret=interpret_mode(), **tuning)
+    ref = mla_paged_attention_reference(*args, kv_lora_rank=rank, sm_scale=0.2, token_chunk=8)
+    assert out.dtype == jnp.dtype(dtype) and out.shape == (args[0].shape[0], h, rank)
+    assert rel_err(out, ref) < TOL[dtype], seed
+    # Tokens past cu_q_lens[num_seqs] read exactly zero.
+    cu, n = case[4], case[5]
+    assert not np.asarray(out[cu[n]:], np.float32).any(), seed
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reference_matches_float64_oracle(seed):
+  rank, rope, h, page = 16, 8, 3, 8
+  case = _case(seed, [1, 5, 0, 9], [12, 5, 3, 26], h, rank, rope, page, max_pages=4)
+  scale = 1 / math.sqrt(rank + rope)
+  ref = mla_paged_attention_reference(*_args(case, "float32"), kv_lora_rank=rank, sm_scale=scale)
+  assert rel_err(ref, _oracle(*case, rank, scale)) < 1e-5
+
+
+def test_verify_rows_fold_into_heads_and_equal_one_token_calls():
+  """A q_len-4 row in one tile (block_q 4) == the same 4 queries sent as 4 decode rows whose
+  KV lengths end at each query's position (what causality inside the row means)."""
+  rank, rope, h, page = 16, 8, 2, 8
+  q, lat, bt, kv, cu, n = _case(3, [4], [21], h, rank, rope, page, max_pages=4, pad_seqs=0,
+                                pad_tokens=0)
+  args = _args((q, lat, bt, kv, cu, n), "float32")
+  verify = mla_paged_attention(*args, kv_lora_rank=rank, interpret=True, block_q=4)
+  singles = mla_paged_attention(
+      args[0], args[1], jnp.asarray(np.repeat(bt, 4, axis=0)),
+      jnp.asarray([18, 19, 20, 21], jnp.int32), jnp.arange(5, dtype=jnp.int32), jnp.int32(4),
+      kv_lora_rank=rank, interpret=True)
+  np.testing.assert_allclose(np.asarray(verify), np.asarray(singles), rtol=1e-5, atol=1e-6)
+
+
+def test_value_errors_name_the_bad_value():
+  q = jnp.zeros((4, 2, 48), jnp.float32)
+  lat = jnp.zeros((6, 8, 48), jnp.float32)
+  bt = jnp.zeros((2, 3), jnp.int32)
+  kv = jnp.zeros((2,), jnp.int32)
+  cu = jnp.zeros((3,), jnp.int32)
+  ok = (q, lat, bt, kv, cu, jnp.int32(2))
+
+  def err(match, *args, **kw):
+    kw = {"kv_lora_rank": 32, "interpret": True, **kw}
+    with pytest.raises(ValueError, match=match):
+      mla_paged_attention(*args, **kw)
+
+  err("q must be 3-D", q[0], *ok[1:])
+  err("latent_pages width 40 must equal q width 48", q, lat[..., :40], *ok[2:])
+  err("latent_pages dtype bfloat16 must equal q dtype float32", q, lat.astype(jnp.bfloat16),
+      *ok[2:])
+  err("kv_lora_rank must be a power of 2 >= 16, got 24", *ok, kv_lora_rank=24)
+  err("rope_dim = width 40 - kv_lora_rank 32 = 8 must be a power of 2 >= 16",
+      q[..., :40], lat[..., :40], *ok[2:], interpret=False)
+  err("page_size must be a power of 2 in 4..256, got 6", q, jnp.zeros((6, 6, 48)), *ok[2:])
+  err("block_tables must be int32", q, lat, bt.astype(jnp.float32), *ok[3:])
+  err(r"kv_lens shape \(3,\) must be \(2,\)", q, lat, bt, jnp.zeros((3,), jnp.int32), *ok[4:])
+  err(r"cu_q_lens shape \(2,\) must be \(3,\)", q, lat, bt, kv, cu[:2], ok[5])
+  err("block_h 4 must divide num_heads 2", *ok, block_h=4)
+  err("unknown tuning options", *ok, pages_per_block=2)
+  err("sm_scale must be > 0", *ok, sm_scale=-1.0)
