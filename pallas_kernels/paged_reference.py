@@ -60,3 +60,18 @@ def paged_attention_tokens(q, k_pages, v_pages, block_tables, kv_lens, seq_ids, 
                                kv_lens[seq_ids], positions[:, None], sm_scale=sm_scale,
                                soft_cap=soft_cap, precision=precision)
     return out[:, 0]
+
+
+def ragged_token_rows(cu_q_lens, kv_lens, num_seqs, num_tokens: int):
+    """Row and position of each token of a ragged kernel batch: token i of sequence s
+    (cu_q_lens[s] <= i < cu_q_lens[s + 1], s < num_seqs) sits at position
+    kv_lens[s] - q_len_s + (i - cu_q_lens[s]); tokens past the live sequences get -1.
+    -> (seq_ids int32[T], positions int32[T])."""
+    s = kv_lens.shape[0]
+    num_seqs = jnp.asarray(num_seqs).reshape(())
+    tok = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right", method="compare_all"),
+                   0, s - 1)
+    live = (tok < cu_q_lens[jnp.minimum(num_seqs, s)]) & (seq < num_seqs)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    return seq, jnp.where(live, kv_lens[seq] - q_len + (tok - cu_q_lens[seq]), -1)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _checks
+from pallas_kernels.paged_reference import paged_attention_tokens, ragged_token_rows
 from pallas_kernels.mla_paged_attention.kernel import mla_core
 
 _TUNING_KEYS = ("block_q", "block_h", "block_k", "num_splits", "num_warps", "num_stages")
@@ -170,37 +171,21 @@ def _mla(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, sm_scal
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "sm_scale", "token_chunk"))
 def mla_paged_attention_reference(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
                                   *, kv_lora_rank, sm_scale=None, token_chunk=64):
-    """Plain-jnp reference (same arguments as `mla_paged_attention`, no tuning): per token,
-    gather its sequence's latent pages and run a masked f32 softmax. Tokens are processed in
-    chunks of `token_chunk` (`lax.map`), so memory is O(token_chunk * M * S * (R + dr)).
+    """The one jnp paged attention (`pallas_kernels.paged_reference`) on latent pages (same
+    arguments as `mla_paged_attention`, no tuning): one shared KV head whose values are the
+    first kv_lora_rank entries of the keys. Tokens go through it in chunks of `token_chunk`
+    (`lax.map`), so memory is O(token_chunk * M * S * (R + dr)).
     """
     t, h, width = q.shape
-    page_size = latent_pages.shape[1]
-    s, m = block_tables.shape
-    rank = kv_lora_rank
     scale = width ** -0.5 if sm_scale is None else sm_scale
-    num_seqs = jnp.asarray(num_seqs).reshape(())
-    tok = jnp.arange(t, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right", method="compare_all"),
-                   0, s - 1)
-    live = (tok < cu_q_lens[jnp.minimum(num_seqs, s)]) & (seq < num_seqs)
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    pos = jnp.where(live, kv_lens[seq] - q_len + (tok - cu_q_lens[seq]), -1)   # [T]
-    kv_pos = jnp.arange(m * page_size)
+    seq, pos = ragged_token_rows(cu_q_lens, kv_lens, num_seqs, t)
+    k_pages = latent_pages[None]                                   # [1, P, S, R + dr]
+    v_pages = latent_pages[None, ..., :kv_lora_rank]               # [1, P, S, R]
 
     def one(args):
-        q_t, seq_t, pos_t = args                                     # [H, W], (), ()
-        lat = latent_pages[block_tables[seq_t]].reshape(m * page_size, width)   # [L, W]
-        visible = (kv_pos <= pos_t) & (kv_pos < kv_lens[seq_t])      # [L]
-        lat = jnp.where(visible[:, None], lat, 0).astype(jnp.float32)
-        logits = jnp.einsum("hw,lw->hl", q_t.astype(jnp.float32), lat,
-                            precision="highest") * scale
-        logits = jnp.where(visible[None, :], logits, -jnp.inf)
-        mx = jnp.max(logits, axis=-1, keepdims=True)
-        p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
-        den = jnp.sum(p, axis=-1, keepdims=True)
-        p = p / jnp.where(den > 0, den, 1.0)
-        return jnp.einsum("hl,lr->hr", p, lat[:, :rank], precision="highest")  # [H, R]
+        q_t, seq_t, pos_t = args                                   # [H, R + dr], (), ()
+        return paged_attention_tokens(q_t[None], k_pages, v_pages, block_tables, kv_lens,
+                                      seq_t[None], pos_t[None], sm_scale=scale,
+                                      precision="highest")[0]
 
-    out = jax.lax.map(one, (q, seq, pos), batch_size=min(t, token_chunk))
-    return out.astype(q.dtype)
+    return jax.lax.map(one, (q, seq, pos), batch_size=min(t, token_chunk))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _checks
 from pallas_kernels._paged_core import pad_group, paged_core, unpad_group
-from pallas_kernels.paged_reference import paged_attention_tokens
+from pallas_kernels.paged_reference import paged_attention_tokens, ragged_token_rows
 
 _TUNING_KEYS = ("block_q", "pages_per_block", "num_warps", "num_stages", "small_q",
                 "small_num_splits", "small_pages_per_block", "small_num_warps",
@@ -147,14 +147,6 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens,
     """The one jnp paged attention (`pallas_kernels.paged_reference`) in this kernel's layout:
     token i of sequence s (cu_q_lens[s] <= i < cu_q_lens[s + 1], s < num_seqs) sits at position
     kv_lens[s] - q_len_s + (i - cu_q_lens[s]); tokens past the live sequences get zeros."""
-    t = q.shape[0]
-    s = block_tables.shape[0]
-    num_seqs = jnp.asarray(num_seqs).reshape(())
-    tok = jnp.arange(t, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right", method="compare_all"),
-                   0, s - 1)
-    live = (tok < cu_q_lens[jnp.minimum(num_seqs, s)]) & (seq < num_seqs)
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    pos = jnp.where(live, kv_lens[seq] - q_len + (tok - cu_q_lens[seq]), -1)   # [T]
+    seq, pos = ragged_token_rows(cu_q_lens, kv_lens, num_seqs, q.shape[0])
     return paged_attention_tokens(q, k_pages, v_pages, block_tables, kv_lens, seq, pos,
                                   sm_scale=sm_scale, soft_cap=soft_cap, precision="highest")
