@@ -248,15 +248,16 @@ def test_unknown_mode_is_refused_by_name():
         filtered_probs(jnp.zeros((2, V)), *_filters(_abstract_batch("greedy")[0]), mode="fast")
 
 
-@pytest.mark.parametrize("spec", [None, SpecConfig(num_speculative_tokens=2)],
-                         ids=["plain", "chain_K2"])
+@pytest.mark.parametrize("spec", [None, SpecConfig(num_speculative_tokens=2),
+                                  SpecConfig(num_speculative_tokens=2, method="multi_layer")],
+                         ids=["plain", "chain_K2", "multi_layer_K2"])
 def test_engine_step_has_no_device_conditional(spec):
     """The engine's compiled step, in each of its sampling modes, holds no `conditional` (on a
     GPU its predicate is copied to the host and the dispatch blocks until the step is done)."""
     from mtpjax import LLM
     from mtpjax.engine import runner as runner_mod
     from tests.conftest import random_params, tiny_config
-    cfg = tiny_config(vocab_size=V)
+    cfg = tiny_config(vocab_size=V, num_mtp_layers=2 if spec and spec.method == "multi_layer" else 1)
     llm = LLM(random_params(cfg), cfg, spec, num_pages=16, page_size=4, max_num_seqs=2,
               max_num_batched_tokens=8, warmup=False)
     r = llm.runner

@@ -68,17 +68,3 @@ def mtp_forward_cached(params, cfg: ModelConfig, k: int, cache: KVCache, hidden_
                                 pages[k], PagedContext.build(batch, cache, backend))
     h_next, normed = _module_output(mp, cfg, y)
     return h_next, normed, cache.replace(mtp=tuple(pages))
-
-
-def mtp_forward_cached_switch(params, cfg: ModelConfig, k: jax.Array, cache: KVCache,
-                              hidden_prev, tokens, batch: PagedBatch, *, backend):
-    """Like `mtp_forward_cached` with a traced module index (inside a fori_loop)."""
-    D = cfg.num_mtp_layers
-    if D == 1:
-        return mtp_forward_cached(params, cfg, 0, cache, hidden_prev, tokens, batch, backend=backend)
-    branches = [
-        (lambda c, h, t, d=d: mtp_forward_cached(params, cfg, d, c, h, t, batch, backend=backend))
-        for d in range(D)
-    ]
-    return jax.lax.switch(k, branches, cache, hidden_prev, tokens)
-

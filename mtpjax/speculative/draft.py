@@ -1,4 +1,5 @@
-"""The K-step MTP draft loop, one `lax.fori_loop`, for both drafting methods.
+"""The K-step MTP draft loop for both drafting methods (chain: one `lax.fori_loop`; multi_layer:
+one pass per module, unrolled, since each pass has its own module's weights).
 
 Both start from a *first pass* over a window of committed positions whose inputs are exact
 (target hidden states h^0 and committed tokens), so every module's KV at committed positions is
@@ -26,7 +27,7 @@ from flax import struct
 
 from mtpjax.cache import KVCache, PagedBatch
 from mtpjax.config import ModelConfig, SpecConfig
-from mtpjax.model.mtp import mtp_forward_cached, mtp_forward_cached_switch
+from mtpjax.model.mtp import mtp_forward_cached
 from mtpjax.model.transformer import logits_from_hidden
 from mtpjax.sampling import SamplingArrays, filtered_probs, position_keys, sample_from_probs
 
@@ -110,21 +111,19 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
         return drafts, probs
 
     if spec.method == "multi_layer":
-        def module_pass(k, carry):
-            cache, hidden, tokens, drafts, probs = carry
-            h_next, normed, cache = mtp_forward_cached_switch(
-                params, cfg, k, cache, hidden, tokens, window, backend=backend)
+        # One pass per module, unrolled: each uses its own module's weights, and selecting the
+        # module with a traced index (lax.switch in a fori_loop) made the GPU launch thread wait
+        # for the switch's index once per draft (docs/architecture.md, "Compiling a step").
+        hidden, tokens = hidden0, tokens0
+        for k in range(K):
+            h_next, normed, cache = mtp_forward_cached(params, cfg, k, cache, hidden, tokens,
+                                                       window, backend=backend)
             tok, q = draw(normed[last_rows], k)
             drafts, probs = record(drafts, probs, tok, q, k)
-            new = tok
-            if fixed_next is not None:
-                fixed = jax.lax.dynamic_index_in_dim(fixed_next, k, axis=1, keepdims=False)
-                new = jnp.where(fixed >= 0, fixed, tok)
+            new = tok if fixed_next is None else jnp.where(fixed_next[:, k] >= 0,
+                                                           fixed_next[:, k], tok)
             tokens = roll_by_one(tokens, next_same, new, window.seq_ids)
-            return cache, h_next.astype(hidden.dtype), tokens, drafts, probs
-
-        cache, _, _, drafts, probs = jax.lax.fori_loop(
-            0, K, module_pass, (cache, hidden0, tokens0, drafts, probs))
+            hidden = h_next.astype(hidden.dtype)
         return cache, drafts, probs
 
     # chain: first pass of every module that the K steps will use
