@@ -45,3 +45,21 @@ def check_scalars(sm_scale, soft_cap):
         raise ValueError(f"sm_scale must be > 0 or None, got {sm_scale}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+
+
+def check_ragged_rows(block_tables, kv_lens, cu_q_lens, num_seqs):
+    """The per-sequence arrays of a ragged kernel batch: block_tables int32[S, M], kv_lens
+    int32[S], cu_q_lens int32[S + 1], num_seqs an int32 scalar or [1]."""
+    check_ndim("block_tables", block_tables, 2, "[max_num_seqs, max_pages]")
+    check_int32("block_tables", block_tables)
+    s = block_tables.shape[0]
+    check_int32("kv_lens", kv_lens)
+    if kv_lens.shape != (s,):
+        raise ValueError(f"kv_lens shape {tuple(kv_lens.shape)} must be ({s},) "
+                         f"(one per block_tables row)")
+    check_int32("cu_q_lens", cu_q_lens)
+    if cu_q_lens.shape != (s + 1,):
+        raise ValueError(f"cu_q_lens shape {tuple(cu_q_lens.shape)} must be ({s + 1},)")
+    check_int32("num_seqs", num_seqs)
+    if num_seqs.shape not in ((), (1,)):
+        raise ValueError(f"num_seqs must be a scalar or shape (1,), got {tuple(num_seqs.shape)}")

@@ -118,6 +118,14 @@ def copy_bandwidth():
     return max(res.values()), res
 
 
+def matmul_rate(n=8192, reps=4):
+    """bf16 matrix-multiply FLOP/s: one jit of `reps` independent n^3 products (random)."""
+    ks = jax.random.split(jax.random.key(7), 2 * reps)
+    xs = [jax.random.normal(k, (n, n), jnp.bfloat16) for k in ks]
+    f = jax.jit(lambda xs: [xs[2 * i] @ xs[2 * i + 1] for i in range(reps)])
+    return 2 * n ** 3 * reps / _median_wall(f, xs, (), repeats=10)
+
+
 def rel_err(out, ref):
     out = np.asarray(out, np.float32)
     ref = np.asarray(ref, np.float32)

@@ -40,20 +40,6 @@ ROWS = []
 T0 = time.time()
 
 
-def matmul_rate(n=8192, reps=4):
-    """bf16 matrix-multiply FLOP/s: one jit of `reps` independent n^3 products (random)."""
-    ks = jax.random.split(jax.random.key(7), 2 * reps)
-    xs = [jax.random.normal(k, (n, n), jnp.bfloat16) for k in ks]
-    f = jax.jit(lambda xs: [xs[2 * i] @ xs[2 * i + 1] for i in range(reps)])
-    jax.block_until_ready(f(xs))
-    ts = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(xs))
-        ts.append(time.perf_counter() - t0)
-    return 2 * n ** 3 * reps / float(np.median(ts))
-
-
 def make_case(key, q_lens, kv_lens, h, page, dtype=jnp.bfloat16):
     """Random latent pages [P, S, 576], permuted block tables, REPS_IN_JIT distinct q's."""
     s = len(q_lens)
@@ -162,7 +148,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     kb.log(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
     copy_bw, all_bw = kb.copy_bandwidth()
-    mm = matmul_rate()
+    mm = kb.matmul_rate()
     kb.log(f"copy TB/s (read+write): {', '.join(f'{k} {v / 1e12:.3f}' for k, v in all_bw.items())}"
            f"; bf16 matmul TFLOP/s: {mm / 1e12:.0f}")
     secs = a.sections.split(",")

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtpjax.bench.kernels import copy_bandwidth, rel_err, timeit
+from mtpjax.bench.kernels import copy_bandwidth, matmul_rate, rel_err, timeit
 from mtpjax.model.moe import routed_experts
 
 SHAPES = {
@@ -104,20 +104,6 @@ def experts_mgpu(x, p, ids, w, block_m=64):
     return jnp.zeros((N, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
-def matmul_rate(n: int = 8192, repeats: int = 10) -> float:
-    """Dense bf16 matmul FLOP/s ([n, n] x [n, n], f32 accumulate), this process."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a, b: [jnp.dot(a + jnp.bfloat16(i), b) for i in range(4)])
-    jax.block_until_ready(f(a, b))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(a, b))
-        ts.append(time.perf_counter() - t0)
-    return 4 * 2 * n ** 3 / float(np.median(ts))
-
-
 def floor_s(shape: dict, ids, n: int, copy_bw: float, flops: float) -> tuple[float, float, int]:
     E, I = shape["hidden"], shape["width"]
     touched = int(np.unique(np.asarray(ids)).size)
@@ -129,7 +115,7 @@ def floor_s(shape: dict, ids, n: int, copy_bw: float, flops: float) -> tuple[flo
 def run(shape_names, token_counts, out_dir=None):
     on_gpu = jax.default_backend() == "gpu"
     copy_bw, _ = copy_bandwidth() if on_gpu else (1e11, {})
-    flops = matmul_rate(8192 if on_gpu else 256)
+    flops = matmul_rate(8192 if on_gpu else 256, reps=2 if on_gpu else 1)
     log(f"device {jax.devices()[0].device_kind}; copy {copy_bw / 1e12:.3f} TB/s; "
         f"bf16 matmul {flops / 1e12:.1f} TFLOP/s")
     rows = []

@@ -54,19 +54,7 @@ def _check(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, interpre
     page_size = latent.shape[1]
     if not (_pow2(page_size) and 4 <= page_size <= 256):
         raise ValueError(f"page_size must be a power of 2 in 4..256, got {page_size}")
-    _checks.check_ndim("block_tables", block_tables, 2, "[max_num_seqs, max_pages]")
-    _checks.check_int32("block_tables", block_tables)
-    s = block_tables.shape[0]
-    _checks.check_int32("kv_lens", kv_lens)
-    if kv_lens.shape != (s,):
-        raise ValueError(f"kv_lens shape {tuple(kv_lens.shape)} must be ({s},) "
-                         f"(one per block_tables row)")
-    _checks.check_int32("cu_q_lens", cu_q_lens)
-    if cu_q_lens.shape != (s + 1,):
-        raise ValueError(f"cu_q_lens shape {tuple(cu_q_lens.shape)} must be ({s + 1},)")
-    _checks.check_int32("num_seqs", num_seqs)
-    if num_seqs.shape not in ((), (1,)):
-        raise ValueError(f"num_seqs must be a scalar or shape (1,), got {tuple(num_seqs.shape)}")
+    _checks.check_ragged_rows(block_tables, kv_lens, cu_q_lens, num_seqs)
 
 
 def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q=1):

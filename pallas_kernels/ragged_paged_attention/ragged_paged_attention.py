@@ -65,20 +65,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
     _checks.check_ndim("q", q, 3, "[num_tokens, num_heads, head_dim]")
     t, h, d = q.shape
     _checks.check_kv(q, k_pages, v_pages, h, d)
-    _checks.check_ndim("block_tables", block_tables, 2, "[max_num_seqs, max_pages]")
-    _checks.check_int32("block_tables", block_tables)
-    s = block_tables.shape[0]
-    _checks.check_int32("kv_lens", kv_lens)
-    if kv_lens.shape != (s,):
-        raise ValueError(f"kv_lens shape {tuple(kv_lens.shape)} must be ({s},) "
-                         f"(one per block_tables row)")
-    _checks.check_int32("cu_q_lens", cu_q_lens)
-    if cu_q_lens.shape != (s + 1,):
-        raise ValueError(f"cu_q_lens shape {tuple(cu_q_lens.shape)} must be ({s + 1},)")
     num_seqs = jnp.asarray(num_seqs)
-    _checks.check_int32("num_seqs", num_seqs)
-    if num_seqs.shape not in ((), (1,)):
-        raise ValueError(f"num_seqs must be a scalar or shape (1,), got {tuple(num_seqs.shape)}")
+    _checks.check_ragged_rows(block_tables, kv_lens, cu_q_lens, num_seqs)
     _checks.check_scalars(sm_scale, soft_cap)
     bad = set(tuning) - set(_TUNING_KEYS)
     if bad:
