@@ -12,8 +12,9 @@ from mtpjax.speculative.adaptive import AdaptiveK, RequestAcceptance
 from tests.conftest import tiny_config
 
 V = 32
-KW = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=32)
-BIG, TIGHT = 96, 12          # pages: TIGHT forces preemption
+# PAGES is tight: 4 requests at once preempt; one alone never does (each fits alone), which
+# gives "with and without preemption" on one engine (sampling never depends on the batch)
+KW = dict(num_pages=12, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_logprobs=2)
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +22,23 @@ def model():
     # default init: flat distributions, so sampled drafts are often accepted (runs of K + bonus)
     cfg = tiny_config(vocab_size=V, num_mtp_layers=2)
     return cfg, mtpjax.init_params(cfg, jax.random.PRNGKey(0))
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    cfg, params = model
+    llms = {name: mtpjax.LLM(params, cfg, spec, **KW) for name, spec in (
+        ("plain", None), ("rejection", SpecConfig(num_speculative_tokens=2)),
+        ("coupled", SpecConfig(num_speculative_tokens=2, acceptance="coupled")))}
+    for llm in llms.values():         # record every (tokens, first-pass) bucket each one packs
+        llm.buckets, pack = set(), llm.runner.pack
+
+        def recording_pack(out, num_drafts=None, llm=llm, pack=pack):
+            batch, F = pack(out, num_drafts)
+            llm.buckets.add((batch.tokens.shape[0], F))
+            return batch, F
+        llm.runner.pack = recording_pack
+    return llms
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +51,22 @@ def _sampled(ks=(None,) * 4, logprobs=2):
     return [SamplingParams(temperature=1.0, top_k=(0, 0, 12, 0)[i], top_p=(1, 0.9, 1, 1)[i],
                            seed=100 + i, max_tokens=10, num_speculative_tokens=k,
                            logprobs=logprobs) for i, k in enumerate(ks)]
+
+
+def _together(llm, prompts, sps):
+    """All requests at once: the tight cache preempts."""
+    before = llm.num_preemptions
+    outs = llm.generate(prompts, sps)
+    assert llm.num_preemptions > before
+    return outs
+
+
+def _alone(llm, prompts, sps):
+    """One request at a time: never preempted."""
+    before = llm.num_preemptions
+    outs = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, sps)]
+    assert llm.num_preemptions == before
+    return outs
 
 
 def _same_logprobs(a, b, tol=1e-5):
@@ -50,64 +84,62 @@ def _check_stats(outs, ks, K):
         assert 0 <= o.num_accepted_draft_tokens <= o.num_draft_tokens
 
 
-def test_seeded_sampling_reproduces_across_preemption_k_and_speculation(model, prompts):
-    cfg, params = model
-    ks = (0, 1, 2, None)
-    plain = mtpjax.LLM(params, cfg, None, num_pages=BIG, max_logprobs=2, **KW)
-    want = plain.generate(prompts, _sampled())
+def test_seeded_sampling_reproduces_across_preemption_k_and_speculation(engines, prompts):
+    want = _alone(engines["plain"], prompts, _sampled())
     # coupled acceptance: token for token plain seeded sampling, whatever k (0..K per request),
-    # with or without preemption; logprobs those of plain decoding at every committed position
-    for pages in (BIG, TIGHT):
-        llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2, acceptance="coupled"),
-                         num_pages=pages, max_logprobs=2, **KW)
-        got = llm.generate(prompts, _sampled(ks))
-        assert [o.token_ids for o in got] == [o.token_ids for o in want]
-        for g, w in zip(got, want):
-            assert len(g.logprobs) == len(g.token_ids)
-            _same_logprobs(g.logprobs, w.logprobs)
-            assert all(len(d) <= 3 and g.token_ids[i] in d for i, d in enumerate(g.logprobs))
-        _check_stats(got, ks, 2)
-        assert (llm.num_preemptions > 0) == (pages == TIGHT)
+    # through preemption; logprobs those of plain decoding at every committed position
+    ks = (0, 1, 2, None)
+    got = _together(engines["coupled"], prompts, _sampled(ks))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        assert len(g.logprobs) == len(g.token_ids)
+        _same_logprobs(g.logprobs, w.logprobs)
+        assert all(len(d) <= 3 and g.token_ids[i] in d for i, d in enumerate(g.logprobs))
+    _check_stats(got, ks, 2)
     assert sum(o.num_accepted_draft_tokens for o in got) > 0        # accepted runs were checked
-    # rejection sampling: a different realization, but the same one with or without preemption
+    # rejection sampling: another realization, but the same one with or without preemption
     # (a resumed request re-enters the verify step it left; bug10)
-    outs = []
-    for pages in (BIG, TIGHT):
-        llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), num_pages=pages, **KW)
-        outs.append(llm.generate(prompts, _sampled(logprobs=None)))
-        assert (llm.num_preemptions > 0) == (pages == TIGHT)
-    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    llm = engines["rejection"]
+    alone = _alone(llm, prompts, _sampled(logprobs=None))
+    assert [o.token_ids for o in _together(llm, prompts, _sampled(logprobs=None))] == \
+        [o.token_ids for o in alone]
+    assert [o.token_ids for o in alone] != [o.token_ids for o in want]
 
 
-def test_greedy_mixed_k_adaptive_logprobs_and_no_recompiles(model, prompts):
-    cfg, params = model
+def test_greedy_mixed_k_adaptive_logprobs_and_no_recompiles(engines, prompts):
     greedy = lambda ks: [SamplingParams(max_tokens=10, num_speculative_tokens=k, logprobs=2)  # noqa
                          for k in ks]
-    plain = mtpjax.LLM(params, cfg, None, num_pages=BIG, max_logprobs=2, **KW)
-    want = plain.generate(prompts, greedy((None,) * 4))
-    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), num_pages=BIG,
-                     max_logprobs=2, **KW)
+    want = engines["plain"].generate(prompts, greedy((None,) * 4))
+    llm = engines["rejection"]
+    # compile guard: the step compiles once per (tokens, first-pass) bucket; k is data, so the
+    # compile cache may grow only by the buckets a run newly reaches (scheduling differs with k)
+    buckets = llm.buckets
+
+    def run(ks, policy=None):
+        seen, compiled = set(buckets), _step._cache_size()
+        llm.adaptive_k = policy
+        try:
+            outs = llm.generate(prompts, greedy(ks))
+        finally:
+            llm.adaptive_k = None
+        assert _step._cache_size() == compiled + len(buckets - seen)     # nothing else compiled
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+        for o, w in zip(outs, want):
+            _same_logprobs(o.logprobs, w.logprobs)
+        return outs
+
     for ks in ((2, 2, 2, 2), (0, 1, 2, None)):
-        got = llm.generate(prompts, greedy(ks))
-        assert [o.token_ids for o in got] == [o.token_ids for o in want]
-        for g, w in zip(got, want):
-            _same_logprobs(g.logprobs, w.logprobs)
+        got = run(ks)
         _check_stats(got, ks, 2)
-        if ks[0] == 2:
-            compiled = _step._cache_size()
-    assert _step._cache_size() == compiled        # per-request k is a mask: nothing recompiled
     assert got[0].num_accepted_draft_tokens == 0 and got[0].num_verify_steps > 0
     # adaptive K changes how many drafts are verified, never the tokens
-    llm.adaptive_k = AdaptiveK(draft_cost=0.5, probe_interval=3)
-    got = llm.generate(prompts, greedy((None,) * 4))
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert _step._cache_size() == compiled
+    got = run((None,) * 4, AdaptiveK(draft_cost=0.5, probe_interval=3))
     assert sum(o.num_draft_tokens for o in got) < 2 * sum(o.num_verify_steps for o in got)
 
 
 def test_bad_per_request_k_and_logprobs_are_refused(model):
     cfg, params = model
-    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), num_pages=16, **KW)
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), num_pages=16)
     with pytest.raises(ValueError, match=r"num_speculative_tokens=3 exceeds the engine's K=2"):
         llm.add_request([1, 2], SamplingParams(num_speculative_tokens=3))
     with pytest.raises(ValueError, match=r"logprobs=1 exceeds the engine's max_logprobs=0"):
@@ -120,7 +152,7 @@ def test_bad_per_request_k_and_logprobs_are_refused(model):
             SamplingParams(logprobs=bad)
     with pytest.raises(ValueError, match="adaptive_k must be an AdaptiveK"):
         mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), num_pages=16,
-                   adaptive_k=0.5, **KW)
+                   adaptive_k=0.5)
     with pytest.raises(ValueError, match="draft_cost must be a number >= 0"):
         AdaptiveK(draft_cost=-1)
 
