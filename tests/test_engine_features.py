@@ -186,3 +186,39 @@ def test_adaptive_k_follows_its_rule_on_a_scripted_trace():
     assert probing.choose(st, 3, 1) == 2   # steps == 2: the 3rd step of the request probes k + 1
     st.observe(2, 0, 0.5)
     assert probing.choose(st, 3, 1) == 1
+
+
+def test_coupled_rule_commits_the_targets_own_samples():
+    """accept_coupled == sample_from_probs(p_j, key_j) at every committed position, whatever the
+    drafts (so the output is the target distribution exactly); drafts drawn with the same keys
+    from q == p are always accepted, from an unrelated q rarely."""
+    import jax.numpy as jnp
+    from mtpjax.sampling import sample_from_probs
+    from mtpjax.speculative.accept import accept_coupled
+    B, K, Vs = 256, 3, 8
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    p = jax.nn.softmax(jax.random.normal(ks[0], (B, K + 1, Vs)), -1)
+    keys = jax.random.split(ks[1], B * (K + 1)).reshape(B, K + 1, 2)
+    own = np.asarray(sample_from_probs(p.reshape(-1, Vs), keys.reshape(-1, 2)).reshape(B, K + 1))
+    num_drafts = jnp.asarray(np.arange(B) % (K + 1), jnp.int32)          # k = 0..K per row
+    rates = []
+    for q in (p[:, :K], jax.nn.softmax(jax.random.normal(ks[2], (B, K, Vs)), -1)):
+        drafts = sample_from_probs(q.reshape(-1, Vs), keys[:, :K].reshape(-1, 2)).reshape(B, K)
+        toks, n = accept_coupled(p, drafts, num_drafts, keys)
+        toks, n, drafts = np.asarray(toks), np.asarray(n), np.asarray(drafts)
+        for b in range(B):
+            assert 1 <= n[b] <= num_drafts[b] + 1
+            assert (toks[b, :n[b]] == own[b, :n[b]]).all()
+            assert (toks[b, :n[b] - 1] == drafts[b, :n[b] - 1]).all()
+        rates.append((n - 1).sum() / int(num_drafts.sum()))
+    assert rates[0] == 1.0 and rates[1] < 0.5
+
+
+def test_bench_spec_features_smoke():
+    from mtpjax.bench import spec_features
+    out = spec_features.main(["logprobs", "--tiny", "--batch", "2", "--steps", "2",
+                              "--prompt-len", "8"])
+    assert [r[0] for r in out["logprobs"]] == [0, 5] and all(r[1] > 0 for r in out["logprobs"])
+    out = spec_features.main(["adaptive", "--tiny", "--batches", "2", "--steps", "2",
+                              "--prompt-len", "8"])
+    assert [r[1] for r in out["adaptive"]] == ["fixed K", "adaptive"]
