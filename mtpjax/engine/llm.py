@@ -522,7 +522,9 @@ class LLM:
             launched = None
         else:
             ks = self._draft_counts(out)
-            launched = (out, self.runner.dispatch(out, ks), ks)
+            K = self.spec.num_speculative_tokens if self.spec else 0
+            launched = (out, self.runner.dispatch(out, None if all(k == K for k in ks) else ks),
+                        ks)
         if self.async_scheduling:
             launched, self._inflight = self._inflight, launched
         if launched is None:

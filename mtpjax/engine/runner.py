@@ -223,7 +223,7 @@ class ModelRunner:
     def dispatch(self, out: SchedulerOutput, num_drafts=None) -> jax.Array:
         """Enqueues one step; returns its result array (int32[R, K+2], then the logprobs when
         max_logprobs > 0) already copying to host. num_drafts: as for `pack`."""
-        batch, F = self.pack(out, num_drafts)
+        batch, F = self.pack(out) if num_drafts is None else self.pack(out, num_drafts)
         inputs, shape = self.device_inputs(batch)
         self.state, result = _step(self.params, self.cfg, self.spec, self.state, inputs,
                                    first_pass_len=F, backend=self.backend, shape=shape,
