@@ -33,7 +33,7 @@ def _model_args(p: argparse.ArgumentParser):
     g.add_argument("-k", "--num-speculative-tokens", type=int, default=0,
                    help="drafts per step, K (0 = no speculation)")
     g.add_argument("--method", choices=["chain", "multi_layer"], default="chain")
-    g.add_argument("--acceptance", choices=["rejection", "greedy", "relaxed", "synthetic"],
+    g.add_argument("--acceptance", choices=["rejection", "coupled", "greedy", "relaxed", "synthetic"],
                    default="rejection")
     g.add_argument("--synthetic-accept-rate", type=float, default=0.7,
                    help="benchmark-only acceptance probability per draft (with --acceptance synthetic)")

@@ -372,6 +372,12 @@ class SamplingParams:
     max_tokens: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # Drafts per verify step for this request, 0 <= k <= the engine's K (None: K). k = 0 decodes
+    # without drafts, in the same batch and compiled step as speculative requests.
+    num_speculative_tokens: int | None = None
+    # Return, for every generated token, its logprob and the `logprobs` most likely tokens'
+    # logprobs under the target's processed distribution (docs/engine.md, "Logprobs").
+    logprobs: int | None = None
 
     def __post_init__(self):
         set_ = lambda name, v: object.__setattr__(self, name, v)    # noqa: E731 (frozen)
@@ -403,6 +409,12 @@ class SamplingParams:
         set_("stop_token_ids", tuple(int(t) for t in stops))
         if self.seed is not None:
             set_("seed", check_seed("seed", self.seed))
+        for name in ("num_speculative_tokens", "logprobs"):
+            v = getattr(self, name)
+            if v is not None:
+                if not _is_int(v) or v < 0:
+                    raise ValueError(f"{name} must be an int >= 0 or None, got {name}={v!r}")
+                set_(name, int(v))
 
     @property
     def greedy(self) -> bool:
@@ -415,7 +427,10 @@ class SpecConfig:
 
     method "chain": module `step % D` drafts autoregressively (MTP used as EAGLE), any K >= 1.
     method "multi_layer": K = D distinct modules, module k consumes module k-1's hidden state.
-    acceptance: "rejection" (lossless; greedy requests reduce to exact-match), "greedy"
+    acceptance: "rejection" (lossless; greedy requests reduce to exact-match), "coupled"
+    (lossless: target and draft sample position p with the same key, fold_in(request key, p);
+    a draft is kept iff it equals the target's own sample, so a request's tokens are exactly
+    those of plain seeded sampling, whatever K, the drafts or preemption), "greedy"
     (exact-match on the target argmax for every request), "relaxed" (lossy, thinking phase
     only), "synthetic" (benchmark-only: draft i is accepted with probability
     `synthetic_accept_rate` (or its i-th entry) given that drafts 1..i-1 were, so P(draft i
@@ -436,7 +451,7 @@ class SpecConfig:
         _positive_int("num_speculative_tokens", self.num_speculative_tokens)
         if self.method not in SPEC_METHODS:
             raise ValueError(f"method {self.method!r} is not supported; supported: {SPEC_METHODS}")
-        accept = ("rejection", "greedy", "relaxed", "synthetic")
+        accept = ("rejection", "coupled", "greedy", "relaxed", "synthetic")
         if self.acceptance not in accept:
             raise ValueError(f"acceptance {self.acceptance!r} is not supported; supported: {accept}")
         _positive_int("relaxed_topk", self.relaxed_topk)

@@ -107,6 +107,21 @@ def _sampled_probs(logits, onehot, temperature, top_k, top_p):
     return jnp.where(greedy, onehot, probs)
 
 
+def processed_logprobs(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """f32 log-probabilities [B, ..., V] of the distribution each request samples from: after
+    temperature, top-k and top-p, renormalised (-inf outside top-k / the nucleus), i.e. vLLM's
+    "processed_logprobs". A greedy request (temperature 0) reports the target's own
+    distribution, log_softmax(logits) at temperature 1 without top-k / top-p (as vLLM does: its
+    greedy requests sample at temperature 1 too); its one-hot sampling distribution would say
+    nothing. Shares `_sampled_probs` with `filtered_probs`, so a sampled token's logprob is
+    exactly the log of the probability it was drawn with."""
+    logits = logits.astype(jnp.float32)
+    sampled = temperature > 0
+    probs = _sampled_probs(logits, jnp.zeros_like(logits), jnp.where(sampled, temperature, 1.0),
+                           jnp.where(sampled, top_k, 0), jnp.where(sampled, top_p, 1.0))
+    return jnp.log(probs)
+
+
 def _top_k_mask(scaled, k):
     """-inf below each row's k-th largest value (k <= 0 or k >= V: row unchanged)."""
     V = scaled.shape[-1]

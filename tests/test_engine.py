@@ -178,7 +178,8 @@ def test_packed_batch_round_trips_through_one_int32_array(seed):
         tokens=i32(T), positions=i32(T), seq_ids=i32(T),
         cu_q_lens=np.concatenate([[0], i32(R)]).astype(np.int32), kv_lens=i32(R),
         block_tables=i32(R, M), slots=i32(R), kinds=i32(R), next_tokens=i32(R, K + 1),
-        thinking=rng.random(R) < 0.5, hist_from=i32(R),
+        thinking=rng.random(R) < 0.5, hist_from=i32(R), num_drafts=i32(R),
+        want_logprobs=rng.random(R) < 0.5,
         sampling=SamplingArrays(temperature=rng.normal(size=R).astype(np.float32), top_k=i32(R),
                                 top_p=np.float32([np.inf, -0.0, 1e-30, -3.5, 0.7]),
                                 keys=rng.integers(0, 2**32, size=(R, 2), dtype=np.uint64)

@@ -172,7 +172,7 @@ def test_preemption_is_newest_first_and_keeps_generated_tokens():
     assert sched.waiting[0] is victim and victim.status is SequenceStatus.WAITING
     assert victim.block_table == [] and victim.num_computed_tokens == 0
     assert victim.num_completion_tokens > 0       # kept, to be recomputed as part of the prompt
-    assert victim.num_prefill_tokens == victim.num_tokens
+    assert victim.num_prefill_tokens == victim.num_tokens - 1   # resumes at its last token
     assert victim not in [r.seq for r in out]
     fake_step(sched, out, rng)
     run_to_completion(sched, rng)

@@ -110,16 +110,18 @@ class BlockManager:
     def _prefix_hits(self, seq: Sequence) -> list[tuple[int, bytes]]:
         """(block_id, hash) of the leading blocks of `seq` found in the cache. Pure.
 
-        A hit never covers the last token: its KV must be computed to get logits.
+        A hit never covers the last token of the prefill (`seq.prefill_target`): its KV must
+        be computed to get logits (or, for a resuming request, the hidden state that drafts).
         """
         if not self.enable_prefix_caching:
             return []
         b, e = self.block_size, self.num_hash_lookahead_tokens
         hits: list[tuple[int, bytes]] = []
         prev = None
+        last = getattr(seq, "prefill_target", seq.num_tokens) - 1
         for i in range(seq.num_tokens // b):
             end = (i + 1) * b
-            if end > seq.num_tokens - 1 or end + e > seq.num_tokens:
+            if end > last or end + e > seq.num_tokens:
                 break
             h = self.hash_block(prev, self._block_key_tokens(seq, i))
             block_id = self.hash_to_block.get(h)

@@ -19,6 +19,7 @@ import dataclasses
 import gc
 import math
 import os
+import sys
 import threading
 import time
 from typing import Any, Iterator
@@ -33,6 +34,7 @@ from mtpjax.engine.runner import ModelRunner
 from mtpjax.engine.scheduler import Scheduler
 from mtpjax.engine.sequence import Sequence, SequenceStatus
 from mtpjax.engine.warmup import WarmupProgress, step_buckets
+from mtpjax.speculative.adaptive import AdaptiveK, RequestAcceptance
 
 
 @dataclasses.dataclass
@@ -43,8 +45,11 @@ class RequestOutput:
     text: str | None
     finish_reason: str | None
     num_verify_steps: int = 0
-    num_draft_tokens: int = 0          # drafts proposed to the target
+    num_draft_tokens: int = 0          # drafts proposed to the target (this request's own k)
     num_accepted_draft_tokens: int = 0
+    # SamplingParams.logprobs set: logprobs[i] = {token id: logprob} for the i-th generated token
+    # (the token itself and the `logprobs` most likely tokens), else None
+    logprobs: list[dict[int, float]] | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -200,7 +205,8 @@ class LLM:
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  tokenizer=None, max_model_len: int | None = None, eos_token_id: int | None = None,
                  attention_impl="auto", seed: int = 0, async_scheduling: bool = True,
-                 max_waiting_requests: int | None = 1024, warmup: bool | None = None):
+                 max_waiting_requests: int | None = 1024, warmup: bool | None = None,
+                 max_logprobs: int = 0, adaptive_k: AdaptiveK | None = None):
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         if spec is not None:
@@ -217,6 +223,10 @@ class LLM:
         self.max_waiting_requests = _int_arg("max_waiting_requests", max_waiting_requests, 1,
                                              none_ok=True)
         seed = check_seed("seed", seed)
+        max_logprobs = _int_arg("max_logprobs", max_logprobs, 0, cfg.vocab_size)
+        if adaptive_k is not None and not isinstance(adaptive_k, AdaptiveK):
+            raise ValueError(f"adaptive_k must be an AdaptiveK or None, got "
+                             f"{type(adaptive_k).__name__}")
         for name, flag in (("enable_prefix_caching", enable_prefix_caching),
                            ("async_scheduling", async_scheduling), ("warmup", warmup)):
             if not isinstance(flag, (bool, np.bool_)) and not (name == "warmup" and flag is None):
@@ -247,7 +257,11 @@ class LLM:
         max_blocks = math.ceil((self.max_model_len + 2 * (K + 1) + lookahead) / page_size)
         self.runner = ModelRunner(params, cfg, spec, num_pages=num_pages, page_size=page_size,
                                   max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks,
-                                  seed=seed, attention_impl=attention_impl)
+                                  seed=seed, attention_impl=attention_impl,
+                                  max_logprobs=max_logprobs)
+        self.max_logprobs = max_logprobs
+        self.adaptive_k = adaptive_k
+        self._acceptance: dict[int, RequestAcceptance] = {}   # seq_id -> adaptive-K statistics
         self._inflight = None                       # (SchedulerOutput, result) dispatched, unread
         self.warmup_times: list[tuple[int, int, float]] = []    # (T, F, compile seconds)
         if warmup is None:
@@ -333,7 +347,19 @@ class LLM:
         """Validated Sequences with the next free ids; nothing is queued or reserved (the caller
         commits the ids with `self._next_id += n`), so an error here changes nothing."""
         sps = _sampling_list(sampling_params, len(prompts))
+        K = self.spec.num_speculative_tokens if self.spec else 0
         for sp in {id(sp): sp for sp in sps}.values():
+            k = sp.num_speculative_tokens
+            if k is not None and k > K:
+                raise ValueError(
+                    f"num_speculative_tokens={k} exceeds the engine's K={K} (its compiled maximum, "
+                    + ("SpecConfig.num_speculative_tokens)" if self.spec else
+                       "an LLM without speculation)") + f"; expected 0 <= num_speculative_tokens "
+                    f"<= {K}")
+            if sp.logprobs is not None and sp.logprobs > self.max_logprobs:
+                raise ValueError(f"logprobs={sp.logprobs} exceeds the engine's max_logprobs="
+                                 f"{self.max_logprobs} (compiled into its step): create the LLM "
+                                 f"with max_logprobs >= {sp.logprobs}")
             bad = [t for t in sp.stop_token_ids if t >= self.cfg.vocab_size]
             if bad:
                 raise ValueError(f"stop_token_ids has {bad[0]}, outside the vocabulary "
@@ -342,6 +368,7 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             seq = Sequence(self._encode(p, i), sampling_params=sp, seq_id=self._next_id + i)
             self.scheduler.check(seq)
+            seq.logprobs = [] if sp.logprobs is not None else None
             seqs.append(seq)
         return seqs
 
@@ -419,9 +446,11 @@ class LLM:
     def _output(self, seq: Sequence) -> RequestOutput:
         toks = list(seq.completion_token_ids)
         text = self.tokenizer.decode(toks) if self.tokenizer is not None else None
+        lps = getattr(seq, "logprobs", None)
         return RequestOutput(seq.seq_id, list(seq.prompt_token_ids), toks, text,
                              seq.finish_reason, seq.num_verify_steps, seq.num_draft_tokens,
-                             seq.num_accepted_draft_tokens)
+                             seq.num_accepted_draft_tokens,
+                             None if lps is None else [dict(d) for d in lps])
 
     @property
     def _metrics(self) -> dict[int, list[int]]:
@@ -448,6 +477,7 @@ class LLM:
         return new, seq.is_finished
 
     def _forget(self, seq: Sequence) -> None:
+        self._acceptance.pop(seq.seq_id, None)
         self._requests.pop(seq.seq_id, None)
         self._stream_of.pop(seq.seq_id, None)
         self._direct_news.pop(seq.seq_id, None)
@@ -488,7 +518,13 @@ class LLM:
         for seq in out.preempted:
             self.runner.release(seq.seq_id)
         self.num_preemptions += len(out.preempted)
-        launched = None if out.is_empty else (out, self.runner.dispatch(out))
+        if out.is_empty:
+            launched = None
+        else:
+            ks = self._draft_counts(out)
+            K = self.spec.num_speculative_tokens if self.spec else 0
+            launched = (out, self.runner.dispatch(out, None if all(k == K for k in ks) else ks),
+                        ks)
         if self.async_scheduling:
             launched, self._inflight = self._inflight, launched
         if launched is None:
@@ -513,21 +549,44 @@ class LLM:
                 if seq is not None and seq.is_finished:
                     self._touch(seq)
 
-    def _complete(self, out, result) -> None:
+    def _draft_counts(self, out) -> list[int]:
+        """Drafts each scheduled request verifies this step: its SamplingParams'
+        num_speculative_tokens (default K), lowered by the adaptive-K policy if any."""
+        K = self.spec.num_speculative_tokens if self.spec else 0
+        batch = len(out.decodes)
+        ks = []
+        for req in out.requests:
+            k = getattr(req.seq.sampling_params, "num_speculative_tokens", None)
+            k = K if k is None else k
+            if self.adaptive_k is not None and not req.is_prefill and k:
+                stats = self._acceptance.setdefault(req.seq_id, RequestAcceptance(K))
+                k = self.adaptive_k.choose(stats, k, batch)
+            ks.append(k)
+        return ks
+
+    def _complete(self, out, result, ks=None) -> None:
         """Reads a dispatched step back, applies it and routes the news."""
         committed = self.runner.collect(out, result)
+        lps = self.runner.logprobs(out, result, committed) if self.max_logprobs else None
         live = [not self.scheduler.is_void(out, r) for r in out.requests]
+        before = [r.seq.num_tokens for r in out.requests]
         K = self.spec.num_speculative_tokens if self.spec else 0
+        ks = [K] * len(out.requests) if ks is None else ks
         self.scheduler.postprocess(out, committed)
         self.num_steps += 1
-        for req, toks, was_live in zip(out.requests, committed, live):
+        for i, (req, toks, was_live) in enumerate(zip(out.requests, committed, live)):
             if not was_live:
                 continue      # preempted, finished or aborted after dispatch: a wasted row
             seq = req.seq
+            if lps is not None and lps[i] is not None and seq.logprobs is not None:
+                seq.logprobs.extend(lps[i][:seq.num_tokens - before[i]])   # the kept tokens
             if not req.is_prefill and K:
                 seq.num_verify_steps += 1
-                seq.num_draft_tokens += K
+                seq.num_draft_tokens += ks[i]
                 seq.num_accepted_draft_tokens += len(toks) - 1
+                if self.adaptive_k is not None:
+                    self._acceptance.setdefault(seq.seq_id, RequestAcceptance(K)).observe(
+                        ks[i], len(toks) - 1, self.adaptive_k.decay)
             if seq.is_finished:
                 self.runner.release(seq.seq_id)
             self._touch(seq)
@@ -614,6 +673,9 @@ class LLM:
         alternately, or from several threads. Closing the generator early (break, close(),
         garbage collection, an exception) aborts its unfinished requests."""
         stream = None
+        # bound now: a generator finalized at interpreter exit runs its `finally` after module
+        # teardown, when globals may already be None; the engine is going away then anyway
+        finalizing = sys.is_finalizing
         try:
             with self._engine():
                 seqs = self._new_requests(_prompt_list(prompts), sampling_params)
@@ -633,7 +695,7 @@ class LLM:
                     events = self._stream_events(stream)
                 yield from events
         finally:
-            if stream is not None:
+            if stream is not None and not finalizing():
                 if self._holder == threading.get_ident():
                     self._deferred.append(stream)      # finalized inside an engine operation
                 else:

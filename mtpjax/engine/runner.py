@@ -26,7 +26,7 @@ from mtpjax.model.backend import resolve_backend
 from mtpjax.sampling import SAMPLING_MODES, SamplingArrays, request_key, sampling_mode
 from mtpjax.speculative.draft import draft_shape
 from mtpjax.speculative.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
-                                    MixedBatch, SlotState, mixed_step,
+                                           KIND_RESUME, MixedBatch, SlotState, mixed_step,
                                            thinking_after)
 from mtpjax.step_jit import step_jit
 
@@ -38,7 +38,9 @@ def pack_host(batch: MixedBatch) -> np.ndarray:
     per_row = np.concatenate([
         batch.cu_q_lens[1:, None], batch.kv_lens[:, None], batch.slots[:, None],
         batch.kinds[:, None], batch.thinking[:, None].astype(np.int32), batch.hist_from[:, None],
-        batch.sampling.top_k[:, None], batch.next_tokens], axis=1).astype(np.int32)  # [R, 8+K]
+        batch.sampling.top_k[:, None], batch.num_drafts[:, None],
+        batch.want_logprobs[:, None].astype(np.int32), batch.next_tokens],
+        axis=1).astype(np.int32)                                                     # [R, 10+K]
     floats = np.stack([batch.sampling.temperature, batch.sampling.top_p], 1).astype(np.float32)
     keys = np.ascontiguousarray(batch.sampling.keys, np.uint32)                       # [R, 2]
     return np.concatenate([per_token.ravel(), per_row.ravel(),
@@ -66,7 +68,8 @@ def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int,
         tokens=per_token[0], positions=per_token[1], seq_ids=per_token[2],
         cu_q_lens=cu, kv_lens=per_row[:, 1], block_tables=tables, slots=per_row[:, 2],
         kinds=per_row[:, 3], thinking=per_row[:, 4].astype(bool), hist_from=per_row[:, 5],
-        next_tokens=per_row[:, 7:],
+        next_tokens=per_row[:, 9:], num_drafts=per_row[:, 7],
+        want_logprobs=per_row[:, 8].astype(bool),
         sampling=SamplingArrays(temperature=floats[:, 0], top_k=per_row[:, 6],
                                 top_p=floats[:, 1], keys=keys, mode=sampling_mode))
 
@@ -76,24 +79,31 @@ def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int,
 ENGINE_SAMPLING_MODES = SAMPLING_MODES
 
 
-@step_jit(static_argnames=("cfg", "spec", "first_pass_len", "backend", "shape",
+@step_jit(static_argnames=("cfg", "spec", "first_pass_len", "backend", "shape", "logprobs",
                            "sampling_mode"),
           donate_argnames=("state",))
-def _step(params, cfg, spec, state, flat_inputs, *, first_pass_len, backend, shape,
+def _step(params, cfg, spec, state, flat_inputs, *, first_pass_len, backend, shape, logprobs=0,
           sampling_mode="filter"):
     T, R, M = shape
     batch = unpack_device(flat_inputs, num_tokens=T, num_rows=R, max_blocks=M,
                           sampling_mode=sampling_mode)
-    state, acc, num = mixed_step(params, cfg, spec, state, batch, first_pass_len=first_pass_len,
-                                 backend=backend)
-    return state, jnp.concatenate([acc, num[:, None]], axis=1)     # one array to read back
+    out = mixed_step(params, cfg, spec, state, batch, first_pass_len=first_pass_len,
+                     backend=backend, logprobs=logprobs)
+    state, acc, num = out[:3]
+    parts = [acc, num[:, None]]
+    if logprobs:          # [R, J] + [R, J*n] + [R, J*n], floats bit-cast: still one array
+        lp = out[3]
+        f2i = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32).reshape(R, -1)  # noqa: E731
+        parts += [f2i(lp.chosen), f2i(lp.top_values), lp.top_ids.reshape(R, -1)]
+    return state, jnp.concatenate(parts, axis=1)     # one array to read back
 
 
 class ModelRunner:
     def __init__(self, params, cfg: ModelConfig, spec: SpecConfig | None, *, num_pages: int,
                  page_size: int, max_num_seqs: int, max_blocks_per_seq: int, seed: int = 0,
-                 attention_impl="auto", cache_dtype=None):
+                 attention_impl="auto", cache_dtype=None, max_logprobs: int = 0):
         self.params, self.cfg, self.spec = params, cfg, spec
+        self.max_logprobs = max_logprobs              # n compiled into the step (0: no logprobs)
         self.K, self.W = draft_shape(spec)
         self.max_num_seqs = max_num_seqs
         self.page_size = page_size
@@ -141,8 +151,10 @@ class ModelRunner:
         return self.slot_of[sid]
 
     # ---- packing -------------------------------------------------------------------------------
-    def pack(self, out: SchedulerOutput) -> tuple[MixedBatch, int]:
-        """Host (numpy) MixedBatch for one scheduled step, and the first-pass bucket."""
+    def pack(self, out: SchedulerOutput, num_drafts=None) -> tuple[MixedBatch, int]:
+        """Host (numpy) MixedBatch for one scheduled step, and the first-pass bucket.
+        num_drafts: drafts each request's decode verifies this step (default: its
+        SamplingParams.num_speculative_tokens, else K)."""
         K, R = self.K, self.max_num_seqs
         reqs = out.requests
         if len(reqs) > R:
@@ -164,6 +176,8 @@ class ModelRunner:
         top_k = np.zeros(R, np.int32)
         top_p = np.ones(R, np.float32)
         keys = np.zeros((R, 2), np.uint32)
+        row_k = np.zeros(R, np.int32)
+        want_lp = np.zeros(R, bool)
         off = 0
         first_pass = 0
         for i, req in enumerate(reqs):
@@ -173,12 +187,15 @@ class ModelRunner:
             if req.is_prefill:
                 positions[off:off + n] = np.arange(s, s + n)
                 tokens[off:off + n] = req.token_ids
-                kinds[i] = KIND_LAST_CHUNK if req.is_last_chunk else KIND_CHUNK
+                kinds[i] = (KIND_LAST_CHUNK if req.is_last_chunk else
+                            KIND_RESUME if getattr(req, "is_resume", False) else KIND_CHUNK)
                 after = seq.token_ids[s + n:s + n + K + 1]
                 next_tokens[i, :len(after)] = after
                 first_pass += max(self.W, n)
                 if self.spec is not None and self.spec.acceptance == "relaxed":
-                    thinking[i] = thinking_after(seq.token_ids[:s + n], self.spec)
+                    # a resume row's phase includes its pending token (a decode's state does)
+                    upto = s + n + (1 if kinds[i] == KIND_RESUME else 0)
+                    thinking[i] = thinking_after(seq.token_ids[:upto], self.spec)
                 kv_lens[i] = s + n
             else:
                 # positions, tokens and kv_len come from the slot's device state
@@ -196,11 +213,14 @@ class ModelRunner:
             sp = seq.sampling_params or SamplingParams()
             temp[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
             keys[i] = self.keys[seq.seq_id]
+            row_k[i] = (num_drafts[i] if num_drafts is not None else
+                        K if sp.num_speculative_tokens is None else sp.num_speculative_tokens)
+            want_lp[i] = sp.logprobs is not None
         cu[len(reqs) + 1:] = off
         batch = MixedBatch(
             tokens=tokens, positions=positions, seq_ids=seq_ids, cu_q_lens=cu, kv_lens=kv_lens,
             block_tables=tables, slots=slots, kinds=kinds, next_tokens=next_tokens,
-            thinking=thinking, hist_from=hist_from,
+            thinking=thinking, hist_from=hist_from, num_drafts=row_k, want_logprobs=want_lp,
             sampling=SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, keys=keys))
         return batch, bucket_size(first_pass)
 
@@ -209,13 +229,15 @@ class ModelRunner:
         shape = (batch.tokens.shape[0], batch.kinds.shape[0], batch.block_tables.shape[1])
         return jax.device_put(pack_host(batch)), shape
 
-    def dispatch(self, out: SchedulerOutput) -> jax.Array:
-        """Enqueues one step; returns its result array (int32[R, K+2]) already copying to host.
-        The step holds no device-side branch, so this returns as soon as it is enqueued."""
-        batch, F = self.pack(out)
+    def dispatch(self, out: SchedulerOutput, num_drafts=None) -> jax.Array:
+        """Enqueues one step; returns its result array (int32[R, K+2], then the logprobs when
+        max_logprobs > 0) already copying to host. num_drafts: as for `pack`. The step holds
+        no device-side branch, so this returns as soon as it is enqueued."""
+        batch, F = self.pack(out, num_drafts)
         inputs, shape = self.device_inputs(batch)
         self.state, result = _step(self.params, self.cfg, self.spec, self.state, inputs,
                                    first_pass_len=F, backend=self.backend, shape=shape,
+                                   logprobs=self.max_logprobs,
                                    sampling_mode=sampling_mode(batch.sampling.temperature))
         result.copy_to_host_async()                        # the step's only device->host copy
         return result
@@ -244,7 +266,8 @@ class ModelRunner:
                 batch = empty.replace(tokens=np.zeros(T, np.int32), seq_ids=np.zeros(T, np.int32),
                                       positions=np.full(T, -1, np.int32))
                 inputs, shape = self.device_inputs(batch)
-                kws = [dict(first_pass_len=F, backend=self.backend, shape=shape, sampling_mode=m)
+                kws = [dict(first_pass_len=F, backend=self.backend, shape=shape,
+                            logprobs=self.max_logprobs, sampling_mode=m)
                        for m in ENGINE_SAMPLING_MODES]
                 aots = [None if threads <= 1 else pool.submit(timed, _step.lower(
                     self.params, self.cfg, self.spec, self.state, inputs, **kw).compile)
@@ -263,9 +286,32 @@ class ModelRunner:
                     on_compiled(T, F, total)
         request_key(SamplingParams(), self.seed, 0)      # its eager ops compile on first use
 
-    @staticmethod
-    def collect(out: SchedulerOutput, result: jax.Array) -> list[list[int]]:
+    def collect(self, out: SchedulerOutput, result: jax.Array) -> list[list[int]]:
         """Waits for a dispatched step; each scheduled request's committed tokens (before the
         scheduler's stop / max_tokens truncation)."""
         result = np.asarray(result)
-        return [result[i, :result[i, -1]].tolist() for i in range(len(out.requests))]
+        J = self.K + 1
+        return [result[i, :result[i, J]].tolist() for i in range(len(out.requests))]
+
+    def logprobs(self, out: SchedulerOutput, result: jax.Array, toks: list[list[int]]) -> list:
+        """Per scheduled request: None if it did not ask, else one dict {token id: logprob} per
+        committed token (`toks`, from `collect`): the token's own logprob and its
+        SamplingParams.logprobs best alternatives (the chosen token may be one of them)."""
+        J, n = self.K + 1, self.max_logprobs
+        lps: list = [None] * len(out.requests)
+        if n:
+            result = np.asarray(result)
+            chosen = result[:, J + 1:2 * J + 1].view(np.float32)
+            vals = result[:, 2 * J + 1:2 * J + 1 + J * n].view(np.float32).reshape(-1, J, n)
+            ids = result[:, 2 * J + 1 + J * n:].reshape(-1, J, n)
+            for i, req in enumerate(out.requests):
+                want = getattr(req.seq.sampling_params, "logprobs", None)
+                if want is None:
+                    continue
+                rows = []
+                for j, t in enumerate(toks[i]):
+                    d = {int(a): float(b) for a, b in zip(ids[i, j, :want], vals[i, j, :want])}
+                    d[t] = float(chosen[i, j])
+                    rows.append(d)
+                lps[i] = rows
+        return lps

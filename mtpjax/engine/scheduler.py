@@ -47,6 +47,8 @@ class ScheduledRequest:
     token_ids: tuple[int, ...]  # host-known inputs: the chunk's tokens, or (the host's last token,)
                                 # for a decode; the device step takes the decode's pending token
                                 # and K drafts from the slot (they differ while a step is in flight)
+    is_resume: bool = False     # the last chunk of a resuming request's re-prefill: commits
+                                # nothing, its last token becomes pending again, it drafts
 
     @property
     def seq_id(self) -> int:
@@ -241,7 +243,7 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self._drop_inflight(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_prefill_tokens = seq.num_tokens
+        seq.num_prefill_tokens = seq.prefill_target
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -277,7 +279,7 @@ class Scheduler:
         for seq in list(self.waiting) + finished:
             seq.block_table, seq.block_hashes = [], []
             seq.num_cached_tokens = seq.num_computed_tokens = 0
-            seq.num_prefill_tokens = seq.num_tokens
+            seq.num_prefill_tokens = seq.prefill_target
         return finished
 
     # ---- in-flight steps (async scheduling) --------------------------------------------------
@@ -360,12 +362,12 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs
                and len(decodes) + len(prefills) < self.max_num_seqs):
             seq = self.waiting[0]
-            remaining = seq.num_tokens - bm.num_prefix_cached_tokens(seq)
+            remaining = seq.prefill_target - bm.num_prefix_cached_tokens(seq)
             chunk = self._chunk(remaining, budget)
             if chunk == 0 or not bm.can_allocate(seq, self.num_lookahead_tokens):
                 break
             bm.allocate(seq, self.num_lookahead_tokens)
-            seq.num_prefill_tokens = seq.num_tokens
+            seq.num_prefill_tokens = seq.prefill_target
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
@@ -384,10 +386,12 @@ class Scheduler:
 
     @staticmethod
     def _prefill_request(seq: Sequence, chunk: int, start: int) -> ScheduledRequest:
+        ends = start + chunk == seq.num_prefill_tokens
+        resume = ends and seq.num_prefill_tokens < seq.num_tokens
         return ScheduledRequest(
             seq=seq, is_prefill=True, start_position=start, num_query_tokens=chunk,
-            is_last_chunk=start + chunk == seq.num_prefill_tokens,
-            token_ids=tuple(seq.token_ids[start:start + chunk]))
+            is_last_chunk=ends and not resume, token_ids=tuple(seq.token_ids[start:start + chunk]),
+            is_resume=resume)
 
     # ---- postprocess -------------------------------------------------------------------------
     def _is_stop(self, seq: Sequence, token_id: int) -> bool:

@@ -65,6 +65,8 @@ class Sequence:
         self.num_draft_tokens: int = 0                  # drafts proposed to the target
         self.num_accepted_draft_tokens: int = 0
         self.num_reported_tokens: int = 0
+        # one {token id: logprob} dict per completion token, when the request asks for logprobs
+        self.logprobs: list[dict[int, float]] | None = None
 
     # ---- sizes -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -104,6 +106,16 @@ class Sequence:
     @property
     def num_uncomputed_prefill_tokens(self) -> int:
         return max(0, self.num_prefill_tokens - self.num_computed_tokens)
+
+    @property
+    def prefill_target(self) -> int:
+        """seq_len at which an admission's (re)prefill ends. A new request prefills its prompt
+        and its last chunk samples x_P. A request that already has completion tokens (preempted,
+        or requeued by recovery) *resumes*: it recomputes x_0..x_{T-2} and its last token x_{T-1}
+        becomes the pending token again, without sampling anything, so the next verify step sees
+        exactly the state (pending token, drafts) it would have seen without the preemption.
+        That makes recomputation invisible to every acceptance rule (docs/engine.md)."""
+        return self.num_tokens - 1 if self.num_completion_tokens else self.num_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -65,6 +65,29 @@ def accept_rejection(target_probs: jax.Array, draft_probs: jax.Array, draft_toke
     return tokens.astype(jnp.int32), (n + 1).astype(jnp.int32)
 
 
+def accept_coupled(target_probs: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
+                   keys: jax.Array):
+    """Coupled acceptance (lossless, reproducible): draft i is kept iff it equals the target's
+    own sample at its position, drawn with that position's key.
+
+    target_probs [B, K+1, V] filtered; draft_tokens int32[B, K]; num_drafts int32[B];
+    keys uint32[B, K+1, 2]: keys[b, j] = fold_in(request key, position of the j-th committed
+    token), the key plain decoding samples that position with (`sampling.sample`), and the key
+    the draft at that position was drawn with. Every committed token is the target's sample
+    `sample_from_probs(p_j, keys[j])` given the (identical) prefix, so the output is token for
+    token that of plain seeded sampling: lossless by construction, independent of K, of the
+    drafts and of where verify windows fall. `jax.random.categorical` is Gumbel-max,
+    argmax(log p + g): target and draft share the noise g, so a draft is accepted iff
+    argmax(log q + g) == argmax(log p + g) (less often than rejection sampling's
+    1 - TV(p, q) in general; docs/spec_decoding.md has measurements).
+    """
+    B, K1, V = target_probs.shape
+    target = sample_from_probs(target_probs.reshape(B * K1, V),
+                               keys.reshape(B * K1, -1)).reshape(B, K1)
+    n = _prefix_len(draft_tokens == target[:, :-1], num_drafts)
+    return target.astype(jnp.int32), (n + 1).astype(jnp.int32)
+
+
 def _rejection_when_greedy(target_logits, draft_tokens, num_drafts):
     """accept_rejection's exact output when every target distribution p is one-hot (greedy
     requests), whatever the draft distributions q: draft d is kept iff u * q(d) < p(d), i.e. iff
@@ -149,6 +172,15 @@ def apply_acceptance(spec, logits, drafts, draft_probs, num_drafts, in_thinking,
                                         jnp.full(key_positions.shape, 1, jnp.uint32))
     if spec.acceptance == "greedy":
         return (*accept_greedy(logits, drafts, num_drafts), in_thinking)
+    if spec.acceptance == "coupled":
+        K1 = logits.shape[1]
+        pos = key_positions[:, None] + jnp.arange(K1, dtype=key_positions.dtype)[None, :]
+        pkeys = jax.vmap(position_keys, in_axes=(None, 1), out_axes=1)(sp.keys, pos)  # [B,K+1,2]
+
+        if sp.mode == "greedy":      # one-hot p: the target's own sample is its argmax
+            return (*_rejection_when_greedy(logits, drafts, num_drafts), in_thinking)
+        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode)
+        return (*accept_coupled(p, drafts, num_drafts, pkeys), in_thinking)
     if spec.acceptance == "rejection":
         if sp.mode == "greedy":
             # every p is one-hot, where rejection sampling is exact match (the same output)

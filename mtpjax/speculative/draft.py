@@ -42,16 +42,21 @@ class DraftOverride:
     tokens: jax.Array     # int32[B, L] draft at position p is tokens[b, p] (mode "forced")
 
 
-def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=None):
+def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=None,
+               coupled: bool = False):
     """Draft token for each request at `positions` [B] and the distribution it was drawn from.
 
+    Key: fold_in(fold_in(request key, position), 2), a stream of its own; coupled (coupled
+    acceptance): fold_in(request key, position), the very key the target samples that
+    position with, so draft and target share their noise.
     source "model": sampled from the filtered draft distribution (argmax for greedy requests).
     "random" (tests): uniform over the vocabulary. "forced" (tests): forced.tokens[b, position].
     "mixed" (tests): per request, the source forced.modes[b] names.
     """
     B, V = logits.shape
-    keys = jax.vmap(jax.random.fold_in)(position_keys(sp.keys, positions),
-                                        jnp.full((B,), 2, jnp.uint32))
+    keys = position_keys(sp.keys, positions)
+    if not coupled:
+        keys = jax.vmap(jax.random.fold_in)(keys, jnp.full((B,), 2, jnp.uint32))
     if source == "model":
         q = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode)
         return sample_from_probs(q, keys, sp.mode), q
@@ -63,7 +68,8 @@ def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=Non
         tok = forced.tokens[jnp.arange(B), idx].astype(jnp.int32)
         return tok, jax.nn.one_hot(tok, V, dtype=jnp.float32)
     if source == "mixed":
-        outs = [draw_draft(logits, sp, positions, source=s, forced=forced) for s in DRAFT_SOURCES]
+        outs = [draw_draft(logits, sp, positions, source=s, forced=forced, coupled=coupled)
+                for s in DRAFT_SOURCES]
         pick = lambda *xs: jnp.stack(xs)[forced.modes, jnp.arange(B)]
         return jax.tree.map(pick, *outs)
     raise ValueError(f"draft source {source!r} not in {DRAFT_SOURCES}")
@@ -103,7 +109,7 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
 
     def draw(normed_rows, i):
         return draw_draft(logits_from_hidden(params, normed_rows), sp, seq_len + 1 + i,
-                          source=source, forced=forced)
+                          source=source, forced=forced, coupled=spec.acceptance == "coupled")
 
     def record(drafts, probs, tok, q, i):
         drafts = jax.lax.dynamic_update_index_in_dim(drafts, tok, i, axis=1)

@@ -6,6 +6,10 @@ Each row r of a `MixedBatch` is one scheduled request, living in engine slot `sl
                    the host can pack step t+1 before it has read step t (async scheduling)
   KIND_CHUNK       a non-final prefill chunk: writes KV, commits nothing
   KIND_LAST_CHUNK  the final prefill chunk: commits the first sampled token
+  KIND_RESUME      the final chunk of a resuming request's re-prefill (x_0..x_{T-2}, after a
+                   preemption): commits nothing, x_{T-1} (next_tokens[r, 0]) becomes the pending
+                   token again and the row drafts, so the next verify step is the one the request
+                   would have run without the preemption (same drafts, same keys)
   KIND_PAD         padding row (q_len 0)
 One ragged target forward serves every row; acceptance treats a final chunk as a request with
 0 drafts. The MTP first pass is ragged too: for every row it covers the positions
@@ -24,11 +28,11 @@ from flax import struct
 from mtpjax.cache import KVCache, PagedBatch
 from mtpjax.config import ModelConfig, SpecConfig
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
-from mtpjax.sampling import SamplingArrays, sample
+from mtpjax.sampling import SamplingArrays, processed_logprobs, sample
 from mtpjax.speculative.accept import apply_acceptance
 from mtpjax.speculative.draft import draft_shape, run_drafts
 
-KIND_PAD, KIND_DECODE, KIND_CHUNK, KIND_LAST_CHUNK = 0, 1, 2, 3
+KIND_PAD, KIND_DECODE, KIND_CHUNK, KIND_LAST_CHUNK, KIND_RESUME = 0, 1, 2, 3, 4
 
 
 @struct.dataclass
@@ -70,19 +74,51 @@ class MixedBatch:
     kinds: jax.Array          # int32[R]     KIND_*
     next_tokens: jax.Array    # int32[R, K+1] prompt tokens at positions end..end+K of a
                               #              non-final chunk (-1 past the prompt)
-    thinking: jax.Array       # bool[R]      phase after the prompt (final chunks, relaxed rule)
+    thinking: jax.Array       # bool[R]      phase after the prompt (final chunks, relaxed rule;
+                              #              resume rows: after every committed token)
     hist_from: jax.Array      # int32[R]     first position this residency computed itself;
                               #              earlier KV came from the prefix cache (no history)
     sampling: SamplingArrays  # per row
+    num_drafts: jax.Array | None = None      # int32[R] drafts a decode row verifies, 0..K (the
+                                             # rest are masked: never accepted); None: K
+    want_logprobs: jax.Array | None = None   # bool[R] rows whose logprobs are returned
+
+
+@struct.dataclass
+class StepLogprobs:
+    """Logprobs of a step's committed tokens under the target's processed distribution
+    (`sampling.processed_logprobs`), from the verify pass's logits. Entry [r, j] belongs to
+    committed_tokens[r, j] (meaningful for j < num_committed[r]); zeros when no row asked."""
+
+    chosen: jax.Array         # f32[R, J]     logprob of committed_tokens[r, j]
+    top_values: jax.Array     # f32[R, J, n]  the n largest logprobs, descending
+    top_ids: jax.Array        # int32[R, J, n]
+
+
+def step_logprobs(logits, tokens, sp: SamplingArrays, want, n: int) -> StepLogprobs:
+    """logits [R, J, V], tokens int32[R, J], want bool[R] -> StepLogprobs (zeros for rows that
+    do not want them). Computed for every row of an engine built with max_logprobs > 0: a
+    device-side branch skipping it would make the GPU dispatch wait for the step
+    (docs/architecture.md, "Compiling a step")."""
+    lp = processed_logprobs(logits, sp.temperature, sp.top_k, sp.top_p)          # [R, J, V]
+    chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+    vals, ids = jax.lax.top_k(lp, n)
+    w = want[:, None]
+    return StepLogprobs(jnp.where(w, chosen, 0.0), jnp.where(w[..., None], vals, 0.0),
+                        jnp.where(w[..., None], ids.astype(jnp.int32), 0))
 
 
 def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, batch: MixedBatch,
-               *, first_pass_len: int, backend, draft_source: str = "model", forced=None):
-    """-> (state, committed_tokens int32[R, K+1], num_committed int32[R]).
+               *, first_pass_len: int, backend, draft_source: str = "model", forced=None,
+               logprobs: int = 0):
+    """-> (state, committed_tokens int32[R, K+1], num_committed int32[R]), and a 4th output,
+    StepLogprobs with n = `logprobs` alternatives per token, when logprobs > 0.
 
     spec=None: plain autoregressive decoding (decode rows carry one token, no drafting).
-    draft_source / forced: the draft loop's test hooks (speculative/draft.py). This is the only
-    device step: the engine runs it on ragged batches, `generate` inside its while_loop.
+    batch.num_drafts: per-row drafts verified (per-request / adaptive K, by masking: the
+    compiled shapes stay those of K). draft_source / forced: the draft loop's test hooks
+    (speculative/draft.py). This is the only device step: the engine runs it on ragged batches,
+    `generate` inside its while_loop.
     """
     K, W = draft_shape(spec)
     T = batch.tokens.shape[0]
@@ -92,7 +128,8 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
     q_len = cu[1:] - cu[:-1]
     is_dec = batch.kinds == KIND_DECODE
     is_last = batch.kinds == KIND_LAST_CHUNK
-    is_chunk = (batch.kinds == KIND_CHUNK) | is_last
+    is_resume = batch.kinds == KIND_RESUME
+    is_chunk = (batch.kinds == KIND_CHUNK) | is_last | is_resume
     drafts = state.drafts[batch.slots]
     probs = state.draft_probs[batch.slots]
     # N before the step: the slot's for decodes, the host's for chunks
@@ -129,10 +166,15 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         committed = (is_dec | is_last).astype(jnp.int32)
         new_len = jnp.where(is_dec, start + 1, kv_lens)
         pending = jnp.where(is_dec | is_last, tok, batch.next_tokens[:, 0])
-        return state.replace(cache=cache, **track(new_len, pending)), tok[:, None], committed
+        out = (state.replace(cache=cache, **track(new_len, pending)), tok[:, None], committed)
+        if logprobs:
+            out += (step_logprobs(logits[:, :1], tok[:, None], batch.sampling,
+                                  _want(batch, R), logprobs),)
+        return out
 
     with jax.named_scope("accept"):
-        num_drafts = jnp.where(is_dec, K, 0).astype(jnp.int32)
+        row_k = K if batch.num_drafts is None else jnp.clip(batch.num_drafts, 0, K)
+        num_drafts = jnp.where(is_dec, row_k, 0).astype(jnp.int32)
         key_pos = jnp.where(is_dec, start + 1, kv_lens)
         thinking_in = jnp.where(is_dec, state.in_thinking[batch.slots], batch.thinking)
         acc, num_acc, thinking = apply_acceptance(spec, logits, drafts, probs, num_drafts,
@@ -181,7 +223,7 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
             params, cfg, spec, cache, window=window, hidden0=h0, tokens0=t0,
             next_same=next_same, last_rows=last_rows, seq_len=new_len,
             block_tables=batch.block_tables, sp=batch.sampling, backend=backend,
-            drafting=is_dec | is_last, fixed_next=fixed, source=draft_source, forced=forced)
+            drafting=is_dec | is_last | is_resume, fixed_next=fixed, source=draft_source, forced=forced)
 
     state = SlotState(
         cache=cache,
@@ -189,10 +231,18 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         hist_hidden=state.hist_hidden.at[s].set(hist_hidden.astype(state.hist_hidden.dtype)),
         drafts=state.drafts.at[s].set(new_drafts),
         draft_probs=state.draft_probs.at[s].set(new_probs),
-        in_thinking=state.in_thinking.at[s].set(jnp.where(is_dec | is_last, thinking,
-                                                          state.in_thinking[s])),
+        in_thinking=state.in_thinking.at[s].set(
+            jnp.where(is_dec | is_last, thinking,
+                      jnp.where(is_resume, batch.thinking, state.in_thinking[s]))),
         **track(new_len, pending))
+    if logprobs:
+        return state, acc, committed, step_logprobs(logits, acc, batch.sampling,
+                                                    _want(batch, R), logprobs)
     return state, acc, committed
+
+
+def _want(batch: MixedBatch, R: int):
+    return jnp.ones((R,), bool) if batch.want_logprobs is None else batch.want_logprobs
 
 
 def thinking_after(tokens, spec: SpecConfig) -> bool:

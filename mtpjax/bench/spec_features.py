@@ -1,0 +1,195 @@
+"""Serving-feature benchmarks: logprobs cost, adaptive vs fixed K, coupled vs rejection acceptance.
+
+    python -m mtpjax.bench.spec_features logprobs  [--batch 32] [--k 3] [--steps 50]
+    python -m mtpjax.bench.spec_features adaptive  [--batches 1 64] [--rates 0.9 0.6 0.3]
+    python -m mtpjax.bench.spec_features acceptance [--k 1 2 3] [--temperatures 0.6 1.0]
+    python -m mtpjax.bench.spec_features all --tiny        # CPU smoke shapes (the test runs this)
+
+logprobs: engine ms/step at `batch` decoding requests, K drafts (synthetic acceptance 0.7), on
+  `LLM(max_logprobs=5)`, with no request asking and with every request asking `logprobs=5`.
+adaptive: tokens/s of fixed K against `AdaptiveK()` at each batch size, synthetic acceptance whose
+  conditional per-position rates decay (`--rates`, P(draft i kept | drafts < i kept)).
+acceptance: the shipped trained model (`tiny_code_mimo`), seeded sampled requests, coupled vs
+  rejection: acceptance rate and tokens per verify step (real acceptance; no synthetic rule).
+Model for logprobs/adaptive: random weights, bf16, hidden 2048, 8 layers, vocab 32000 (GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _model(args):
+    import mtpjax
+    if args.tiny:
+        cfg = mtpjax.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                 num_layers=2, num_heads=4, num_kv_heads=2, num_mtp_layers=1)
+        return cfg, mtpjax.init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    h = args.hidden
+    cfg = mtpjax.ModelConfig(vocab_size=args.vocab, hidden_size=h, intermediate_size=4 * h,
+                             num_layers=args.layers, num_heads=h // 128,
+                             num_kv_heads=max(h // 512, 1), head_dim=128, num_mtp_layers=1)
+    return cfg, mtpjax.init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16, std=0.02)
+
+
+def _engine(cfg, params, spec, batch, steps, prompt_len, **kw):
+    import mtpjax
+    K = spec.num_speculative_tokens
+    max_tokens = (steps + 8) * (K + 1) + 8
+    pages = batch * ((prompt_len + max_tokens + 2 * K + 16) // 16 + 2)
+    return mtpjax.LLM(params, cfg, spec, num_pages=pages, page_size=16, max_num_seqs=batch,
+                      max_num_batched_tokens=max(batch * (K + 1), prompt_len * 4),
+                      enable_prefix_caching=False, **kw), max_tokens
+
+
+def _timed_decode(llm, cfg, batch, steps, prompt_len, max_tokens, sp_kw=None):
+    """Fills the engine with `batch` requests, prefills them, warms up, then times `steps`
+    engine steps. Returns (seconds per step, committed tokens per second)."""
+    import mtpjax
+    rng = np.random.default_rng(0)
+    seqs = [llm.add_request(rng.integers(0, cfg.vocab_size, prompt_len).tolist(),
+                            mtpjax.SamplingParams(max_tokens=max_tokens, **(sp_kw or {})))
+            for _ in range(batch)]
+    while any(s.is_prefill for s in llm.scheduler.running) or llm.scheduler.waiting:
+        llm.step()
+    for _ in range(2 if args_tiny(llm) else 4):          # every decode bucket compiled
+        llm.step()
+    llm.flush()
+    jax.block_until_ready(llm.runner.state)
+    before = sum(s.num_completion_tokens for s in seqs)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    llm.flush()
+    jax.block_until_ready(llm.runner.state)
+    dt = time.perf_counter() - t0
+    tokens = sum(s.num_completion_tokens for s in seqs) - before
+    for s in seqs:
+        if not s.is_finished:
+            llm.abort(s)
+    llm.step()
+    return dt / steps, tokens / dt
+
+
+def args_tiny(llm) -> bool:
+    return llm.cfg.hidden_size <= 64
+
+
+def bench_logprobs(args):
+    import mtpjax
+    cfg, params = _model(args)
+    spec = mtpjax.SpecConfig(num_speculative_tokens=args.k, acceptance="synthetic",
+                             synthetic_accept_rate=0.7)
+    # an engine without logprobs against one compiled with max_logprobs=5 whose every request
+    # asks (the logprob work runs for every row of such an engine: no device-side branch)
+    rows = []
+    for n in (0, 5):
+        llm, mt = _engine(cfg, params, spec, args.batch, args.steps, args.prompt_len,
+                          max_logprobs=n)
+        sp_kw = {"logprobs": n} if n else None
+        rows.append((n, *_timed_decode(llm, cfg, args.batch, args.steps, args.prompt_len, mt,
+                                       sp_kw)))
+        del llm
+    print(f"logprobs cost: batch {args.batch}, K={args.k}, {jax.devices()[0].device_kind}")
+    print("| logprobs per request (all rows) | ms/step | tokens/s |")
+    print("| --- | --- | --- |")
+    for n, s, tps in rows:
+        print(f"| {n} | {1e3 * s:.3f} | {tps:.0f} |")
+    print(f"logprobs=5 adds {1e3 * (rows[1][1] - rows[0][1]):.3f} ms/step "
+          f"({100 * (rows[1][1] / rows[0][1] - 1):+.1f}%)")
+    return rows
+
+
+def bench_adaptive(args):
+    import mtpjax
+    cfg, params = _model(args)
+    rates = tuple(args.rates)
+    spec = mtpjax.SpecConfig(num_speculative_tokens=len(rates), acceptance="synthetic",
+                             synthetic_accept_rate=rates)
+    rows = []
+    for b in args.batches:
+        llm, mt = _engine(cfg, params, spec, b, args.steps, args.prompt_len)
+        for name, policy in (("fixed K", None), ("adaptive", mtpjax.AdaptiveK())):
+            llm.adaptive_k = policy
+            s, tps = _timed_decode(llm, cfg, b, args.steps, args.prompt_len, mt)
+            rows.append((b, name, s, tps))
+        del llm
+    print(f"adaptive K: conditional acceptance by position {rates}, "
+          f"{jax.devices()[0].device_kind}")
+    print("| batch | policy | ms/step | tokens/s |")
+    print("| --- | --- | --- | --- |")
+    for b, name, s, tps in rows:
+        print(f"| {b} | {name} | {1e3 * s:.3f} | {tps:.0f} |")
+    return rows
+
+
+def bench_acceptance(args):
+    import mtpjax
+    from mtpjax.assets import tiny_model_path, tiny_model_prompts
+    from mtpjax.checkpoint import load_pretrained
+    ck = load_pretrained(tiny_model_path(), jnp.float32)
+    prompts = tiny_model_prompts()[:args.prompts]
+    if args.tiny:
+        prompts = [ck.tokenizer.encode(p)[:24] for p in prompts]
+    rows = []
+    for K in args.k:
+        for acc in ("rejection", "coupled"):
+            llm = mtpjax.LLM(ck.params, ck.cfg, mtpjax.SpecConfig(num_speculative_tokens=K,
+                                                                  acceptance=acc),
+                             num_pages=256, page_size=16, max_num_seqs=len(prompts),
+                             max_num_batched_tokens=1024, tokenizer=ck.tokenizer)
+            for t in args.temperatures:
+                sps = [mtpjax.SamplingParams(temperature=t, seed=i, max_tokens=args.tokens)
+                       for i in range(len(prompts))]
+                outs = llm.generate(prompts, sps)
+                prop = sum(o.num_draft_tokens for o in outs)
+                accd = sum(o.num_accepted_draft_tokens for o in outs)
+                steps = sum(o.num_verify_steps for o in outs)
+                rows.append((K, t, acc, accd / max(prop, 1), (accd + steps) / max(steps, 1)))
+    print(f"acceptance on tiny_code_mimo: {len(prompts)} prompts x {args.tokens} tokens, "
+          f"seeded sampling (chain)")
+    print("| K | temperature | acceptance | acceptance rate | tokens / verify step |")
+    print("| --- | --- | --- | --- | --- |")
+    for K, t, acc, rate, length in sorted(rows):
+        print(f"| {K} | {t} | {acc} | {rate:.3f} | {length:.2f} |")
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["logprobs", "adaptive", "acceptance", "all"])
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke shapes")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--k", type=int, nargs="+", default=[3])
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.9, 0.6, 0.3])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.6, 1.0])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    if args.what in ("logprobs", "adaptive") and len(args.k) != 1:
+        ap.error("logprobs/adaptive take one --k")
+    args.k = args.k if args.what == "acceptance" else args.k
+    out = {}
+    if args.what in ("logprobs", "all"):
+        a = argparse.Namespace(**{**vars(args), "k": args.k[0]})
+        out["logprobs"] = bench_logprobs(a)
+    if args.what in ("adaptive", "all"):
+        out["adaptive"] = bench_adaptive(args)
+    if args.what in ("acceptance", "all"):
+        out["acceptance"] = bench_acceptance(args)
+    return out
+
+
+if __name__ == "__main__":
+    main()
