@@ -248,10 +248,12 @@ def test_unknown_mode_is_refused_by_name():
         filtered_probs(jnp.zeros((2, V)), *_filters(_abstract_batch("greedy")[0]), mode="fast")
 
 
-@pytest.mark.parametrize("spec", [None, SpecConfig(num_speculative_tokens=2),
-                                  SpecConfig(num_speculative_tokens=2, method="multi_layer")],
-                         ids=["plain", "chain_K2", "multi_layer_K2"])
-def test_engine_step_has_no_device_conditional(spec):
+@pytest.mark.parametrize("spec,max_logprobs", [
+    (None, 0), (SpecConfig(num_speculative_tokens=2), 0),
+    (SpecConfig(num_speculative_tokens=2, method="multi_layer"), 0),
+    (SpecConfig(num_speculative_tokens=2, acceptance="coupled"), 2)],
+    ids=["plain", "chain_K2", "multi_layer_K2", "coupled_K2_logprobs"])
+def test_engine_step_has_no_device_conditional(spec, max_logprobs):
     """The engine's compiled step, in each of its sampling modes, holds no `conditional` (on a
     GPU its predicate is copied to the host and the dispatch blocks until the step is done)."""
     from mtpjax import LLM
@@ -259,14 +261,15 @@ def test_engine_step_has_no_device_conditional(spec):
     from tests.conftest import random_params, tiny_config
     cfg = tiny_config(vocab_size=V, num_mtp_layers=2 if spec and spec.method == "multi_layer" else 1)
     llm = LLM(random_params(cfg), cfg, spec, num_pages=16, page_size=4, max_num_seqs=2,
-              max_num_batched_tokens=8, warmup=False)
+              max_num_batched_tokens=8, max_logprobs=max_logprobs, warmup=False)
     r = llm.runner
     empty, _ = r.pack(runner_mod.SchedulerOutput([], [], r.K))
     inputs, shape = r.device_inputs(empty)
     for mode in runner_mod.ENGINE_SAMPLING_MODES:
         text = runner_mod._step.lower(r.params, r.cfg, r.spec, r.state, inputs,
                                       first_pass_len=8, backend=r.backend, shape=shape,
-                                      sampling_mode=mode).compile().as_text()
+                                      logprobs=max_logprobs, sampling_mode=mode
+                                      ).compile().as_text()
         assert "conditional(" not in text, mode
-        if mode == "greedy":
+        if mode == "greedy" and not max_logprobs:      # (processed logprobs do sort)
             assert " sort(" not in text
