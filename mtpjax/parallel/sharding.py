@@ -140,3 +140,21 @@ def pin(state, cfg, mesh: Mesh | None):
     if mesh is None:
         return state
     return jax.lax.with_sharding_constraint(state, state_shardings(state, cfg, mesh))
+
+
+def pin_replicated(x, mesh: Mesh | None):
+    """Inside a jitted step: a result every process reads whole (the engine's readback)."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+
+
+def mesh_sharding(cfg, sharding, mesh):
+    """The loaders' `sharding=` / `mesh=` pair -> what they place leaves with: `sharding` as
+    given, or the table's tree for `mesh` (a ValueError when both are given)."""
+    if mesh is None:
+        return sharding
+    from mtpjax.parallel.mesh import check_mesh
+    if sharding is not None:
+        raise ValueError("give sharding= or mesh=, not both (mesh= uses the sharding table)")
+    return param_shardings(cfg, check_mesh(mesh))
