@@ -68,6 +68,8 @@ def partition_spec(axes, shape, cfg, mesh: Mesh, rules: dict | None = None) -> P
     rules = RULES if rules is None else rules
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {axes} do not match the shape {tuple(shape)}")
+    if any(d == 0 for d in shape):                   # nothing to split (e.g. K = 0 drafts)
+        return P()
     used, out = set(), []
     for logical, dim in zip(axes, shape):
         axis = rules.get(logical) if logical is not None else None

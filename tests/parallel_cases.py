@@ -1,0 +1,108 @@
+"""Subprocess side of tests/test_parallel.py: runs with 8 (or N) fake CPU devices and prints one
+JSON line of results. `python tests/parallel_cases.py CASE [args]`; XLA_FLAGS must be set by the
+caller before this starts (jax reads them at import)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dataclasses  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import mtpjax  # noqa: E402
+from mtpjax import SamplingParams, SpecConfig  # noqa: E402
+
+PROMPTS = [[3, 5, 7, 9, 11], [2, 4, 6], [1, 2, 3, 4, 5, 6, 7]]     # 15 tokens: one prefill step
+MESHES = [(1, 8), (2, 4), (8, 1)]                                      # (data, model)
+# (mesh, api, mode): every mesh runs both APIs, every API every mode, on each model
+RUNS = [((1, 8), "generate", "chain"), ((1, 8), "llm", "multi_layer"),
+        ((2, 4), "generate", "multi_layer"), ((2, 4), "llm", "plain"),
+        ((8, 1), "generate", "plain"), ((8, 1), "llm", "chain")]
+NEW = 6
+
+
+def model(name: str):
+    from conftest import random_params, tiny_config
+    if name == "gqa":
+        # 8 query heads, 4 KV heads: pages split by KV head on model=4, replicated on model=8
+        cfg = tiny_config(num_layers=1, num_heads=8, num_kv_heads=4, head_dim=8,
+                          num_mtp_layers=2)
+        return cfg, random_params(cfg, 0)
+    from test_deepseek import _ds_params, ds_config
+    cfg = ds_config(num_heads=8)
+    return cfg, _ds_params(cfg, 0)
+
+
+def spec_of(mode: str):
+    return None if mode == "plain" else SpecConfig(num_speculative_tokens=2, method=mode)
+
+
+def run(params, cfg, api, mode, mesh, sampling=None):
+    sampling = sampling or SamplingParams(max_tokens=NEW)
+    if api == "generate":
+        return mtpjax.generate(params, cfg, PROMPTS, max_new_tokens=NEW, spec=spec_of(mode),
+                               sampling=sampling, mesh=mesh, page_size=4).tokens, None
+    llm = mtpjax.LLM(params, cfg, spec_of(mode), num_pages=40, page_size=4, max_num_seqs=4,
+                     max_num_batched_tokens=16, warmup=False, mesh=mesh)
+    return [o.token_ids for o in llm.generate(PROMPTS, sampling)], llm
+
+
+def sharding_report(llm, cfg, mesh) -> dict:
+    """Leaves whose sharding is not the table's, and the specs of a few named leaves."""
+    from mtpjax.parallel import param_shardings, state_shardings
+    bad = []
+    for tree, want in ((llm.runner.params, param_shardings(cfg, mesh)),
+                       (llm.runner.state, state_shardings(llm.runner.state, cfg, mesh))):
+        got_l, _ = jax.tree_util.tree_flatten_with_path(tree)
+        want_l = jax.tree.leaves(want)
+        assert len(got_l) == len(want_l)
+        for (path, a), s in zip(got_l, want_l):
+            if not a.sharding.is_equivalent_to(s, a.ndim):
+                bad.append(f"{jax.tree_util.keystr(path)}: {a.sharding.spec} != {s.spec}")
+    p, st = llm.runner.params, llm.runner.state
+    attn = p["layers"][-1]
+    named = {"embed": p["embed"], "lm_head": p.get("lm_head", p["embed"]),
+             "wq": attn.get("wq", attn.get("wq_b")), "wo": attn["wo"],
+             "mtp_eh_proj": p["mtp"][0]["eh_proj"], "draft_probs": st.draft_probs,
+             "pages": jax.tree.leaves(st.cache.target[0])[0],
+             "mtp_pages": jax.tree.leaves(st.cache.mtp[0])[0]}
+    for k in ("wk", "w_gate", "w_down", "router", "shared_gate", "wkv_a", "wkv_b", "wq_a"):
+        if k in attn:
+            named[k] = attn[k]
+    return {"mismatches": bad,
+            "specs": {k: [a for a in v.sharding.spec] for k, v in named.items()}}
+
+
+def case_models(name: str) -> dict:
+    """Greedy rows of every run == the single-device plain ref; the sampled row (prompt 1, its
+    own seed) == the single-device run of the same mode (plain and chain speculative)."""
+    cfg, params = model(name)
+    greedy = SamplingParams(max_tokens=NEW)
+    mixed = [greedy, SamplingParams(max_tokens=NEW, temperature=1.0, top_k=20, seed=5), greedy]
+    out = {"ref": run(params, cfg, "generate", "plain", None, mixed)[0],
+           "ref_chain": run(params, cfg, "generate", "chain", None, mixed)[0],
+           "runs": [], "shardings": {}}
+    for (d, m), api, mode in RUNS:
+        mesh = mtpjax.make_mesh(tensor_parallel=m, data_parallel=d)
+        sampled = api == "generate" and mode in ("plain", "chain")
+        toks, llm = run(params, cfg, api, mode, mesh, mixed if sampled else greedy)
+        out["runs"].append({"mesh": [d, m], "api": api, "mode": mode, "tokens": toks,
+                            "sampled_row": 1 if sampled else None})
+        if llm is not None:
+            out["shardings"][f"{d}x{m}"] = sharding_report(llm, cfg, mesh)
+    return out
+
+
+if __name__ == "__main__":
+    case = sys.argv[1]
+    result = {"models": lambda: case_models(sys.argv[2])}[case]()
+    print("RESULT " + json.dumps(result))
