@@ -38,7 +38,7 @@ def model(name: str):
                           num_mtp_layers=2)
         return cfg, random_params(cfg, 0)
     from test_deepseek import _ds_params, ds_config
-    cfg = ds_config(num_heads=8)
+    cfg = ds_config(num_heads=8, num_kv_heads=8)
     return cfg, _ds_params(cfg, 0)
 
 
@@ -102,7 +102,77 @@ def case_models(name: str) -> dict:
     return out
 
 
+def hlo_model():
+    from conftest import random_params, tiny_config
+    cfg = tiny_config(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
+    return cfg, random_params(cfg, 0)
+
+
+def case_step_hlo() -> dict:
+    """The engine's step (chain MTP, K=2) on a (1, 2) mesh at a tiny GQA layout: every collective
+    of its compiled HLO as [kind, shape, scope] (scope: the named scope, `cond` when the op sits
+    in a branch of a lax.cond, `loop` inside the draft loop)."""
+    import re
+    from mtpjax.engine.runner import _step
+    from mtpjax.engine.scheduler import SchedulerOutput
+    cfg, params = hlo_model()
+    mesh = mtpjax.make_mesh(tensor_parallel=2)
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), num_pages=16,
+                     page_size=4, max_num_seqs=2, max_num_batched_tokens=8, warmup=False,
+                     mesh=mesh)
+    r = llm.runner
+    empty, _ = r.pack(SchedulerOutput([], [], r.K))
+    batch = empty.replace(tokens=np.zeros(8, np.int32), seq_ids=np.zeros(8, np.int32),
+                          positions=np.full(8, -1, np.int32))
+    inputs, shape = r.device_inputs(batch)
+    compiled = _step.lower(r.params, cfg, r.spec, r.state, inputs, first_pass_len=8,
+                           backend=r.backend, shape=shape).compile()
+    found = []
+    pat = re.compile(r"= (.+?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
+                     r"collective-permute)(?:-start)?\(")
+    for line in compiled.as_text().split("\n"):
+        m = pat.search(line)
+        if not m:
+            continue
+        op = re.search(r'op_name="([^"]+)"', line)
+        op = op.group(1) if op else ""
+        scope = op.split("/")[1] if op.count("/") else op
+        where = "cond" if "/cond/" in op else ("loop" if "/while/" in op else "step")
+        shapes = re.findall(r"[fsu]\d+\[[\d,]*\]", m.group(1))
+        found.append([m.group(2), shapes[0] if len(set(shapes)) == 1 else ",".join(shapes),
+                      scope, where])
+    return {"collectives": sorted(found),
+            "input_specs": [list(s.spec) for s in jax.tree.leaves(compiled.input_shardings)],
+            "output_state_ok": all(
+                o.is_equivalent_to(i.sharding, i.ndim) for o, i in zip(
+                    jax.tree.leaves(compiled.output_shardings[0]), jax.tree.leaves(r.state)))}
+
+
+def case_loading(tmp: str) -> dict:
+    """load_hf(mesh=) and restore(mesh=) put every leaf in its table sharding, values intact."""
+    from mtpjax.checkpoint import export_hf, load_hf, restore, save
+    from mtpjax.parallel import param_shardings
+    cfg, params = hlo_model()
+    mesh = mtpjax.make_mesh(tensor_parallel=2)
+    want = param_shardings(cfg, mesh)
+    export_hf(os.path.join(tmp, "hf"), params, cfg)
+    save(os.path.join(tmp, "orbax"), params, cfg)
+    out = {}
+    for name, ck in (("hf", load_hf(os.path.join(tmp, "hf"), mesh=mesh)),
+                     ("orbax", restore(os.path.join(tmp, "orbax"), mesh=mesh))):
+        bad = [jax.tree_util.keystr(p) for (p, a), s in zip(
+            jax.tree_util.tree_flatten_with_path(ck.params)[0], jax.tree.leaves(want))
+            if not a.sharding.is_equivalent_to(s, a.ndim)]
+        same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+            jax.tree.leaves(ck.params), jax.tree.leaves(params)))
+        split = sum(1 for a in jax.tree.leaves(ck.params) if not a.sharding.is_fully_replicated)
+        out[name] = {"mismatches": bad, "equal": same, "num_split": split}
+    return out
+
+
 if __name__ == "__main__":
     case = sys.argv[1]
-    result = {"models": lambda: case_models(sys.argv[2])}[case]()
+    result = {"models": lambda: case_models(sys.argv[2]),
+              "two": lambda: {"hlo": case_step_hlo(), "loading": case_loading(sys.argv[2])},
+              }[case]()
     print("RESULT " + json.dumps(result))
