@@ -170,9 +170,33 @@ def case_loading(tmp: str) -> dict:
     return out
 
 
+def case_process(process_id: int, port: int) -> dict:
+    """One of two processes (4 fake devices each) of one jax.distributed program over
+    localhost: a (2, 4) mesh over all 8 devices; generate and the engine, chain MTP, greedy."""
+    from mtpjax.parallel import initialize
+    initialize(f"localhost:{port}", 2, process_id, cpu_collectives="gloo")
+    assert jax.process_count() == 2 and len(jax.devices()) == 8, jax.devices()
+    cfg, params = hlo_model()
+    mesh = mtpjax.make_mesh(tensor_parallel=4, data_parallel=2)
+    spec = SpecConfig(num_speculative_tokens=2)
+    gen = mtpjax.generate(params, cfg, PROMPTS, max_new_tokens=NEW, spec=spec, mesh=mesh,
+                          page_size=4).tokens
+    llm = mtpjax.LLM(params, cfg, spec, num_pages=40, page_size=4, max_num_seqs=4,
+                     max_num_batched_tokens=16, warmup=False, mesh=mesh)
+    eng = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=NEW))]
+    return {"process": jax.process_index(), "generate": gen, "llm": eng}
+
+
+def case_one_process_ref() -> list:
+    cfg, params = hlo_model()
+    return mtpjax.generate(params, cfg, PROMPTS, max_new_tokens=NEW, page_size=4).tokens
+
+
 if __name__ == "__main__":
     case = sys.argv[1]
     result = {"models": lambda: case_models(sys.argv[2]),
-              "two": lambda: {"hlo": case_step_hlo(), "loading": case_loading(sys.argv[2])},
+              "two": lambda: {"hlo": case_step_hlo(), "loading": case_loading(sys.argv[2]),
+                              "ref": case_one_process_ref()},
+              "process": lambda: case_process(int(sys.argv[2]), int(sys.argv[3])),
               }[case]()
     print("RESULT " + json.dumps(result))
