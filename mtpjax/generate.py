@@ -246,6 +246,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    mesh = check_mesh(mesh)
     enable_compilation_cache()
     prompts = validate_prompts(prompts, cfg)
     sps = as_sampling_list(sampling, len(prompts))
@@ -266,7 +267,6 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     draft_source, forced = _draft_override(draft_source, forced_drafts, len(prompts))
     batch, F = prefill_batch(prompts, spec, sp_arrays, tables)
     B = len(prompts)
-    mesh = check_mesh(mesh)
     backend = resolve_backend(attention_impl, mesh=mesh)
     if mesh is None:
         slots = SlotState.create(cfg, spec, init_cache(cfg, num_pages, page_size, dtype), B, dtype)

@@ -116,8 +116,7 @@ def test_tokens_on_every_mesh_equal_one_device(model_runs):
     ref, ref_chain = r["ref"], r["ref_chain"]
     greedy = lambda toks: [t for i, t in enumerate(toks) if i != 1]  # noqa: E731
     assert greedy(ref_chain) == greedy(ref)                  # lossless, on one device
-    assert ref_chain[1] != ref[1] or True                    # (sampled rows may differ by mode)
-    seen = set()
+    seen, greedy_row1 = set(), []
     for run in r["runs"]:
         where = (name, tuple(run["mesh"]), run["api"], run["mode"])
         assert greedy(run["tokens"]) == greedy(ref), where
@@ -125,9 +124,10 @@ def test_tokens_on_every_mesh_equal_one_device(model_runs):
             want = ref if run["mode"] == "plain" else ref_chain
             assert run["tokens"][1] == want[1], where
         else:
-            assert run["tokens"][1] == ref[1], where       # greedy everywhere
+            greedy_row1.append(run["tokens"][1])           # greedy everywhere: one answer
         seen.add((tuple(run["mesh"]), run["api"]))
         seen.add((run["api"], run["mode"]))
+    assert len(greedy_row1) >= 3 and all(t == greedy_row1[0] for t in greedy_row1)
     assert {(m, a) for m in ((1, 8), (2, 4), (8, 1)) for a in ("generate", "llm")} <= seen
     assert {(a, m) for a in ("generate", "llm") for m in ("plain", "chain", "multi_layer")} <= seen
 
@@ -143,7 +143,8 @@ def test_every_param_and_state_leaf_has_the_table_sharding(model_runs):
         assert s["embed"] == ["model"] and s["lm_head"] == [None, "model"]   # vocab-parallel
         assert s["wq"] == [None, "model"] and s["wo"] == ["model"]          # by head
         assert s["mtp_eh_proj"] == []
-    assert s24["draft_probs"] == ([] if name == "gqa" else [None, None, "model"])  # gqa: plain LLM
+    assert s18["draft_probs"] == [None, None, "model"]       # [slots, K, V]: vocab-parallel
+    assert s24["draft_probs"] == []                          # the plain LLM: K = 0, empty
     if name == "gqa":                # 4 KV heads: split on model=4, replicated on model=8
         assert s24["pages"] == ["model"] and s24["mtp_pages"] == ["model"]
         assert s24["wk"] == [None, "model"]
