@@ -205,6 +205,11 @@ def test_load_hf_and_restore_put_every_leaf_in_its_sharding(two_devices):
         assert got["num_split"] > 0, name
 
 
+def test_pallas_kernels_run_per_device_under_shard_map(two_devices):
+    for name, err in two_devices["pallas"].items():
+        assert err < 1e-5, name
+
+
 # ---------------------------------------------------------------- two processes
 
 
