@@ -236,3 +236,28 @@ def test_two_processes_give_the_tokens_of_one(two_devices):
     ref = two_devices["ref"]
     for r in results:
         assert r["generate"] == ref and r["llm"] == ref, r["process"]
+
+
+# ---------------------------------------------------------------- bench
+
+
+def test_bench_e2e_tensor_parallel_runs_on_a_mesh(tmp_path):
+    """`mtpjax bench e2e --tensor-parallel 2` on 2 fake CPU devices, tiny shape: the MTP rows
+    run on the (1, 2) mesh and give finite numbers; a bad size is refused by name."""
+    code = ("import sys; from mtpjax.cli import main; sys.exit(main(['bench', 'e2e', "
+            "'--model-shape', 'tiny', '--batch', '2', '--prompt-len', '4', '--new-tokens', '8', "
+            "'--k', '2', '--copy-mib', '4', '--repeats', '1', '--no-startup', '--rows', "
+            f"'generate MTP,engine MTP', '--tensor-parallel', '2', '--out', {str(tmp_path)!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=_env(2), timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "mesh data=1 x model=2 of 2 devices" in out.stdout
+    saved = json.loads((tmp_path / "e2e.json").read_text())
+    assert saved["mesh"] == {"data": 1, "model": 2}
+    rows = {r["row"]: r for r in saved["rows"]}
+    assert set(rows) == {"generate MTP K=2", "engine MTP K=2"}
+    for name, r in rows.items():
+        assert "error" not in r and np.isfinite(r["ms_per_step"]) and r["ms_per_step"] > 0, name
+    from mtpjax.bench.e2e import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--model-shape", "tiny", "--tensor-parallel", "0"])
