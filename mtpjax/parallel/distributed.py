@@ -21,7 +21,11 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
     mesh spanning processes can run its all-reduces (GPU meshes use NCCL regardless).
     Call it before any other JAX call."""
     if cpu_collectives:
-        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+        try:
+            jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+        except (AttributeError, ValueError) as e:       # a JAX without the option
+            raise ValueError(f"this JAX ({jax.__version__}) cannot select CPU collectives "
+                             f"{cpu_collectives!r}: {e}; pass cpu_collectives=None on GPUs") from e
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id, **kwargs)
 

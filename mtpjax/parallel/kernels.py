@@ -11,15 +11,20 @@ devices `AttentionBackend.paged_attention` therefore calls the kernel inside `sh
 
 Each device's query heads then map to its own KV heads (head h uses KV head h // (NH / KVH),
 and a contiguous block of NH / m heads covers exactly KVH / m KV heads), so no collective is
-needed. The "data" axis replicates the call. Any other layout is a ValueError naming it.
+needed. The "data" axis replicates the call. Any other layout is a ValueError naming it for an
+explicit "pallas" backend; "auto" (fallback) warns once and runs the reference instead.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 from jax.sharding import PartitionSpec as P
+
+
+_warned: set = set()
 
 
 def shard_map_compat(f, *, mesh, in_specs, out_specs):
@@ -53,7 +58,16 @@ def per_device_paged_attention(backend, q, k_pages, v_pages, batch, *, sm_scale=
     from mtpjax.model import pallas_dispatch
     mesh = backend.mesh
     model = int(mesh.shape["model"])
-    layout = kernel_layout(q.shape[1], k_pages.shape[0], model)
+    try:
+        layout = kernel_layout(q.shape[1], k_pages.shape[0], model)
+    except ValueError as e:
+        if not backend.fallback:                     # an explicit "pallas": say why not
+            raise
+        if str(e) not in _warned:                    # "auto": the reference, partitioned by XLA
+            _warned.add(str(e))
+            warnings.warn(f"{e}; using the reference attention")
+        from mtpjax.model.attention import paged_attention_reference
+        return paged_attention_reference(q, k_pages, v_pages, batch, sm_scale=sm_scale)
     heads = P(None, "model") if model > 1 else P()
     pages = P("model") if layout == "split" and model > 1 else P()
     kernel = functools.partial(pallas_dispatch.paged_attention, sm_scale=sm_scale,
