@@ -167,6 +167,13 @@ def case_loading(tmp: str) -> dict:
             jax.tree.leaves(ck.params), jax.tree.leaves(params)))
         split = sum(1 for a in jax.tree.leaves(ck.params) if not a.sharding.is_fully_replicated)
         out[name] = {"mismatches": bad, "equal": same, "num_split": split}
+    llm = mtpjax.LLM.from_pretrained(os.path.join(tmp, "orbax"), mesh=mesh, num_pages=8,
+                                     page_size=4, max_num_seqs=2, warmup=False)
+    out["from_pretrained"] = [jax.tree_util.keystr(p) for (p, a), s in zip(
+        jax.tree_util.tree_flatten_with_path(llm.runner.params)[0], jax.tree.leaves(want))
+        if not a.sharding.is_equivalent_to(s, a.ndim)]
+    out["from_pretrained_split"] = sum(
+        1 for a in jax.tree.leaves(llm.runner.params) if not a.sharding.is_fully_replicated)
     return out
 
 

@@ -203,6 +203,9 @@ def test_load_hf_and_restore_put_every_leaf_in_its_sharding(two_devices):
         got = two_devices["loading"][name]
         assert got["mismatches"] == [] and got["equal"], name
         assert got["num_split"] > 0, name
+    assert two_devices["loading"]["from_pretrained"] == []          # LLM.from_pretrained(mesh=)
+    assert two_devices["loading"]["from_pretrained_split"] == two_devices["loading"]["orbax"][
+        "num_split"]
 
 
 def test_pallas_kernels_run_per_device_under_shard_map(two_devices):
