@@ -38,7 +38,8 @@ def model(name: str):
                           num_mtp_layers=2)
         return cfg, random_params(cfg, 0)
     from test_deepseek import _ds_params, ds_config
-    cfg = ds_config(num_heads=8, num_kv_heads=8)
+    # one target layer, MLA + MoE (the dense FFN is covered by the GQA model)
+    cfg = ds_config(num_heads=8, num_kv_heads=8, num_layers=1, first_k_dense_replace=0)
     return cfg, _ds_params(cfg, 0)
 
 
