@@ -20,3 +20,7 @@ __all__ += ["BlockManager", "Sequence", "LLM", "QueueFullError", "RequestOutput"
 from mtpjax import checkpoint  # noqa: E402
 
 __all__ += ["checkpoint"]
+
+from mtpjax.parallel import make_mesh  # noqa: E402
+
+__all__ += ["make_mesh"]

@@ -20,6 +20,8 @@ from mtpjax.cache import init_cache
 from mtpjax.compilation_cache import enable_compilation_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.model.backend import resolve_backend
+from mtpjax.parallel import check_mesh, sharded_inputs, to_host
+from mtpjax.parallel.sharding import pin
 from mtpjax.sampling import Limits, SamplingArrays, as_sampling_list, is_stop, stop_id_array
 from mtpjax.speculative.draft import DRAFT_SOURCES, DraftOverride, draft_shape
 from mtpjax.speculative.metrics import SpecStats
@@ -204,9 +206,10 @@ def generate_step(params, cfg: ModelConfig, spec: SpecConfig | None, state: Gene
           donate_argnames=("slots",))
 def _prefill(params, cfg, spec, slots, batch, limits, forced, *, first_pass_len, max_new,
              backend, draft_source):
-    return generate_prefill(params, cfg, spec, slots, batch, limits,
-                            first_pass_len=first_pass_len, max_new=max_new, backend=backend,
-                            draft_source=draft_source, forced=forced)
+    state = generate_prefill(params, cfg, spec, slots, batch, limits,
+                             first_pass_len=first_pass_len, max_new=max_new, backend=backend,
+                             draft_source=draft_source, forced=forced)
+    return pin(state, cfg, backend.mesh)
 
 
 @step_jit(static_argnames=("cfg", "spec", "backend", "draft_source"), donate_argnames=("state",))
@@ -214,9 +217,9 @@ def _loop(params, cfg, spec, state: GenerateState, sampling, limits, forced, *, 
           draft_source):
     return jax.lax.while_loop(
         lambda s: ~jnp.all(s.done),
-        lambda s: generate_step(params, cfg, spec, s, sampling, limits, backend=backend,
-                                draft_source=draft_source, forced=forced),
-        state)
+        lambda s: pin(generate_step(params, cfg, spec, s, sampling, limits, backend=backend,
+                                    draft_source=draft_source, forced=forced), cfg, backend.mesh),
+        pin(state, cfg, backend.mesh))
 
 
 def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
@@ -224,7 +227,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
              spec: SpecConfig | None = None, seed: int = 0, page_size: int = 16,
              num_pages: int | None = None, attention_impl="auto",
              cache_dtype=None, draft_source: str = "model",
-             forced_drafts=None) -> GenerateOutput:
+             forced_drafts=None, mesh=None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt (fewer when `SamplingParams.max_tokens` is
     smaller or a stop token is produced; the stop token is included in the output).
 
@@ -238,9 +241,12 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     draft_source (experiments and tests): "model" (default), "random" (uniform random drafts) or
     "forced" (draft at position p is forced_drafts[b, p], e.g. the target's own continuation);
     a list gives one source per prompt (one compiled program serves them all).
+    mesh: a jax.sharding.Mesh with axes ("data", "model") (`mtpjax.make_mesh`): params, cache
+    and state are placed by the sharding table (docs/parallel.md) and every step runs on it.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    mesh = check_mesh(mesh)
     enable_compilation_cache()
     prompts = validate_prompts(prompts, cfg)
     sps = as_sampling_list(sampling, len(prompts))
@@ -255,21 +261,28 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     tables, num_pages = plan_pages([n + m + lookahead for n, m in zip(lens, max_new)],
                                    page_size, num_pages, seed)
     dtype = cache_dtype or params["embed"].dtype
-    cache = init_cache(cfg, num_pages, page_size, dtype)
     sp_arrays = SamplingArrays.build(sps, seed)
     limits = Limits(max_new=jnp.asarray(max_new, jnp.int32),
                            stop_ids=jnp.asarray(stop_id_array(sps)))
     draft_source, forced = _draft_override(draft_source, forced_drafts, len(prompts))
-    backend = resolve_backend(attention_impl)
     batch, F = prefill_batch(prompts, spec, sp_arrays, tables)
-    slots = SlotState.create(cfg, spec, cache, len(prompts), dtype)
-    state = _prefill(params, cfg, spec, slots, jax.device_put(batch), limits, forced,
+    B = len(prompts)
+    backend = resolve_backend(attention_impl, mesh=mesh)
+    if mesh is None:
+        slots = SlotState.create(cfg, spec, init_cache(cfg, num_pages, page_size, dtype), B, dtype)
+        batch = jax.device_put(batch)
+    else:
+        params, slots, (batch, sp_arrays, limits, forced) = sharded_inputs(
+            mesh, cfg, params, lambda: SlotState.create(
+                cfg, spec, init_cache(cfg, num_pages, page_size, dtype), B, dtype),
+            (batch, sp_arrays, limits, forced))
+    state = _prefill(params, cfg, spec, slots, batch, limits, forced,
                      first_pass_len=F, max_new=max(max_new), backend=backend,
                      draft_source=draft_source)
     state = _loop(params, cfg, spec, state, sp_arrays, limits, forced, backend=backend,
                   draft_source=draft_source)
-    num_out = np.asarray(state.num_out)
-    out = np.asarray(state.out_tokens)
+    num_out = to_host(state.num_out)
+    out = to_host(state.out_tokens)
     toks = [out[i, :num_out[i]].tolist() for i in range(len(prompts))]
     if spec is not None:
         return GenerateOutput(tokens=toks, stats=state.stats.finalize(prefill_tokens=len(prompts)))

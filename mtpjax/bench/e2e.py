@@ -2,7 +2,7 @@
 MTP, against Hugging Face transformers on the same GPU, plus engine start-up (cold and warm).
 
     mtpjax bench e2e --model-shape llama3-8b [--batch 1,32] [--prompt-len 128] [--new-tokens 128]
-                     [--k 3] [--accept-rate 0.8] [--warm-start] [--out DIR]
+                     [--k 3] [--accept-rate 0.8] [--warm-start] [--tensor-parallel N] [--out DIR]
     (= python -m mtpjax.bench.e2e ...; `--model-shape tiny` runs on the CPU in the tests)
 
 Weights are random bf16 (std 0.02); MTP rows use K = 3 chained drafts with the benchmark-only
@@ -44,6 +44,10 @@ eh_proj, norms) and the lm_head; plus the target's KV read once: B x ctx x layer
 x head_dim x 2 bytes at the mean decode context ctx = prompt + N/2 (the MTP modules' own KV, one
 layer per pass, is left out). Copy bandwidth: a jitted copy of `--copy-mib` MiB (default 1 GiB),
 read + written bytes / time, 10 chained copies per round, median of 5 rounds, in this process.
+
+Several devices: `--tensor-parallel N` (and `--data-parallel M`) run every mtpjax row on a
+("data", "model") mesh of M x N devices (`mtpjax.make_mesh`, docs/parallel.md); the floor
+columns stay single-device numbers (bytes / one device's copy bandwidth).
 
 Robustness: each row runs in its own try/except (a failing row or peer is reported, not fatal;
 the warm start and HF run in child processes with `--child-timeout`); progress lines go to
@@ -164,6 +168,21 @@ def spec_config(args):
                              acceptance="synthetic", synthetic_accept_rate=args.accept_rate)
 
 
+_MESHES: dict = {}
+
+
+def mesh_of(args):
+    """The ("data", "model") mesh of --data-parallel x --tensor-parallel, None for one device."""
+    key = (args.data_parallel, args.tensor_parallel)
+    if key == (1, 1):
+        return None
+    if key not in _MESHES:
+        import mtpjax
+        _MESHES[key] = mtpjax.make_mesh(tensor_parallel=args.tensor_parallel,
+                                        data_parallel=args.data_parallel)
+    return _MESHES[key]
+
+
 def engine_kwargs(args, batch: int) -> dict:
     """Engine limits for `batch` requests. Token budget: a whole decode step, and enough prefill
     (up to 2048 tokens) that every prompt is in within a few steps, so the timed decode phase
@@ -184,7 +203,7 @@ def time_generate(params, cfg, spec, prompts, args) -> dict:
     def call(sampling=None):
         t0 = time.perf_counter()
         out = mtpjax.generate(params, cfg, prompts, max_new_tokens=N, spec=spec,
-                              page_size=PAGE_SIZE, sampling=sampling)
+                              page_size=PAGE_SIZE, sampling=sampling, mesh=mesh_of(args))
         return out, time.perf_counter() - t0
 
     out, _ = call()                                  # compiles; greedy first tokens
@@ -239,7 +258,8 @@ def engine_pass(llm, prompts, new_tokens: int) -> dict:
 
 def time_engine(params, cfg, spec, prompts, args) -> dict:
     import mtpjax
-    llm = mtpjax.LLM(params, cfg, spec, warmup=False, **engine_kwargs(args, len(prompts)))
+    llm = mtpjax.LLM(params, cfg, spec, warmup=False, mesh=mesh_of(args),
+                     **engine_kwargs(args, len(prompts)))
     engine_pass(llm, prompts, args.new_tokens)                # compiles the buckets it uses
     passes = [engine_pass(llm, prompts, args.new_tokens) for _ in range(args.repeats)]
     best = sorted(passes, key=lambda p: p["ms_per_step"])[len(passes) // 2]     # median pass
@@ -254,7 +274,8 @@ def time_startup(params, cfg, spec, args, batch: int) -> dict:
     prompt = prompts_for(cfg, 1, args.prompt_len, seed=99)[0]
     before = collections.Counter(_EVENTS)
     t0 = time.perf_counter()
-    llm = mtpjax.LLM(params, cfg, spec, warmup=True, **engine_kwargs(args, batch))
+    llm = mtpjax.LLM(params, cfg, spec, warmup=True, mesh=mesh_of(args),
+                     **engine_kwargs(args, batch))
     t1 = time.perf_counter()
     llm.generate([prompt], mtpjax.SamplingParams(max_tokens=1))
     t2 = time.perf_counter()
@@ -344,7 +365,9 @@ def run_child(args, role: str, batch: int, env_extra: dict | None = None) -> dic
     cmd = [sys.executable, "-m", "mtpjax.bench.e2e", "--child", role, "--model-shape",
            args.model_shape, "--batch", str(batch), "--prompt-len", str(args.prompt_len),
            "--new-tokens", str(args.new_tokens), "--k", str(args.k), "--accept-rate",
-           str(args.accept_rate), "--seed", str(args.seed), "--repeats", str(args.repeats)]
+           str(args.accept_rate), "--seed", str(args.seed), "--repeats", str(args.repeats),
+           "--tensor-parallel", str(args.tensor_parallel),
+           "--data-parallel", str(args.data_parallel)]
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     t0 = time.perf_counter()
@@ -418,6 +441,10 @@ def parse_args(argv):
     ap.add_argument("--child-timeout", type=float, default=420,
                     help="seconds for the warm-start and each HF process")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tensor-parallel", type=int, default=1,
+                    help="devices on the mesh's 'model' axis (heads, MLP columns, experts, vocab)")
+    ap.add_argument("--data-parallel", type=int, default=1,
+                    help="devices on the mesh's 'data' axis (replicas)")
     ap.add_argument("--out", default=None, help="folder for e2e.json")
     ap.add_argument("--child", choices=["startup", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -426,6 +453,9 @@ def parse_args(argv):
     unknown = args.row_set - set(ROWS)
     if unknown:
         ap.error(f"unknown rows {sorted(unknown)}; choose from {ROWS}")
+    for name in ("tensor_parallel", "data_parallel"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
 
 
@@ -437,6 +467,21 @@ def _init_params(cfg, seed):
     return jax.block_until_ready(params)
 
 
+def _placed_params(cfg, args):
+    """Random params, in their table shardings when a mesh is asked for."""
+    params = _init_params(cfg, args.seed)
+    mesh = mesh_of(args)
+    if mesh is not None:
+        from mtpjax.parallel import shard_params
+        params = jax_ready(shard_params(params, cfg, mesh))
+    return params
+
+
+def jax_ready(x):
+    import jax
+    return jax.block_until_ready(x)
+
+
 def child(args) -> int:
     """`--child startup|hf`: one measurement, printed as one JSON line for the parent."""
     cfg = model_config(args.model_shape)
@@ -445,7 +490,7 @@ def child(args) -> int:
     else:
         from mtpjax.compilation_cache import enable_compilation_cache
         enable_compilation_cache()
-        params = _init_params(cfg, args.seed)
+        params = _placed_params(cfg, args)
         res = time_startup(params, cfg, spec_config(args), args, args.batches[0])
     print("E2E_RESULT " + json.dumps(res, default=str), flush=True)
     return 0
@@ -478,14 +523,15 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
     dev = jax.devices()[0]
     log(f"device {dev.device_kind} ({jax.default_backend()}), JAX {jax.__version__}; shape "
         f"{args.model_shape}; batches {args.batches}; prompt {args.prompt_len}, new tokens "
-        f"{args.new_tokens}, K={K}, synthetic acceptance {args.accept_rate}")
+        f"{args.new_tokens}, K={K}, synthetic acceptance {args.accept_rate}; mesh "
+        f"data={args.data_parallel} x model={args.tensor_parallel} of {len(jax.devices())} devices")
     log(f"compilation cache: {cache_dir or 'off'}"
         + (f" ({'fresh' if fresh else 'given'}, {cache_files} entries at start)"
            if cache_dir else ""))
     bw = copy_bandwidth(args.copy_mib)
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s ({args.copy_mib} MiB jitted copy, read + written)")
     t0 = time.perf_counter()
-    params = _init_params(cfg, args.seed)
+    params = _placed_params(cfg, args)
     tree_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     log(f"random bf16 params: {tree_bytes / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
     w = weight_bytes(cfg)
@@ -500,6 +546,7 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
     rows: list[dict] = []
     result = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
                   args={k: v for k, v in vars(args).items() if k != "row_set"},
+                  mesh=dict(data=args.data_parallel, model=args.tensor_parallel),
                   copy_bandwidth_Bps=bw, weight_bytes=w, param_tree_bytes=tree_bytes,
                   mean_decode_context=ctx, compilation_cache=cache_dir, rows=rows)
 

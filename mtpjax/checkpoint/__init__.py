@@ -3,6 +3,7 @@
     load_hf(path, dtype)            HF folder (llama, qwen2, qwen3, mimo) -> Checkpoint, streamed
     save(path, params, cfg)         Orbax folder with config and tokenizer beside the arrays
     restore(path, sharding)         Orbax folder -> Checkpoint, straight into a sharding
+                                    (mesh=: the sharding table's, docs/parallel.md; load_hf too)
     export_hf(path, params, cfg)    params -> HF folder (same names, config, tokenizer)
     load_pretrained(path)           either kind of folder -> Checkpoint
     convert(src, dst, to=...)       folder -> folder, what `mtpjax convert` runs

@@ -26,6 +26,7 @@ from mtpjax.checkpoint.errors import CheckpointError
 from mtpjax.checkpoint.hf_keys import assemble, key_table, validate
 from mtpjax.checkpoint.safetensors_io import read_tensor, scan_folder
 from mtpjax.config import ModelConfig
+from mtpjax.parallel.sharding import mesh_sharding
 
 CONFIG_FILE = "config.json"
 
@@ -68,16 +69,19 @@ def _placer(sharding):
     return place
 
 
-def load_hf(path: str, dtype=None, *, sharding=None, mtp_layout: str | None = None,
+def load_hf(path: str, dtype=None, *, sharding=None, mesh=None, mtp_layout: str | None = None,
             progress: Progress | None = None, **config_overrides) -> Checkpoint:
     """Reads a Hugging Face folder into a `Checkpoint` (cfg, params, assets with the tokenizer).
 
     dtype: of the params (None keeps the stored dtype). sharding: a `jax.sharding.Sharding` for
-    every leaf or a tree of them shaped like the params (None: default device). mtp_layout:
+    every leaf or a tree of them shaped like the params (None: default device). mesh: a
+    ("data", "model") jax.sharding.Mesh: each leaf goes straight into its sharding from the table
+    (`mtpjax/parallel/sharding.py`; give sharding or mesh, not both). mtp_layout:
     "mimo" | "deepseek", default by family.
     config_overrides: ModelConfig fields that replace what config.json says.
     """
     hf_config, cfg = read_hf_config(path, **config_overrides)
+    sharding = mesh_sharding(cfg, sharding, mesh)
     quant = fp8.from_hf_config(hf_config, os.path.join(path, CONFIG_FILE))
     infos = scan_folder(path)
     table = key_table(cfg, mtp_layout)

@@ -23,6 +23,7 @@ from mtpjax.checkpoint.bundle import Assets, Checkpoint, check_params, flat_item
 from mtpjax.checkpoint.errors import CheckpointError
 from mtpjax.config import ModelConfig
 from mtpjax.model.params import param_specs, tree_from_items, tree_items
+from mtpjax.parallel.sharding import mesh_sharding
 
 FORMAT_FILE = "mtpjax_checkpoint.json"
 FORMAT = "mtpjax-orbax"
@@ -65,15 +66,17 @@ def read_meta(path: str) -> tuple[dict, ModelConfig]:
     return meta, ModelConfig.from_dict(meta["model_config"])
 
 
-def restore(path: str, sharding=None, *, dtype=None) -> Checkpoint:
+def restore(path: str, sharding=None, *, dtype=None, mesh=None) -> Checkpoint:
     """Reads a folder written by `save`.
 
     sharding: a `jax.sharding.Sharding` for every leaf, or a tree of them shaped like the params
-    (None: the default device); arrays are restored straight into it. dtype: cast on restore
-    (None keeps the saved dtypes).
+    (None: the default device); arrays are restored straight into it. mesh: a ("data", "model")
+    jax.sharding.Mesh instead: the sharding table's shardings (`mtpjax/parallel/sharding.py`).
+    dtype: cast on restore (None keeps the saved dtypes).
     """
     import orbax.checkpoint as ocp
     meta, cfg = read_meta(path)
+    sharding = mesh_sharding(cfg, sharding, mesh)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     def leaf_sharding(p):

@@ -50,20 +50,21 @@ def _check_spec(path: str, cfg: ModelConfig, spec: SpecConfig | None) -> None:
 
 
 def load_pretrained(path: str, dtype=None, *, spec: SpecConfig | None = None, sharding=None,
-                    **config_overrides) -> Checkpoint:
+                    mesh=None, **config_overrides) -> Checkpoint:
     """A Hugging Face or Orbax folder -> Checkpoint (cfg, params, tokenizer, eos id).
 
     spec: checked against the checkpoint's MTP modules before any weight is read.
     config_overrides: ModelConfig fields replacing config.json's (Hugging Face folders only).
+    mesh: a ("data", "model") Mesh: every leaf goes straight into its table sharding.
     """
     if folder_kind(path) == "orbax":
         if config_overrides:
             raise CheckpointError(f"{path}: an Orbax folder's config is fixed; config overrides "
                                   f"({sorted(config_overrides)}) apply to Hugging Face folders")
         _check_spec(path, read_meta(path)[1], spec)
-        return restore(path, sharding, dtype=dtype)
+        return restore(path, sharding, dtype=dtype, mesh=mesh)
     _check_spec(path, read_hf_config(path, **config_overrides)[1], spec)
-    return load_hf(path, dtype, sharding=sharding, **config_overrides)
+    return load_hf(path, dtype, sharding=sharding, mesh=mesh, **config_overrides)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -193,6 +193,8 @@ class LLM:
     `MTPJAX_WARMUP_THREADS` (default min(4, CPU count)) compiles that many buckets at once.
     JAX's persistent compilation cache is turned on first (`mtpjax/compilation_cache.py`), so a
     second process loads the compiled steps from disk.
+    mesh: a jax.sharding.Mesh with axes ("data", "model") (`mtpjax.make_mesh`); params and the
+    device state are placed by the sharding table and the step runs on it (docs/parallel.md).
     max_waiting_requests (default 1024, None = unbounded): `add_request` raises QueueFullError
     when this many requests wait; `generate`/`generate_stream` feed their prompts in as room frees.
 
@@ -206,7 +208,7 @@ class LLM:
                  tokenizer=None, max_model_len: int | None = None, eos_token_id: int | None = None,
                  attention_impl="auto", seed: int = 0, async_scheduling: bool = True,
                  max_waiting_requests: int | None = 1024, warmup: bool | None = None,
-                 max_logprobs: int = 0, adaptive_k: AdaptiveK | None = None):
+                 max_logprobs: int = 0, adaptive_k: AdaptiveK | None = None, mesh=None):
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         if spec is not None:
@@ -258,7 +260,7 @@ class LLM:
         self.runner = ModelRunner(params, cfg, spec, num_pages=num_pages, page_size=page_size,
                                   max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks,
                                   seed=seed, attention_impl=attention_impl,
-                                  max_logprobs=max_logprobs)
+                                  max_logprobs=max_logprobs, mesh=mesh)
         self.max_logprobs = max_logprobs
         self.adaptive_k = adaptive_k
         self._acceptance: dict[int, RequestAcceptance] = {}   # seq_id -> adaptive-K statistics
@@ -733,14 +735,14 @@ class LLM:
 
     @classmethod
     def from_pretrained(cls, path: str, spec: SpecConfig | None = None, *, dtype=None,
-                        **llm_kwargs) -> "LLM":
+                        mesh=None, **llm_kwargs) -> "LLM":
         """An LLM over a Hugging Face folder or an Orbax folder (`mtpjax convert`), with its
         tokenizer and eos id unless given; `llm_kwargs` as for `LLM(...)` (num_pages, ...)."""
         from mtpjax.checkpoint import load_pretrained
-        ckpt = load_pretrained(path, dtype, spec=spec)
+        ckpt = load_pretrained(path, dtype, spec=spec, mesh=mesh)
         llm_kwargs.setdefault("tokenizer", ckpt.tokenizer)
         llm_kwargs.setdefault("eos_token_id", ckpt.eos_token_id)
-        return cls(ckpt.params, ckpt.cfg, spec, **llm_kwargs)
+        return cls(ckpt.params, ckpt.cfg, spec, mesh=mesh, **llm_kwargs)
 
 
 _FROZEN = False

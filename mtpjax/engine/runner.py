@@ -23,6 +23,8 @@ from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.engine.scheduler import SchedulerOutput
 from mtpjax.generate import bucket_size
 from mtpjax.model.backend import resolve_backend
+from mtpjax.parallel import check_mesh, create_sharded, replicate, shard_params
+from mtpjax.parallel.sharding import pin, pin_replicated
 from mtpjax.sampling import SAMPLING_MODES, SamplingArrays, request_key, sampling_mode
 from mtpjax.speculative.draft import draft_shape
 from mtpjax.speculative.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
@@ -95,20 +97,24 @@ def _step(params, cfg, spec, state, flat_inputs, *, first_pass_len, backend, sha
         lp = out[3]
         f2i = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32).reshape(R, -1)  # noqa: E731
         parts += [f2i(lp.chosen), f2i(lp.top_values), lp.top_ids.reshape(R, -1)]
-    return state, jnp.concatenate(parts, axis=1)     # one array to read back
+    result = jnp.concatenate(parts, axis=1)                        # one array to read back
+    return pin(state, cfg, backend.mesh), pin_replicated(result, backend.mesh)
 
 
 class ModelRunner:
     def __init__(self, params, cfg: ModelConfig, spec: SpecConfig | None, *, num_pages: int,
                  page_size: int, max_num_seqs: int, max_blocks_per_seq: int, seed: int = 0,
-                 attention_impl="auto", cache_dtype=None, max_logprobs: int = 0):
+                 attention_impl="auto", cache_dtype=None, max_logprobs: int = 0, mesh=None):
         self.params, self.cfg, self.spec = params, cfg, spec
         self.max_logprobs = max_logprobs              # n compiled into the step (0: no logprobs)
         self.K, self.W = draft_shape(spec)
         self.max_num_seqs = max_num_seqs
         self.page_size = page_size
         self.max_blocks = max_blocks_per_seq
-        self.backend = resolve_backend(attention_impl)
+        self.mesh = check_mesh(mesh)            # None: one device; else the sharding table's
+        self.backend = resolve_backend(attention_impl, mesh=self.mesh)
+        if self.mesh is not None:
+            self.params = params = shard_params(params, cfg, self.mesh)
         self.seed = seed
         self.num_pages, self.dtype = num_pages, cache_dtype or params["embed"].dtype
         self.num_slots = max_num_seqs + 1                 # last slot: scratch for padding rows
@@ -118,8 +124,10 @@ class ModelRunner:
         """A fresh paged cache and slot state, every slot free. Also how the engine recovers when
         a step's donated state never came back (an exception between dispatch and return)."""
         self.state = None                                 # free the old buffers first
-        cache = init_cache(self.cfg, self.num_pages, self.page_size, self.dtype)
-        self.state = SlotState.create(self.cfg, self.spec, cache, self.num_slots, self.dtype)
+        make = lambda: SlotState.create(  # noqa: E731
+            self.cfg, self.spec, init_cache(self.cfg, self.num_pages, self.page_size, self.dtype),
+            self.num_slots, self.dtype)
+        self.state = make() if self.mesh is None else create_sharded(make, self.cfg, self.mesh)
         self.release_all()
 
     # ---- slots ---------------------------------------------------------------------------------
@@ -227,7 +235,8 @@ class ModelRunner:
     def device_inputs(self, batch: MixedBatch):
         """The packed batch as one device array, and the static shape (T, R, M) to unpack it."""
         shape = (batch.tokens.shape[0], batch.kinds.shape[0], batch.block_tables.shape[1])
-        return jax.device_put(pack_host(batch)), shape
+        flat = pack_host(batch)
+        return (jax.device_put(flat) if self.mesh is None else replicate(flat, self.mesh)), shape
 
     def dispatch(self, out: SchedulerOutput, num_drafts=None) -> jax.Array:
         """Enqueues one step; returns its result array (int32[R, K+2], then the logprobs when

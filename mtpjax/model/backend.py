@@ -8,6 +8,9 @@
 variable MTPJAX_ATTENTION_IMPL overrides "auto". Only "auto" may fall back to the reference for
 a shape the kernels cannot serve (it says so once); an explicit "pallas" raises instead, naming
 the shape. The object is frozen and hashable: jitted steps take it as one static argument.
+It also carries the run's device mesh (None: one device): the steps pin their state to the
+sharding table on it, and on a mesh of several devices the kernels run per device under
+`shard_map` (`parallel/kernels.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
 class AttentionBackend:
     impl: str = "reference"        # "reference" | "pallas" | "pallas_interpret"
     fallback: bool = False         # chosen by "auto": unsupported shapes use the reference
+    mesh: object = None            # jax.sharding.Mesh ("data", "model") or None
 
     def __post_init__(self):
         if self.impl not in ATTENTION_IMPLS[1:]:
@@ -48,12 +52,18 @@ class AttentionBackend:
         if not self.uses_kernels:
             return paged_attention_reference(q, k_pages, v_pages, batch, sm_scale=sm_scale)
         from mtpjax.model import pallas_dispatch
+        if self.mesh is not None and self.mesh.size > 1:
+            from mtpjax.parallel.kernels import per_device_paged_attention
+            return per_device_paged_attention(self, q, k_pages, v_pages, batch, sm_scale=sm_scale)
         return pallas_dispatch.paged_attention(q, k_pages, v_pages, batch, sm_scale=sm_scale,
                                                interpret=self.interpret, fallback=self.fallback)
 
 
-def resolve_backend(impl: "str | AttentionBackend" = "auto") -> AttentionBackend:
-    """An AttentionBackend from a name ("auto" | "reference" | "pallas" | "pallas_interpret")."""
+def resolve_backend(impl: "str | AttentionBackend" = "auto", mesh=None) -> AttentionBackend:
+    """An AttentionBackend from a name ("auto" | "reference" | "pallas" | "pallas_interpret"),
+    carrying `mesh` (a ("data", "model") jax.sharding.Mesh, or None)."""
+    if mesh is not None:
+        return dataclasses.replace(resolve_backend(impl), mesh=mesh)
     if isinstance(impl, AttentionBackend):
         return impl
     if impl not in ATTENTION_IMPLS:
