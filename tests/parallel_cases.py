@@ -111,8 +111,9 @@ def hlo_model():
 
 def case_step_hlo() -> dict:
     """The engine's step (chain MTP, K=2) on a (1, 2) mesh at a tiny GQA layout: every collective
-    of its compiled HLO as [kind, shape, scope] (scope: the named scope, `cond` when the op sits
-    in a branch of a lax.cond, `loop` inside the draft loop)."""
+    of its compiled HLO per sampling mode as [kind, shape, scope, where] (scope: the named
+    scope; where: `loop` inside the draft loop, `cond` in a lax.cond branch (there should be
+    none), else `step`)."""
     import re
     from mtpjax.engine.runner import _step
     from mtpjax.engine.scheduler import SchedulerOutput
@@ -126,23 +127,26 @@ def case_step_hlo() -> dict:
     batch = empty.replace(tokens=np.zeros(8, np.int32), seq_ids=np.zeros(8, np.int32),
                           positions=np.full(8, -1, np.int32))
     inputs, shape = r.device_inputs(batch)
-    compiled = _step.lower(r.params, cfg, r.spec, r.state, inputs, first_pass_len=8,
-                           backend=r.backend, shape=shape).compile()
-    found = []
     pat = re.compile(r"= (.+?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
                      r"collective-permute)(?:-start)?\(")
-    for line in compiled.as_text().split("\n"):
-        m = pat.search(line)
-        if not m:
-            continue
-        op = re.search(r'op_name="([^"]+)"', line)
-        op = op.group(1) if op else ""
-        scope = op.split("/")[1] if op.count("/") else op
-        where = "cond" if "/cond/" in op else ("loop" if "/while/" in op else "step")
-        shapes = re.findall(r"[fsu]\d+\[[\d,]*\]", m.group(1))
-        found.append([m.group(2), shapes[0] if len(set(shapes)) == 1 else ",".join(shapes),
-                      scope, where])
-    return {"collectives": sorted(found),
+    collectives = {}
+    for mode in ("greedy", "filter"):                # the engine's two sampling modes
+        compiled = _step.lower(r.params, cfg, r.spec, r.state, inputs, first_pass_len=8,
+                               backend=r.backend, shape=shape, sampling_mode=mode).compile()
+        found = []
+        for line in compiled.as_text().split("\n"):
+            m = pat.search(line)
+            if not m:
+                continue
+            op = re.search(r'op_name="([^"]+)"', line)
+            op = op.group(1) if op else ""
+            scope = op.split("/")[1] if op.count("/") else op
+            where = "cond" if "/cond/" in op else ("loop" if "/while/" in op else "step")
+            shapes = re.findall(r"[fsu]\d+\[[\d,]*\]", m.group(1))
+            found.append([m.group(2), shapes[0] if len(set(shapes)) == 1 else ",".join(shapes),
+                          scope, where])
+        collectives[mode] = sorted(found)
+    return {"collectives": collectives,
             "input_specs": [list(s.spec) for s in jax.tree.leaves(compiled.input_shardings)],
             "output_state_ok": all(
                 o.is_equivalent_to(i.sharding, i.ndim) for o, i in zip(

@@ -38,6 +38,13 @@ def _env(devices: int) -> dict:
     return env
 
 
+# The 8-device model runs (~7 min each on the 2-core CI machine), the two-process run and the
+# bench smoke test would take the suite past its 20-minute budget: they run with
+# MTPJAX_SLOW_TESTS=1 (docs/parallel.md says how; all passed when this file was written).
+slow = pytest.mark.skipif(os.environ.get("MTPJAX_SLOW_TESTS") != "1",
+                          reason="multi-device model runs: set MTPJAX_SLOW_TESTS=1")
+
+
 def _cases(devices: int, *args, timeout: int = 1200):
     out = subprocess.run([sys.executable, os.path.join(HERE, "parallel_cases.py"), *map(str, args)],
                          capture_output=True, text=True, env=_env(devices), timeout=timeout)
@@ -108,6 +115,7 @@ def model_runs(request):
     return request.param, _cases(8, "models", "gqa" if request.param == "gqa" else "ds")
 
 
+@slow
 def test_tokens_on_every_mesh_equal_one_device(model_runs):
     """generate and LLM.generate, plain / chain / multi_layer, on (1,8), (2,4), (8,1): greedy
     rows equal the single-device plain tokens; the sampled row (prompt 1: temperature 1, top-k,
@@ -132,6 +140,7 @@ def test_tokens_on_every_mesh_equal_one_device(model_runs):
     assert {(a, m) for a in ("generate", "llm") for m in ("plain", "chain", "multi_layer")} <= seen
 
 
+@slow
 def test_every_param_and_state_leaf_has_the_table_sharding(model_runs):
     name, r = model_runs
     sh = r["shardings"]
@@ -169,32 +178,34 @@ def two_devices(tmp_path_factory):
 # The engine step (chain MTP, K=2) at R=2 rows, T=8 tokens, F=8 first-pass entries, V=96, E=32,
 # one target layer, model axis 2: every collective of its compiled HLO (docs/parallel.md).
 T, F, R, K, V, E, M = 8, 8, 2, 2, 96, 32, 2
-STEP_COLLECTIVES = sorted(
+STEP_COLLECTIVES = sorted(          # the greedy sampling mode (all-greedy batches)
     # target verify: vocab-parallel embedding, attention o-proj, MLP down-proj (1 + 2 per layer)
     [["all-reduce", f"f32[{T},{E}]", "verify", "step"]] * 3
+    # greedy acceptance over the vocab-parallel logits: per-shard (max, index) pairs
+    + [["all-gather", f"f32[{R},{K + 1},{M}]", "accept", "step"],
+       ["all-gather", f"s32[{R},{K + 1},{M}]", "accept", "step"]]
     # MTP first pass over the verified window: the same three for the module's block
     + [["all-reduce", f"f32[{F},{E}]", "draft", "step"]] * 3
-    # greedy draft / argmax over the vocab-parallel logits: per-shard (max, index) pairs
-    + [["all-gather", f"f32[{R},{M}]", "draft", "step"], ["all-gather", f"s32[{R},{M}]", "draft", "step"]]
+    # the first draft: (max, index) pairs twice (the one-hot greedy distribution's argmax, then
+    # the draw's argmax of it; each [R, M], tiny)
+    + [["all-gather", f"f32[{R},{M}]", "draft", "step"], ["all-gather", f"s32[{R},{M}]", "draft", "step"]] * 2
     # each later draft step (draft loop body): embedding, o-proj, down-proj and the argmax pairs
     + [["all-reduce", f"f32[{R},{E}]", "draft", "loop"]] * 3
-    + [["all-gather", f"f32[{R},{M}]", "draft", "loop"], ["all-gather", f"s32[{R},{M}]", "draft", "loop"]])
+    + [["all-gather", f"f32[{R},{M}]", "draft", "loop"], ["all-gather", f"s32[{R},{M}]", "draft", "loop"]] * 2)
 
 
 def test_step_hlo_has_the_documented_collectives_and_no_more(two_devices):
     hlo = two_devices["hlo"]
-    outside = sorted(c for c in hlo["collectives"] if c[3] != "cond")
-    assert outside == STEP_COLLECTIVES
-    # inside lax.cond branches (taken only when a row samples): softmax max/sum all-reduces,
-    # XLA's distributed sort (all-to-all) for top-k / top-p, the argmax pairs, and one gather
-    # of the sorted probabilities for top-p's cumsum; never anything of a weight's size
-    inside = [c for c in hlo["collectives"] if c[3] == "cond"]
-    assert {c[0] for c in inside} <= {"all-reduce", "all-gather", "all-to-all"}
-    assert {c[2] for c in inside} <= {"accept", "draft"}
-    sizes = [np.prod([int(d) for d in c[1].split("[")[1].rstrip("]").split(",")]) for c in inside]
+    assert hlo["collectives"]["greedy"] == STEP_COLLECTIVES
+    # the filter mode (any sampled row) adds the sampling's own: softmax max/sum all-reduces,
+    # XLA's distributed sort (all-to-all) for top-k / top-p, the argmax pairs, and gathers of
+    # [R, K+1, V] probabilities at most; never anything of a weight's size, never in a branch
+    sampled = hlo["collectives"]["filter"]
+    assert all(c in sampled for c in STEP_COLLECTIVES if c[2] == "verify")
+    assert {c[0] for c in sampled} <= {"all-reduce", "all-gather", "all-to-all"}
+    assert {c[3] for c in sampled} <= {"step", "loop"}                 # no lax.cond anywhere
+    sizes = [np.prod([int(d) for d in c[1].split("[")[1].rstrip("]").split(",")]) for c in sampled]
     assert max(sizes) <= R * (K + 1) * V
-    # the greedy acceptance gathers (max, index) pairs, never the logits
-    assert ["all-gather", f"f32[{R},{K + 1},{M}]", "accept", "cond"] in inside
     assert hlo["output_state_ok"]                  # the state leaves as it came (donated)
 
 
@@ -222,6 +233,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@slow
 def test_two_processes_give_the_tokens_of_one(two_devices):
     """jax.distributed over localhost, CPU collectives (gloo), 2 processes x 4 fake devices, a
     (2, 4) mesh over all 8: generate and the engine (chain MTP) == one process, one device."""
@@ -244,6 +256,7 @@ def test_two_processes_give_the_tokens_of_one(two_devices):
 # ---------------------------------------------------------------- bench
 
 
+@slow
 def test_bench_e2e_tensor_parallel_runs_on_a_mesh(tmp_path):
     """`mtpjax bench e2e --tensor-parallel 2` on 2 fake CPU devices, tiny shape: the MTP rows
     run on the (1, 2) mesh and give finite numbers; a bad size is refused by name."""
