@@ -279,7 +279,7 @@ def test_speculative_equals_plain_generate(seed):
     params = _ds_params(cfg, seed)
     prompts = _prompts(seed + 20, 3)
     ref = mtpjax.generate(params, cfg, prompts, max_new_tokens=12).tokens
-    for method, K in (("chain", 1), ("chain", 3), ("multi_layer", 2)):
+    for method, K in (("chain", 3), ("multi_layer", 2)):     # (chain K=1: test_tiny_model etc.)
         spec = SpecConfig(num_speculative_tokens=K, method=method)
         assert mtpjax.generate(params, cfg, prompts, max_new_tokens=12, spec=spec).tokens == ref, \
             (method, K)

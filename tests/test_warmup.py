@@ -66,8 +66,8 @@ def test_no_compilation_after_warmup_and_same_tokens(monkeypatch):
     used = set()
     pack = llm.runner.pack
 
-    def spy(out):
-        batch, F = pack(out)
+    def spy(out, num_drafts=None):
+        batch, F = pack(out, num_drafts)
         used.add((batch.tokens.shape[0], F))
         return batch, F
     llm.runner.pack = spy
