@@ -186,12 +186,11 @@ STEP_COLLECTIVES = sorted(          # the greedy sampling mode (all-greedy batch
        ["all-gather", f"s32[{R},{K + 1},{M}]", "accept", "step"]]
     # MTP first pass over the verified window: the same three for the module's block
     + [["all-reduce", f"f32[{F},{E}]", "draft", "step"]] * 3
-    # the first draft: (max, index) pairs twice (the one-hot greedy distribution's argmax, then
-    # the draw's argmax of it; each [R, M], tiny)
-    + [["all-gather", f"f32[{R},{M}]", "draft", "step"], ["all-gather", f"s32[{R},{M}]", "draft", "step"]] * 2
+    # the first draft: the greedy argmax's (max, index) pairs
+    + [["all-gather", f"f32[{R},{M}]", "draft", "step"], ["all-gather", f"s32[{R},{M}]", "draft", "step"]]
     # each later draft step (draft loop body): embedding, o-proj, down-proj and the argmax pairs
     + [["all-reduce", f"f32[{R},{E}]", "draft", "loop"]] * 3
-    + [["all-gather", f"f32[{R},{M}]", "draft", "loop"], ["all-gather", f"s32[{R},{M}]", "draft", "loop"]] * 2)
+    + [["all-gather", f"f32[{R},{M}]", "draft", "loop"], ["all-gather", f"s32[{R},{M}]", "draft", "loop"]])
 
 
 def test_step_hlo_has_the_documented_collectives_and_no_more(two_devices):

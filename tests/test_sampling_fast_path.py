@@ -265,7 +265,7 @@ def test_engine_step_has_no_device_conditional(spec, max_logprobs):
     r = llm.runner
     empty, _ = r.pack(runner_mod.SchedulerOutput([], [], r.K))
     inputs, shape = r.device_inputs(empty)
-    for mode in runner_mod.ENGINE_SAMPLING_MODES:
+    for mode in SAMPLING_MODES:
         text = runner_mod._step.lower(r.params, r.cfg, r.spec, r.state, inputs,
                                       first_pass_len=8, backend=r.backend, shape=shape,
                                       logprobs=max_logprobs, sampling_mode=mode

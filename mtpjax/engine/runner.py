@@ -76,11 +76,6 @@ def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int,
                                 top_p=floats[:, 1], keys=keys, mode=sampling_mode))
 
 
-# The step is compiled once per bucket and sampling mode (sampling.py): "greedy" for
-# all-greedy batches, "filter" for any other.
-ENGINE_SAMPLING_MODES = SAMPLING_MODES
-
-
 @step_jit(static_argnames=("cfg", "spec", "first_pass_len", "backend", "shape", "logprobs",
                            "sampling_mode"),
           donate_argnames=("state",))
@@ -258,7 +253,7 @@ class ModelRunner:
         KV and changes no real slot (the donated state comes back with the same meaning).
         threads > 1: each bucket is first lowered here and compiled ahead of time on a pool of
         that many threads (`lower().compile()` fills the cache the dry run then hits).
-        Each bucket is compiled in both ENGINE_SAMPLING_MODES; on_compiled(T, F, seconds) after
+        Each bucket is compiled in every sampling mode (`sampling.SAMPLING_MODES`); on_compiled(T, F, seconds) after
         each bucket (seconds summed over the modes), in order."""
         import time
         from concurrent.futures import ThreadPoolExecutor
@@ -277,7 +272,7 @@ class ModelRunner:
                 inputs, shape = self.device_inputs(batch)
                 kws = [dict(first_pass_len=F, backend=self.backend, shape=shape,
                             logprobs=self.max_logprobs, sampling_mode=m)
-                       for m in ENGINE_SAMPLING_MODES]
+                       for m in SAMPLING_MODES]
                 aots = [None if threads <= 1 else pool.submit(timed, _step.lower(
                     self.params, self.cfg, self.spec, self.state, inputs, **kw).compile)
                     for kw in kws]

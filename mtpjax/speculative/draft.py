@@ -58,6 +58,9 @@ def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=Non
     if not coupled:
         keys = jax.vmap(jax.random.fold_in)(keys, jnp.full((B,), 2, jnp.uint32))
     if source == "model":
+        if sp.mode == "greedy":     # q is the one-hot argmax: take the token from it once
+            tok = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+            return tok, jax.nn.one_hot(tok, V, dtype=jnp.float32)
         q = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode)
         return sample_from_probs(q, keys, sp.mode), q
     if source == "random":
