@@ -212,14 +212,20 @@ def _prefill(params, cfg, spec, slots, batch, limits, forced, *, first_pass_len,
     return pin(state, cfg, backend.mesh)
 
 
-@step_jit(static_argnames=("cfg", "spec", "backend", "draft_source"), donate_argnames=("state",))
+@step_jit(static_argnames=("cfg", "spec", "backend", "draft_source", "steps_per_check"),
+          donate_argnames=("state",))
 def _loop(params, cfg, spec, state: GenerateState, sampling, limits, forced, *, backend,
-          draft_source):
-    return jax.lax.while_loop(
-        lambda s: ~jnp.all(s.done),
-        lambda s: pin(generate_step(params, cfg, spec, s, sampling, limits, backend=backend,
-                                    draft_source=draft_source, forced=forced), cfg, backend.mesh),
-        pin(state, cfg, backend.mesh))
+          draft_source, steps_per_check):
+    # On a GPU a while loop copies its predicate to the host every iteration, and the host
+    # launches the next iteration only after it: the device idles between steps. A fixed-trip
+    # inner loop has a trip count XLA knows, so only every `steps_per_check`-th step waits.
+    # Steps after every request is done run on padding rows and change nothing.
+    def steps(s):
+        return jax.lax.fori_loop(0, steps_per_check, lambda _, t: pin(generate_step(
+            params, cfg, spec, t, sampling, limits, backend=backend, draft_source=draft_source,
+            forced=forced), cfg, backend.mesh), s)
+
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), steps, pin(state, cfg, backend.mesh))
 
 
 def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
@@ -227,7 +233,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
              spec: SpecConfig | None = None, seed: int = 0, page_size: int = 16,
              num_pages: int | None = None, attention_impl="auto",
              cache_dtype=None, draft_source: str = "model",
-             forced_drafts=None, mesh=None) -> GenerateOutput:
+             forced_drafts=None, mesh=None, steps_per_check: int = 4) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt (fewer when `SamplingParams.max_tokens` is
     smaller or a stop token is produced; the stop token is included in the output).
 
@@ -243,9 +249,15 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     a list gives one source per prompt (one compiled program serves them all).
     mesh: a jax.sharding.Mesh with axes ("data", "model") (`mtpjax.make_mesh`): params, cache
     and state are placed by the sharding table (docs/parallel.md) and every step runs on it.
+    steps_per_check: steps the on-device loop runs between two checks of "every request done"
+    (a GPU while loop waits on the host at each check; up to steps_per_check - 1 steps after
+    the last request finishes run on padding rows).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if isinstance(steps_per_check, bool) or not isinstance(steps_per_check, int) \
+            or steps_per_check <= 0:
+        raise ValueError(f"steps_per_check must be a positive int, got {steps_per_check!r}")
     mesh = check_mesh(mesh)
     enable_compilation_cache()
     prompts = validate_prompts(prompts, cfg)
@@ -280,7 +292,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
                      first_pass_len=F, max_new=max(max_new), backend=backend,
                      draft_source=draft_source)
     state = _loop(params, cfg, spec, state, sp_arrays, limits, forced, backend=backend,
-                  draft_source=draft_source)
+                  draft_source=draft_source, steps_per_check=steps_per_check)
     num_out = to_host(state.num_out)
     out = to_host(state.out_tokens)
     toks = [out[i, :num_out[i]].tolist() for i in range(len(prompts))]

@@ -9,7 +9,7 @@ import mtpjax
 from mtpjax import SamplingParams, SpecConfig
 from mtpjax.engine.runner import _step
 from mtpjax.sampling import sampling_mode
-from mtpjax.speculative.adaptive import AdaptiveK, RequestAcceptance
+from mtpjax.speculative.adaptive import AcceptanceTable, AdaptiveK, RequestAcceptance
 from tests.conftest import tiny_config
 
 V = 32
@@ -189,6 +189,40 @@ def test_adaptive_k_follows_its_rule_on_a_scripted_trace():
     assert probing.choose(st, 3, 1) == 2   # steps == 2: the 3rd step of the request probes k + 1
     st.observe(2, 0, 0.5)
     assert probing.choose(st, 3, 1) == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_adaptive_k_table_equals_the_per_request_rule(seed):
+    """The engine's vectorized table chooses and updates exactly as the per-request rule does,
+    over a random trace with requests joining and leaving (rows reused)."""
+    rng = np.random.default_rng(seed)
+    K = 4
+    pol = AdaptiveK(draft_cost=0.25, batch_knee=8, decay=0.8, probe_interval=3, min_k=1)
+    table, alone = AcceptanceTable(K), {}
+    next_id = 0
+    for _ in range(60):
+        for sid in [s for s in alone if rng.random() < 0.1]:
+            table.drop(sid)
+            del alone[sid]
+        while len(alone) < 12 and rng.random() < 0.7:
+            alone[next_id] = RequestAcceptance(K)
+            next_id += 1
+        sids = list(alone)
+        if not sids:
+            continue
+        k_max = rng.integers(0, K + 1, len(sids))
+        batch = int(rng.integers(1, 40))
+        ks = table.choose(pol, sids, k_max, batch)
+        assert ks.tolist() == [pol.choose(alone[s], int(m), batch) for s, m in zip(sids, k_max)]
+        acc = np.minimum(rng.integers(0, K + 1, len(sids)), ks)
+        table.observe(sids, ks, acc, pol.decay)
+        for s, k, a in zip(sids, ks, acc):
+            alone[s].observe(int(k), int(a), pol.decay)
+        for s in sids:
+            r = table.row_of[s]
+            np.testing.assert_allclose(table.trials[r], alone[s].trials)
+            np.testing.assert_allclose(table.hits[r], alone[s].hits)
+            assert table.steps[r] == alone[s].steps
 
 
 def test_coupled_rule_commits_the_targets_own_samples():

@@ -108,3 +108,27 @@ def test_bad_inputs():
         mtpjax.generate(params, cfg, [], max_new_tokens=2)
     with pytest.raises(ValueError, match="2 SamplingParams for 1"):
         mtpjax.generate(params, cfg, [[1]], max_new_tokens=2, sampling=[SamplingParams()] * 2)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_steps_per_check_changes_nothing(seed):
+    """The on-device loop checks "all done" every steps_per_check steps; the steps it runs after
+    the last request finished (padding rows only) change neither tokens nor statistics."""
+    cfg = tiny_config()
+    params = _params(cfg, seed)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, cfg.vocab_size, size=int(n)).tolist() for n in (2, 5, 3)]
+    free = mtpjax.generate(params, cfg, prompts, max_new_tokens=9)
+    # stop tokens and per-request limits finish requests at different steps
+    sps = [SamplingParams(stop_token_ids=(free.tokens[0][4],)), SamplingParams(max_tokens=3),
+           SamplingParams(temperature=0.8, seed=seed)]
+    for spec in (None, mtpjax.SpecConfig(num_speculative_tokens=2)):
+        outs = [mtpjax.generate(params, cfg, prompts, max_new_tokens=9, sampling=sps, spec=spec,
+                                steps_per_check=n,
+                                draft_source="random" if spec else "model")   # partial acceptance
+                for n in (1, 3, 8)]
+        for o in outs[1:]:
+            assert o.tokens == outs[0].tokens
+            assert o.stats == outs[0].stats
+    with pytest.raises(ValueError, match="steps_per_check must be a positive int, got 0"):
+        mtpjax.generate(params, cfg, prompts, max_new_tokens=2, steps_per_check=0)

@@ -203,7 +203,8 @@ def time_generate(params, cfg, spec, prompts, args) -> dict:
     def call(sampling=None):
         t0 = time.perf_counter()
         out = mtpjax.generate(params, cfg, prompts, max_new_tokens=N, spec=spec,
-                              page_size=PAGE_SIZE, sampling=sampling, mesh=mesh_of(args))
+                              page_size=PAGE_SIZE, sampling=sampling, mesh=mesh_of(args),
+                              steps_per_check=args.steps_per_check)
         return out, time.perf_counter() - t0
 
     out, _ = call()                                  # compiles; greedy first tokens
@@ -425,6 +426,8 @@ def parse_args(argv):
     ap.add_argument("--accept-rate", type=float, default=0.8,
                     help="synthetic acceptance probability per draft (MTP rows)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
+    ap.add_argument("--steps-per-check", type=int, default=4,
+                    help="generate rows: steps between two 'all done' checks of the device loop")
     ap.add_argument("--rows", default=",".join(ROWS),
                     help=f"comma-separated subset of: {', '.join(ROWS)}")
     ap.add_argument("--no-startup", action="store_true", help="skip the start-up rows")

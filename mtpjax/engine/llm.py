@@ -34,7 +34,7 @@ from mtpjax.engine.runner import ModelRunner
 from mtpjax.engine.scheduler import Scheduler
 from mtpjax.engine.sequence import Sequence, SequenceStatus
 from mtpjax.engine.warmup import WarmupProgress, step_buckets
-from mtpjax.speculative.adaptive import AdaptiveK, RequestAcceptance
+from mtpjax.speculative.adaptive import AcceptanceTable, AdaptiveK
 
 
 @dataclasses.dataclass
@@ -263,7 +263,7 @@ class LLM:
                                   max_logprobs=max_logprobs, mesh=mesh)
         self.max_logprobs = max_logprobs
         self.adaptive_k = adaptive_k
-        self._acceptance: dict[int, RequestAcceptance] = {}   # seq_id -> adaptive-K statistics
+        self._acceptance = AcceptanceTable(self.spec.num_speculative_tokens if self.spec else 0)
         self._inflight = None                       # (SchedulerOutput, result) dispatched, unread
         self.warmup_times: list[tuple[int, int, float]] = []    # (T, F, compile seconds)
         if warmup is None:
@@ -479,7 +479,7 @@ class LLM:
         return new, seq.is_finished
 
     def _forget(self, seq: Sequence) -> None:
-        self._acceptance.pop(seq.seq_id, None)
+        self._acceptance.drop(seq.seq_id)
         self._requests.pop(seq.seq_id, None)
         self._stream_of.pop(seq.seq_id, None)
         self._direct_news.pop(seq.seq_id, None)
@@ -559,11 +559,15 @@ class LLM:
         ks = []
         for req in out.requests:
             k = getattr(req.seq.sampling_params, "num_speculative_tokens", None)
-            k = K if k is None else k
-            if self.adaptive_k is not None and not req.is_prefill and k:
-                stats = self._acceptance.setdefault(req.seq_id, RequestAcceptance(K))
-                k = self.adaptive_k.choose(stats, k, batch)
-            ks.append(k)
+            ks.append(K if k is None else k)
+        if self.adaptive_k is not None:
+            pick = [i for i, req in enumerate(out.requests) if not req.is_prefill and ks[i]]
+            if pick:
+                chosen = self._acceptance.choose(self.adaptive_k,
+                                                 [out.requests[i].seq_id for i in pick],
+                                                 [ks[i] for i in pick], batch)
+                for i, k in zip(pick, chosen.tolist()):
+                    ks[i] = k
         return ks
 
     def _complete(self, out, result, ks=None) -> None:
@@ -576,6 +580,7 @@ class LLM:
         ks = [K] * len(out.requests) if ks is None else ks
         self.scheduler.postprocess(out, committed)
         self.num_steps += 1
+        observed = []             # (seq_id, drafts proposed, drafts accepted) for adaptive K
         for i, (req, toks, was_live) in enumerate(zip(out.requests, committed, live)):
             if not was_live:
                 continue      # preempted, finished or aborted after dispatch: a wasted row
@@ -586,12 +591,14 @@ class LLM:
                 seq.num_verify_steps += 1
                 seq.num_draft_tokens += ks[i]
                 seq.num_accepted_draft_tokens += len(toks) - 1
-                if self.adaptive_k is not None:
-                    self._acceptance.setdefault(seq.seq_id, RequestAcceptance(K)).observe(
-                        ks[i], len(toks) - 1, self.adaptive_k.decay)
+                if self.adaptive_k is not None and not seq.is_finished:
+                    observed.append((seq.seq_id, ks[i], len(toks) - 1))
             if seq.is_finished:
                 self.runner.release(seq.seq_id)
             self._touch(seq)
+        if observed:
+            sids, used, kept = zip(*observed)
+            self._acceptance.observe(sids, used, kept, self.adaptive_k.decay)
 
     def _recover(self) -> None:
         """Makes the engine consistent after an exception escaped a step part-way (or a previous

@@ -63,26 +63,97 @@ class AdaptiveK:
 
     def choose(self, stats: "RequestAcceptance", k_max: int, batch_size: int) -> int:
         """Effective k for the request's next verify step (0 <= k <= k_max)."""
-        gain = np.cumprod(self.alphas(stats)[:k_max])
-        below = np.flatnonzero(gain < self.cost(batch_size))
-        k = int(below[0]) if below.size else k_max
-        k = max(k, min(self.min_k, k_max))
-        if self.probe_interval and stats.steps % self.probe_interval == self.probe_interval - 1:
-            k = min(k + 1, k_max)
-        return k
+        return int(self.choose_many(stats.trials[None], stats.hits[None],
+                                    np.asarray([stats.steps]), np.asarray([k_max]),
+                                    batch_size)[0])
+
+    def choose_many(self, trials, hits, steps, k_max, batch_size: int) -> np.ndarray:
+        """`choose` for n requests at once (the engine calls it once per step: a Python loop
+        over a batch of 64 cost ~1.5 ms of host time per step, enough to leave the device
+        waiting). trials, hits float[n, K]; steps int[n]; k_max int[n] -> int[n]."""
+        K = trials.shape[1]
+        alphas = (hits + self.prior * self.prior_weight) / (trials + self.prior_weight)
+        gain = np.cumprod(alphas, axis=1)                                   # float[n, K]
+        stop = (gain < self.cost(batch_size)) | (np.arange(K)[None, :] >= k_max[:, None])
+        k = np.where(stop.any(1), stop.argmax(1), K)          # first position not worth it
+        k = np.maximum(k, np.minimum(self.min_k, k_max))
+        if self.probe_interval:
+            probe = steps % self.probe_interval == self.probe_interval - 1
+            k = np.where(probe, np.minimum(k + 1, k_max), k)
+        return k.astype(np.int64)
+
+
+def observe_steps(trials, hits, k_used, accepted, decay: float):
+    """Decayed counts after one verify step per request that proposed k_used int[n] drafts and
+    accepted the first accepted int[n]: positions 1..min(k_used, accepted + 1) were judged.
+    trials, hits float[n, K] -> new (trials, hits)."""
+    cols = np.arange(trials.shape[1])[None, :]
+    judged = cols < np.minimum(k_used, accepted + 1)[:, None]
+    hit = (cols < accepted[:, None]).astype(trials.dtype)
+    return (np.where(judged, decay * trials + 1, trials),
+            np.where(judged, decay * hits + hit, hits))
 
 
 class RequestAcceptance:
     """One request's decayed per-position acceptance counts (host side)."""
 
     def __init__(self, K: int):
-        self.trials = np.zeros(K)
-        self.hits = np.zeros(K)
+        self.trials = np.zeros(K)      # float[K]
+        self.hits = np.zeros(K)        # float[K]
         self.steps = 0                 # verify steps observed
 
     def observe(self, k_used: int, accepted: int, decay: float) -> None:
         """A verify step that proposed k_used drafts and accepted the first `accepted`."""
         self.steps += 1
-        reached = min(k_used, accepted + 1)           # positions 1..reached were judged
-        self.trials[:reached] = decay * self.trials[:reached] + 1
-        self.hits[:reached] = decay * self.hits[:reached] + (np.arange(reached) < accepted)
+        t, h = observe_steps(self.trials[None], self.hits[None], np.asarray([k_used]),
+                             np.asarray([accepted]), decay)
+        self.trials, self.hits = t[0], h[0]
+
+
+class AcceptanceTable:
+    """Every running request's counts as rows of one array, so a step's choices and updates
+    are a few numpy operations whatever the batch size."""
+
+    def __init__(self, K: int):
+        self.K = K
+        self.row_of: dict[int, int] = {}          # seq_id -> row
+        self.free: list[int] = []
+        self.trials = np.zeros((0, K))            # float[rows, K]
+        self.hits = np.zeros((0, K))              # float[rows, K]
+        self.steps = np.zeros((0,), np.int64)     # int[rows]
+
+    def rows(self, seq_ids) -> np.ndarray:
+        """Rows of these requests (new requests get a zeroed row). -> int[n]."""
+        out = []
+        for sid in seq_ids:
+            r = self.row_of.get(sid)
+            if r is None:
+                if not self.free:
+                    n = len(self.steps)
+                    grow = max(n, 8)
+                    self.trials = np.concatenate([self.trials, np.zeros((grow, self.K))])
+                    self.hits = np.concatenate([self.hits, np.zeros((grow, self.K))])
+                    self.steps = np.concatenate([self.steps, np.zeros(grow, np.int64)])
+                    self.free = list(range(n + grow - 1, n - 1, -1))
+                r = self.row_of[sid] = self.free.pop()
+                self.trials[r] = self.hits[r] = 0
+                self.steps[r] = 0
+            out.append(r)
+        return np.asarray(out, np.int64)
+
+    def drop(self, seq_id: int) -> None:
+        r = self.row_of.pop(seq_id, None)
+        if r is not None:
+            self.free.append(r)
+
+    def choose(self, policy: AdaptiveK, seq_ids, k_max, batch_size: int) -> np.ndarray:
+        r = self.rows(seq_ids)
+        return policy.choose_many(self.trials[r], self.hits[r], self.steps[r],
+                                  np.asarray(k_max, np.int64), batch_size)
+
+    def observe(self, seq_ids, k_used, accepted, decay: float) -> None:
+        r = self.rows(seq_ids)
+        self.trials[r], self.hits[r] = observe_steps(
+            self.trials[r], self.hits[r], np.asarray(k_used, np.int64),
+            np.asarray(accepted, np.int64), decay)
+        self.steps[r] += 1

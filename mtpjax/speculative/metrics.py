@@ -34,7 +34,7 @@ class SpecStats:
         w = live.astype(jnp.int32)
         drafts_kept = (num_accepted - 1) * w
         return SpecStats(
-            steps=self.steps + 1,
+            steps=self.steps + jnp.any(live).astype(self.steps.dtype),   # not a step of padding only
             request_steps=self.request_steps + jnp.sum(w),
             proposed=self.proposed + K * jnp.sum(w),
             accepted=self.accepted + jnp.sum(drafts_kept),
