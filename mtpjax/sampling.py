@@ -98,28 +98,38 @@ def filtered_probs(logits: jax.Array, temperature, top_k, top_p, mode: str = "fi
 def _sampled_probs(logits, onehot, temperature, top_k, top_p):
     """filtered_probs for a batch with sampled rows (onehot: the greedy rows' result). Rows
     without top-k / top-p pass through masks that change nothing."""
-    sampled = ~(temperature <= 0)                               # [B]
-    greedy = ~_expand(sampled, logits)
-    t = jnp.where(greedy, 1.0, _expand(temperature, logits))
-    scaled = _top_k_mask(logits / t, _expand(top_k, logits))
-    probs = _top_p_mask(jax.nn.softmax(scaled, axis=-1), _expand(top_p, logits))
-    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    return jnp.where(greedy, onehot, probs)
+    greedy = ~_expand(temperature > 0, logits)
+    return jnp.where(greedy, onehot, _row_probs(logits, temperature, top_k, top_p))
 
 
-def processed_logprobs(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
+def _row_probs(logits, temperature, top_k, top_p):
+    """f32 [B, ..., V]: each sampled row's distribution after temperature, top-k, top-p; a greedy
+    row's softmax at temperature 1, unfiltered. Sampling and processed logprobs both call it
+    with the same arguments, so in one step XLA computes its sorts once for both."""
+    sampled = temperature > 0                                   # [B]
+    t = _expand(jnp.where(sampled, temperature, 1.0), logits)
+    k = _expand(jnp.where(sampled, top_k, 0), logits)
+    p = _expand(jnp.where(sampled, top_p, 1.0), logits)
+    probs = _top_p_mask(jax.nn.softmax(_top_k_mask(logits / t, k), axis=-1), p)
+    return probs / jnp.sum(probs, axis=-1, keepdims=True)
+
+
+def processed_logprobs(logits: jax.Array, temperature, top_k, top_p, mode: str = "filter"
+                       ) -> jax.Array:
     """f32 log-probabilities [B, ..., V] of the distribution each request samples from: after
     temperature, top-k and top-p, renormalised (-inf outside top-k / the nucleus), i.e. vLLM's
     "processed_logprobs". A greedy request (temperature 0) reports the target's own
     distribution, log_softmax(logits) at temperature 1 without top-k / top-p (as vLLM does: its
     greedy requests sample at temperature 1 too); its one-hot sampling distribution would say
-    nothing. Shares `_sampled_probs` with `filtered_probs`, so a sampled token's logprob is
-    exactly the log of the probability it was drawn with."""
+    nothing. Shares `_row_probs` with `filtered_probs`, so a sampled token's logprob is exactly
+    the log of the probability it was drawn with. mode "greedy" (every row greedy, static):
+    no sorts, only the softmax."""
+    _check_mode(mode)
     logits = logits.astype(jnp.float32)
-    sampled = temperature > 0
-    probs = _sampled_probs(logits, jnp.zeros_like(logits), jnp.where(sampled, temperature, 1.0),
-                           jnp.where(sampled, top_k, 0), jnp.where(sampled, top_p, 1.0))
-    return jnp.log(probs)
+    if mode == "greedy":
+        probs = jax.nn.softmax(logits, axis=-1)
+        return jnp.log(probs / jnp.sum(probs, axis=-1, keepdims=True))
+    return jnp.log(_row_probs(logits, temperature, top_k, top_p))
 
 
 def _top_k_mask(scaled, k):

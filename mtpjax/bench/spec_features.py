@@ -44,7 +44,7 @@ def _engine(cfg, params, spec, batch, steps, prompt_len, **kw):
     pages = batch * ((prompt_len + max_tokens + 2 * K + 16) // 16 + 2)
     return mtpjax.LLM(params, cfg, spec, num_pages=pages, page_size=16, max_num_seqs=batch,
                       max_num_batched_tokens=max(batch * (K + 1), prompt_len * 4),
-                      enable_prefix_caching=False, warmup=False, **kw), max_tokens
+                      enable_prefix_caching=False, **kw), max_tokens
 
 
 def _timed_decode(llm, cfg, batch, steps, prompt_len, max_tokens, sp_kw=None):

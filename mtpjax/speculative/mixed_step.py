@@ -100,7 +100,7 @@ def step_logprobs(logits, tokens, sp: SamplingArrays, want, n: int) -> StepLogpr
     do not want them). Computed for every row of an engine built with max_logprobs > 0: a
     device-side branch skipping it would make the GPU dispatch wait for the step
     (docs/architecture.md, "Compiling a step")."""
-    lp = processed_logprobs(logits, sp.temperature, sp.top_k, sp.top_p)          # [R, J, V]
+    lp = processed_logprobs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode)   # [R, J, V]
     chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
     vals, ids = jax.lax.top_k(lp, n)
     w = want[:, None]
