@@ -47,9 +47,9 @@ def _engine(cfg, params, spec, batch, steps, prompt_len, **kw):
                       enable_prefix_caching=False, **kw), max_tokens
 
 
-def _timed_decode(llm, cfg, batch, steps, prompt_len, max_tokens, sp_kw=None):
-    """Fills the engine with `batch` requests, prefills them, warms up, then times `steps`
-    engine steps. Returns (seconds per step, committed tokens per second)."""
+def _fill(llm, cfg, batch, prompt_len, max_tokens, sp_kw=None):
+    """Fills the engine with `batch` requests, prefills them and runs a few decode steps (every
+    decode bucket compiled). Returns the requests."""
     import mtpjax
     rng = np.random.default_rng(0)
     seqs = [llm.add_request(rng.integers(0, cfg.vocab_size, prompt_len).tolist(),
@@ -57,8 +57,13 @@ def _timed_decode(llm, cfg, batch, steps, prompt_len, max_tokens, sp_kw=None):
             for _ in range(batch)]
     while any(s.is_prefill for s in llm.scheduler.running) or llm.scheduler.waiting:
         llm.step()
-    for _ in range(2 if args_tiny(llm) else 4):          # every decode bucket compiled
+    for _ in range(2 if args_tiny(llm) else 4):
         llm.step()
+    return seqs
+
+
+def _window(llm, seqs, steps):
+    """(seconds, committed tokens) of `steps` engine steps, device work included."""
     llm.flush()
     jax.block_until_ready(llm.runner.state)
     before = sum(s.num_completion_tokens for s in seqs)
@@ -67,13 +72,29 @@ def _timed_decode(llm, cfg, batch, steps, prompt_len, max_tokens, sp_kw=None):
         llm.step()
     llm.flush()
     jax.block_until_ready(llm.runner.state)
-    dt = time.perf_counter() - t0
-    tokens = sum(s.num_completion_tokens for s in seqs) - before
-    for s in seqs:
-        if not s.is_finished:
-            llm.abort(s)
-    llm.step()
-    return dt / steps, tokens / dt
+    return time.perf_counter() - t0, sum(s.num_completion_tokens for s in seqs) - before
+
+
+def _compare(runs, steps, windows):
+    """runs: {name: (llm, seqs, setup)}; `windows` rounds, each timing `steps` steps of every
+    run in turn (setup() first), so drift and one-off stalls hit all runs alike. Returns
+    {name: (median seconds per step, tokens per second at that window)}."""
+    per = {name: [] for name in runs}
+    for _ in range(windows):
+        for name, (llm, seqs, setup) in runs.items():
+            setup()
+            dt, tokens = _window(llm, seqs, steps)
+            per[name].append((dt / steps, tokens / dt))
+    out = {}
+    for name, rows in per.items():
+        rows.sort()
+        out[name] = rows[len(rows) // 2]
+    for llm, seqs, _ in runs.values():
+        for s in seqs:
+            if not s.is_finished:
+                llm.abort(s)
+        llm.step()
+    return out
 
 
 def args_tiny(llm) -> bool:
@@ -87,14 +108,14 @@ def bench_logprobs(args):
                              synthetic_accept_rate=0.7)
     # an engine without logprobs against one compiled with max_logprobs=5 whose every request
     # asks (the logprob work runs for every row of such an engine: no device-side branch)
-    rows = []
+    runs = {}
     for n in (0, 5):
-        llm, mt = _engine(cfg, params, spec, args.batch, args.steps, args.prompt_len,
-                          max_logprobs=n)
-        sp_kw = {"logprobs": n} if n else None
-        rows.append((n, *_timed_decode(llm, cfg, args.batch, args.steps, args.prompt_len, mt,
-                                       sp_kw)))
-        del llm
+        llm, mt = _engine(cfg, params, spec, args.batch, args.steps * args.windows,
+                          args.prompt_len, max_logprobs=n)
+        seqs = _fill(llm, cfg, args.batch, args.prompt_len, mt, {"logprobs": n} if n else None)
+        runs[n] = (llm, seqs, lambda: None)
+    res = _compare(runs, args.steps, args.windows)
+    rows = [(n, *res[n]) for n in (0, 5)]
     print(f"logprobs cost: batch {args.batch}, K={args.k}, {jax.devices()[0].device_kind}")
     print("| logprobs per request (all rows) | ms/step | tokens/s |")
     print("| --- | --- | --- |")
@@ -113,11 +134,12 @@ def bench_adaptive(args):
                              synthetic_accept_rate=rates)
     rows = []
     for b in args.batches:
-        llm, mt = _engine(cfg, params, spec, b, args.steps, args.prompt_len)
-        for name, policy in (("fixed K", None), ("adaptive", mtpjax.AdaptiveK())):
-            llm.adaptive_k = policy
-            s, tps = _timed_decode(llm, cfg, b, args.steps, args.prompt_len, mt)
-            rows.append((b, name, s, tps))
+        llm, mt = _engine(cfg, params, spec, b, args.steps * args.windows * 2, args.prompt_len)
+        seqs = _fill(llm, cfg, b, args.prompt_len, mt)
+        policies = {"fixed K": None, "adaptive": mtpjax.AdaptiveK()}
+        res = _compare({name: (llm, seqs, lambda p=p: setattr(llm, "adaptive_k", p))
+                        for name, p in policies.items()}, args.steps, args.windows)
+        rows += [(b, name, *res[name]) for name in policies]
         del llm
     print(f"adaptive K: conditional acceptance by position {rates}, "
           f"{jax.devices()[0].device_kind}")
@@ -168,7 +190,9 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--k", type=int, nargs="+", default=[3])
     ap.add_argument("--rates", type=float, nargs="+", default=[0.9, 0.6, 0.3])
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=30, help="engine steps per timed window")
+    ap.add_argument("--windows", type=int, default=5,
+                    help="timed windows per row, interleaved across rows (median reported)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
