@@ -24,3 +24,10 @@ __all__ += ["checkpoint"]
 from mtpjax.parallel import make_mesh  # noqa: E402
 
 __all__ += ["make_mesh"]
+
+from mtpjax.speculative.acceptance_eval import AcceptanceResult, eval_acceptance  # noqa: E402
+from mtpjax import train  # noqa: E402
+from mtpjax.train import LossConfig, Trainer, TrainState, finetune_mtp, joint_loss  # noqa: E402
+
+__all__ += ["AcceptanceResult", "eval_acceptance", "train", "LossConfig", "Trainer", "TrainState",
+            "finetune_mtp", "joint_loss"]

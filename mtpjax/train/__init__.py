@@ -1,1 +1,26 @@
-"""Training of target + MTP modules."""
+"""Training target + MTP models as a library (docs/training.md).
+
+    LossConfig, joint_loss            target CE + weighted per-depth MTP losses (data labels or
+                                      self-distillation to the target), regimes multi_layer /
+                                      chain / both
+    multi_layer_depths, chain_depths  teacher-forced depth logits of the two drafting regimes
+    Trainer, TrainState, adamw        jitted, donated train step; trainable "all" or "mtp"
+    fit, evaluate_windows, lr_at      the loop (schedule, progress bar, log, checkpoints)
+    save_train_state, restore_train_state   Orbax training checkpoints
+    finetune_mtp, reinit_mtp          MTP-head fine-tuning on a frozen target
+
+CLIs: `python -m mtpjax.train.tiny` (the shipped tiny models) and `python -m
+mtpjax.train.finetune` (heads of a model folder, acceptance before / after).
+"""
+
+from mtpjax.train.checkpointing import restore_train_state, save_train_state
+from mtpjax.train.depths import REGIMES, chain_depths, depth_logits, multi_layer_depths
+from mtpjax.train.finetune import finetune_mtp, reinit_mtp
+from mtpjax.train.loop import FitResult, evaluate_windows, fit, lr_at
+from mtpjax.train.loss import LABELS, LossConfig, joint_loss
+from mtpjax.train.step import TrainState, Trainer, adamw, merge_params, split_params
+
+__all__ = ["LABELS", "REGIMES", "FitResult", "LossConfig", "TrainState", "Trainer", "adamw",
+           "chain_depths", "depth_logits", "evaluate_windows", "finetune_mtp", "fit",
+           "joint_loss", "lr_at", "merge_params", "multi_layer_depths", "reinit_mtp",
+           "restore_train_state", "save_train_state", "split_params"]
