@@ -2,6 +2,8 @@
 
 `tiny_model_path()` is a small trained MiMo-style code model (target + 1 MTP module, byte-level
 BPE tokenizer), written by `python -m mtpjax.train.tiny`; see its README.md.
+`tiny_model_path(MTP3_MODEL)` is its sibling with 3 MTP modules (chain vs multi_layer drafting
+can be compared on it), trained the same way on the same corpus.
 """
 
 from __future__ import annotations
@@ -10,11 +12,16 @@ import json
 import os
 
 TINY_MODEL = "tiny_code_mimo"
+MTP3_MODEL = "tiny_code_mtp3"
+SHIPPED = (TINY_MODEL, MTP3_MODEL)
 
 
-def tiny_model_path() -> str:
-    """The folder of the shipped tiny model (a Hugging Face folder: `LLM.from_pretrained` it)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), TINY_MODEL)
+def tiny_model_path(name: str = TINY_MODEL) -> str:
+    """The folder of a shipped tiny model (a Hugging Face folder: `LLM.from_pretrained` it);
+    name: one of SHIPPED."""
+    if name not in SHIPPED:
+        raise ValueError(f"no shipped model named {name!r}; shipped: {SHIPPED}")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(
             f"{path} has no config.json: the shipped model is missing from this install; "
