@@ -426,7 +426,8 @@ class SpecConfig:
     """Speculative decoding with the checkpoint's MTP modules.
 
     method "chain": module `step % D` drafts autoregressively (MTP used as EAGLE), any K >= 1.
-    method "multi_layer": K = D distinct modules, module k consumes module k-1's hidden state.
+    method "multi_layer": K <= D distinct modules (the first K), module k consumes module k-1's
+    hidden state.
     acceptance: "rejection" (lossless; greedy requests reduce to exact-match), "coupled"
     (lossless: target and draft sample position p with the same key, fold_in(request key, p);
     a draft is kept iff it equals the target's own sample, so a request's tokens are exactly
@@ -476,9 +477,9 @@ class SpecConfig:
         """Raises if the model cannot serve this method."""
         if cfg.num_mtp_layers < 1:
             raise ValueError("speculative decoding needs a model with num_mtp_layers >= 1, got 0")
-        if self.method == "multi_layer" and self.num_speculative_tokens != cfg.num_mtp_layers:
+        if self.method == "multi_layer" and self.num_speculative_tokens > cfg.num_mtp_layers:
             raise ValueError(
-                f"method 'multi_layer' needs num_speculative_tokens == num_mtp_layers "
+                f"method 'multi_layer' needs num_speculative_tokens <= num_mtp_layers "
                 f"({cfg.num_mtp_layers}), got {self.num_speculative_tokens}; use method 'chain' "
                 "to reuse modules")
 

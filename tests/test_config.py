@@ -70,6 +70,6 @@ def test_spec_config_errors():
     with pytest.raises(ValueError, match="method 'tree'"):
         SpecConfig(method="tree")
     with pytest.raises(ValueError, match="num_mtp_layers"):
-        SpecConfig(num_speculative_tokens=3, method="multi_layer").check_model(tiny_config())
+        SpecConfig(num_speculative_tokens=2, method="multi_layer").check_model(tiny_config())
     with pytest.raises(ValueError, match="think_start_token_id"):
         SpecConfig(acceptance="relaxed")

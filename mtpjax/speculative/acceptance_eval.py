@@ -99,3 +99,49 @@ def acceptance_table(results: Sequence[AcceptanceResult]) -> str:
                     f"{' '.join(f'{x:.2f}' for x in r.per_position_acceptance)} | "
                     f"{' '.join(str(n) for n in r.num_accepted_histogram[1:])} |")
     return "\n".join(rows)
+
+
+def main(argv=None):
+    """`python -m mtpjax.speculative.acceptance_eval --model FOLDER`: the acceptance table of a
+    model folder's MTP modules on its held-out prompts (`prompts.json`), chain at each K and
+    multi_layer at each K <= D."""
+    import argparse
+    import json
+    import os
+
+    import jax.numpy as jnp
+
+    from mtpjax.checkpoint import load_pretrained
+
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="Hugging Face or Orbax folder with prompts.json")
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--methods", nargs="+", choices=["chain", "multi_layer"],
+                    default=["chain", "multi_layer"])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--prompts", type=int, default=16, help="first N prompts of prompts.json")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    ck = load_pretrained(args.model, getattr(jnp, args.dtype))
+    with open(os.path.join(args.model, "prompts.json")) as f:
+        texts = [p["text"] for p in json.load(f)][:args.prompts]
+    rows = []
+    for method in args.methods:
+        for k in args.k:
+            if method == "multi_layer" and k > ck.cfg.num_mtp_layers:
+                continue
+            res = eval_acceptance(ck.params, ck.cfg, SpecConfig(num_speculative_tokens=k,
+                                                                method=method),
+                                  texts, tokenizer=ck.tokenizer, temperatures=args.temperatures,
+                                  max_new_tokens=args.max_new_tokens, seed=args.seed)
+            rows += list(res.values())
+            print(acceptance_table(list(res.values())).splitlines()[-1], flush=True)
+    print(f"\n{args.model}: {len(texts)} prompts x {args.max_new_tokens} new tokens, "
+          f"{args.dtype}\n" + acceptance_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -10,7 +10,7 @@ derived from target states only (docs/spec_decoding.md, "KV consistency").
                d_s at position N-1+s with the previous step's output hidden; module s % D's
                output continues the chain (with D > 1 every module in use runs there too, so
                each module's KV has no holes).
-  multi_layer  module k (k = 0..K-1, K = D) runs over the window with tokens shifted k further
+  multi_layer  module k (k = 0..K-1, K <= D) runs over the window with tokens shifted k further
                (the draft-input roll by one, new draft at the tail) and the hidden states of
                module k-1 at the same positions; its output at position N-1 gives d_{k+1}.
 

@@ -99,9 +99,10 @@ def parse_args(argv=None):
 
 
 def acceptance_rows(params, cfg, prompts, ks, max_new_tokens, seed, temperatures=(0.0, 1.0)):
-    """Acceptance results for chain at each K in ks, and multi_layer at K = D."""
+    """Acceptance results for chain at each K in ks, and multi_layer at each K <= D in ks."""
     from mtpjax.speculative.acceptance_eval import eval_acceptance
-    runs = [("chain", k) for k in ks] + [("multi_layer", cfg.num_mtp_layers)]
+    runs = [("chain", k) for k in ks] + [("multi_layer", k) for k in ks
+                                         if k <= cfg.num_mtp_layers]
     rows = []
     for method, k in runs:
         res = eval_acceptance(params, cfg, SpecConfig(num_speculative_tokens=k, method=method),

@@ -22,7 +22,7 @@ The output folder (replaced if it exists) is a Hugging Face folder written by
 `prompts.json` (held-out prompts for the demo and tests), `training.json` (flags, log and
 metrics) and a README.md with the measured numbers: teacher-forced losses per regime and, for
 models with several modules (or `--acceptance-table on`), measured acceptance of chain drafting
-at K = 1..max(3, D) and multi_layer drafting at K = D on the held-out prompts.
+at K = 1..max(3, D) and multi_layer drafting at each of those K <= D on the held-out prompts.
 `mtpjax.LLM.from_pretrained(out)` loads it.
 """
 
