@@ -241,6 +241,39 @@ def case_pallas_per_device() -> dict:
     return out
 
 
+def case_train_mesh() -> dict:
+    """Three joint train steps on a (1, 2) and a (2, 1) mesh vs one device (same windows):
+    the largest parameter difference, and whether every state leaf kept its input sharding."""
+    from mtpjax.parallel import make_mesh
+    from mtpjax.train import LossConfig, Trainer, adamw
+    cfg, params = hlo_model()
+    cfg = dataclasses.replace(cfg, num_mtp_layers=2)
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(0))
+    windows = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 12)).astype(np.int32)
+    loss = LossConfig(depths=2, regime="both")
+
+    def train(mesh):
+        trainer = Trainer(cfg, loss, adamw(1e-2), trainable="all", mesh=mesh)
+        state, frozen = trainer.init(params)
+        before = jax.tree.map(lambda a: a.sharding, state)
+        for _ in range(3):
+            state, metrics = trainer.step(state, frozen, windows, 1e-2)
+        kept = jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding == s, state, before))
+        return trainer.params(state, frozen), all(kept), float(metrics["loss"])
+
+    ref, _, ref_loss = train(None)
+    out = {}
+    for d, m in ((1, 2), (2, 1)):
+        got, kept, got_loss = train(make_mesh(tensor_parallel=m, data_parallel=d))
+        diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
+        moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(params)))
+        out[f"{d}x{m}"] = {"max_param_diff": diff, "max_param_change": moved,
+                           "shardings_kept": kept, "loss_diff": abs(got_loss - ref_loss)}
+    return out
+
+
 def case_one_process_ref() -> list:
     cfg, params = hlo_model()
     return mtpjax.generate(params, cfg, PROMPTS, max_new_tokens=NEW, page_size=4).tokens
@@ -250,7 +283,8 @@ if __name__ == "__main__":
     case = sys.argv[1]
     result = {"models": lambda: case_models(sys.argv[2]),
               "two": lambda: {"hlo": case_step_hlo(), "loading": case_loading(sys.argv[2]),
-                              "ref": case_one_process_ref(), "pallas": case_pallas_per_device()},
+                              "ref": case_one_process_ref(), "pallas": case_pallas_per_device(),
+                              "train": case_train_mesh()},
               "process": lambda: case_process(int(sys.argv[2]), int(sys.argv[3])),
               }[case]()
     print("RESULT " + json.dumps(result))

@@ -223,6 +223,16 @@ def test_pallas_kernels_run_per_device_under_shard_map(two_devices):
         assert err < 1e-5, name
 
 
+def test_training_under_a_mesh_equals_one_device(two_devices):
+    """mtpjax.train's step on a tensor-parallel and a data-parallel 2-device mesh: the same
+    params as one device after 3 steps (up to reduction order: AdamW's normalized update moves
+    each param by up to ~lr per step, 3e-2 here), and the donated state keeps its shardings."""
+    for name, r in two_devices["train"].items():
+        assert r["shardings_kept"], name
+        assert r["max_param_change"] > 1e-2, (name, r)
+        assert r["max_param_diff"] < 1e-4 and r["loss_diff"] < 1e-5, (name, r)
+
+
 # ---------------------------------------------------------------- two processes
 
 

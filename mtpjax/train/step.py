@@ -108,9 +108,14 @@ class Trainer:
             params = shard_params(params, self.cfg, self.mesh)
         trainable, frozen = split_params(params, self.trainable)
         trainable = jax.tree.map(jnp.copy, trainable)
-        opt_state = jax.jit(self.optimizer.init)(trainable)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=trainable,
-                          opt_state=opt_state), frozen
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=trainable,
+                           opt_state=jax.jit(self.optimizer.init)(trainable))
+        if self.mesh is not None:       # counters and scalars: replicated over the mesh
+            replicated = NamedSharding(self.mesh, P())
+            state = jax.tree.map(lambda a: a if isinstance(a.sharding, NamedSharding)
+                                 and a.sharding.mesh == self.mesh
+                                 else jax.device_put(a, replicated), state)
+        return state, frozen
 
     def params(self, state: TrainState, frozen):
         """The whole param tree (trained leaves merged back with the frozen ones)."""
