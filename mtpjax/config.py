@@ -447,9 +447,13 @@ class SpecConfig:
     think_start_token_id: int | None = None
     think_end_token_id: int | None = None
     synthetic_accept_rate: float | tuple[float, ...] = 0.7
+    # drafts come from N token ids (FR-Spec; speculative/draft_vocab.py), verification from all
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         _positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        if self.draft_vocab_size is not None:
+            _positive_int("draft_vocab_size", self.draft_vocab_size)
         if self.method not in SPEC_METHODS:
             raise ValueError(f"method {self.method!r} is not supported; supported: {SPEC_METHODS}")
         accept = ("rejection", "coupled", "greedy", "relaxed", "synthetic")
@@ -477,6 +481,9 @@ class SpecConfig:
         """Raises if the model cannot serve this method."""
         if cfg.num_mtp_layers < 1:
             raise ValueError("speculative decoding needs a model with num_mtp_layers >= 1, got 0")
+        if self.draft_vocab_size is not None and self.draft_vocab_size > cfg.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} is larger than the "
+                             f"vocabulary ({cfg.vocab_size})")
         if self.method == "multi_layer" and self.num_speculative_tokens > cfg.num_mtp_layers:
             raise ValueError(
                 f"method 'multi_layer' needs num_speculative_tokens <= num_mtp_layers "

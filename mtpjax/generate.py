@@ -24,6 +24,8 @@ from mtpjax.parallel import check_mesh, sharded_inputs, to_host
 from mtpjax.parallel.sharding import pin
 from mtpjax.sampling import Limits, SamplingArrays, as_sampling_list, is_stop, stop_id_array
 from mtpjax.speculative.draft import DRAFT_SOURCES, DraftOverride, draft_shape
+from mtpjax.speculative.draft_vocab import attach as attach_draft_vocab
+from mtpjax.speculative.draft_vocab import resolve_ids as draft_vocab_ids
 from mtpjax.speculative.metrics import SpecStats
 from mtpjax.speculative.mixed_step import (KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD, MixedBatch,
                                            SlotState, mixed_step, thinking_after)
@@ -233,7 +235,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
              spec: SpecConfig | None = None, seed: int = 0, page_size: int = 16,
              num_pages: int | None = None, attention_impl="auto",
              cache_dtype=None, draft_source: str = "model",
-             forced_drafts=None, mesh=None, steps_per_check: int = 4) -> GenerateOutput:
+             forced_drafts=None, mesh=None, steps_per_check: int = 4,
+             draft_vocab=None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt (fewer when `SamplingParams.max_tokens` is
     smaller or a stop token is produced; the stop token is included in the output).
 
@@ -252,6 +255,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     steps_per_check: steps the on-device loop runs between two checks of "every request done"
     (a GPU while loop waits on the host at each check; up to steps_per_check - 1 steps after
     the last request finishes run on padding rows).
+    draft_vocab: with `SpecConfig(draft_vocab_size=N)`, the token ids drafts come from (N ids,
+    or ranked ids of which the first N are taken; speculative/draft_vocab.py).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -266,6 +271,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
         if not isinstance(spec, SpecConfig):
             raise ValueError(f"spec must be a SpecConfig or None, got {type(spec).__name__}")
         spec.check_model(cfg)
+    vocab_ids = draft_vocab_ids(cfg, spec, draft_vocab)
     max_new = [min(max_new_tokens, s.max_tokens or max_new_tokens) for s in sps]
     # chain drafting writes module KV up to position N + 2K - 1 (docs/spec_decoding.md)
     lookahead = 0 if spec is None else 2 * spec.num_speculative_tokens + 1
@@ -288,6 +294,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
             mesh, cfg, params, lambda: SlotState.create(
                 cfg, spec, init_cache(cfg, num_pages, page_size, dtype), B, dtype),
             (batch, sp_arrays, limits, forced))
+    params = attach_draft_vocab(params, vocab_ids, mesh)
     state = _prefill(params, cfg, spec, slots, batch, limits, forced,
                      first_pass_len=F, max_new=max(max_new), backend=backend,
                      draft_source=draft_source)

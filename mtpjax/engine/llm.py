@@ -35,6 +35,7 @@ from mtpjax.engine.scheduler import Scheduler
 from mtpjax.engine.sequence import Sequence, SequenceStatus
 from mtpjax.engine.warmup import WarmupProgress, step_buckets
 from mtpjax.speculative.adaptive import AcceptanceTable, AdaptiveK
+from mtpjax.speculative.draft_vocab import resolve_ids as draft_vocab_ids
 
 
 @dataclasses.dataclass
@@ -197,6 +198,8 @@ class LLM:
     device state are placed by the sharding table and the step runs on it (docs/parallel.md).
     max_waiting_requests (default 1024, None = unbounded): `add_request` raises QueueFullError
     when this many requests wait; `generate`/`generate_stream` feed their prompts in as room frees.
+    draft_vocab: with `SpecConfig(draft_vocab_size=N)`, the token ids drafts come from (N ids,
+    or ranked ids of which the first N are taken; speculative/draft_vocab.py).
 
     Thread-safe: one lock serializes engine operations; several threads may call generate at once
     and share the batch. Errors and interrupts: see the module docstring and docs/engine.md.
@@ -208,7 +211,8 @@ class LLM:
                  tokenizer=None, max_model_len: int | None = None, eos_token_id: int | None = None,
                  attention_impl="auto", seed: int = 0, async_scheduling: bool = True,
                  max_waiting_requests: int | None = 1024, warmup: bool | None = None,
-                 max_logprobs: int = 0, adaptive_k: AdaptiveK | None = None, mesh=None):
+                 max_logprobs: int = 0, adaptive_k: AdaptiveK | None = None, mesh=None,
+                 draft_vocab=None):
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         if spec is not None:
@@ -238,6 +242,7 @@ class LLM:
             raise ValueError(f"tokenizer must have encode(str) and decode(ids), got "
                              f"{type(tokenizer).__name__}")
         check_params(params, cfg)
+        vocab_ids = draft_vocab_ids(cfg, spec, draft_vocab)
         enable_compilation_cache()
         self.cfg, self.spec, self.tokenizer = cfg, spec, tokenizer
         K = spec.num_speculative_tokens if spec else 0
@@ -260,7 +265,7 @@ class LLM:
         self.runner = ModelRunner(params, cfg, spec, num_pages=num_pages, page_size=page_size,
                                   max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks,
                                   seed=seed, attention_impl=attention_impl,
-                                  max_logprobs=max_logprobs, mesh=mesh)
+                                  max_logprobs=max_logprobs, mesh=mesh, draft_vocab=vocab_ids)
         self.max_logprobs = max_logprobs
         self.adaptive_k = adaptive_k
         self._acceptance = AcceptanceTable(self.spec.num_speculative_tokens if self.spec else 0)
@@ -744,11 +749,17 @@ class LLM:
     def from_pretrained(cls, path: str, spec: SpecConfig | None = None, *, dtype=None,
                         mesh=None, **llm_kwargs) -> "LLM":
         """An LLM over a Hugging Face folder or an Orbax folder (`mtpjax convert`), with its
-        tokenizer and eos id unless given; `llm_kwargs` as for `LLM(...)` (num_pages, ...)."""
+        tokenizer and eos id unless given, and, for `SpecConfig(draft_vocab_size=N)`, the
+        folder's draft_vocab.json (ranked ids; the first N) unless `draft_vocab` is given;
+        `llm_kwargs` as for `LLM(...)` (num_pages, ...)."""
         from mtpjax.checkpoint import load_pretrained
+        from mtpjax.speculative.draft_vocab import load_ranked_ids
         ckpt = load_pretrained(path, dtype, spec=spec, mesh=mesh)
         llm_kwargs.setdefault("tokenizer", ckpt.tokenizer)
         llm_kwargs.setdefault("eos_token_id", ckpt.eos_token_id)
+        if spec is not None and spec.draft_vocab_size is not None \
+                and llm_kwargs.get("draft_vocab") is None:
+            llm_kwargs["draft_vocab"] = load_ranked_ids(path)
         return cls(ckpt.params, ckpt.cfg, spec, mesh=mesh, **llm_kwargs)
 
 

@@ -27,6 +27,7 @@ from mtpjax.parallel import check_mesh, create_sharded, replicate, shard_params
 from mtpjax.parallel.sharding import pin, pin_replicated
 from mtpjax.sampling import SAMPLING_MODES, SamplingArrays, request_key, sampling_mode
 from mtpjax.speculative.draft import draft_shape
+from mtpjax.speculative.draft_vocab import attach as attach_draft_vocab
 from mtpjax.speculative.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
                                            KIND_RESUME, MixedBatch, SlotState, mixed_step,
                                            thinking_after)
@@ -99,7 +100,8 @@ def _step(params, cfg, spec, state, flat_inputs, *, first_pass_len, backend, sha
 class ModelRunner:
     def __init__(self, params, cfg: ModelConfig, spec: SpecConfig | None, *, num_pages: int,
                  page_size: int, max_num_seqs: int, max_blocks_per_seq: int, seed: int = 0,
-                 attention_impl="auto", cache_dtype=None, max_logprobs: int = 0, mesh=None):
+                 attention_impl="auto", cache_dtype=None, max_logprobs: int = 0, mesh=None,
+                 draft_vocab=None):
         self.params, self.cfg, self.spec = params, cfg, spec
         self.max_logprobs = max_logprobs              # n compiled into the step (0: no logprobs)
         self.K, self.W = draft_shape(spec)
@@ -110,6 +112,8 @@ class ModelRunner:
         self.backend = resolve_backend(attention_impl, mesh=self.mesh)
         if self.mesh is not None:
             self.params = params = shard_params(params, cfg, self.mesh)
+        # draft_vocab: checked host ids int32[N] (draft_vocab.resolve_ids) or None
+        self.params = params = attach_draft_vocab(params, draft_vocab, self.mesh)
         self.seed = seed
         self.num_pages, self.dtype = num_pages, cache_dtype or params["embed"].dtype
         self.num_slots = max_num_seqs + 1                 # last slot: scratch for padding rows

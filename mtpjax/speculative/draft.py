@@ -28,7 +28,7 @@ from flax import struct
 from mtpjax.cache import KVCache, PagedBatch
 from mtpjax.config import ModelConfig, SpecConfig
 from mtpjax.model.mtp import mtp_forward_cached
-from mtpjax.model.transformer import logits_from_hidden
+from mtpjax.speculative.draft_vocab import draft_logits
 from mtpjax.sampling import SamplingArrays, filtered_probs, position_keys, sample_from_probs
 
 DRAFT_SOURCES = ("model", "random", "forced")
@@ -43,8 +43,11 @@ class DraftOverride:
 
 
 def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=None,
-               coupled: bool = False):
-    """Draft token for each request at `positions` [B] and the distribution it was drawn from.
+               coupled: bool = False, vocab_ids=None, vocab_size: int | None = None):
+    """Draft token for each request at `positions` [B] and the distribution f32[B, V] it was
+    drawn from. logits [B, V], or [B, N] over the draft subset `vocab_ids` int32[N] of a
+    vocabulary of `vocab_size` (draft_vocab.py): the draft is the subset's token, and its
+    distribution is scattered into the vocabulary (zero outside the subset).
 
     Key: fold_in(fold_in(request key, position), 2), a stream of its own; coupled (coupled
     acceptance): fold_in(request key, position), the very key the target samples that
@@ -53,15 +56,21 @@ def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=Non
     "random" (tests): uniform over the vocabulary. "forced" (tests): forced.tokens[b, position].
     "mixed" (tests): per request, the source forced.modes[b] names.
     """
-    B, V = logits.shape
+    B = logits.shape[0]
+    V = logits.shape[1] if vocab_ids is None else vocab_size
     keys = position_keys(sp.keys, positions)
     if not coupled:
         keys = jax.vmap(jax.random.fold_in)(keys, jnp.full((B,), 2, jnp.uint32))
     if source == "model":
         if sp.mode == "greedy":     # q is the one-hot argmax: take the token from it once
             tok = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+            tok = tok if vocab_ids is None else vocab_ids[tok]
             return tok, jax.nn.one_hot(tok, V, dtype=jnp.float32)
         q = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode)
+        if vocab_ids is not None:
+            # sampled over the whole vocabulary with q = 0 outside the subset: the same Gumbel
+            # noise per token id as the target's draw (coupled acceptance stays coupled)
+            q = jnp.zeros((B, V), jnp.float32).at[:, vocab_ids].set(q)
         return sample_from_probs(q, keys, sp.mode), q
     if source == "random":
         tok = jax.vmap(lambda k: jax.random.randint(k, (), 0, V))(keys).astype(jnp.int32)
@@ -71,8 +80,8 @@ def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=Non
         tok = forced.tokens[jnp.arange(B), idx].astype(jnp.int32)
         return tok, jax.nn.one_hot(tok, V, dtype=jnp.float32)
     if source == "mixed":
-        outs = [draw_draft(logits, sp, positions, source=s, forced=forced, coupled=coupled)
-                for s in DRAFT_SOURCES]
+        outs = [draw_draft(logits, sp, positions, source=s, forced=forced, coupled=coupled,
+                           vocab_ids=vocab_ids, vocab_size=vocab_size) for s in DRAFT_SOURCES]
         pick = lambda *xs: jnp.stack(xs)[forced.modes, jnp.arange(B)]
         return jax.tree.map(pick, *outs)
     raise ValueError(f"draft source {source!r} not in {DRAFT_SOURCES}")
@@ -111,8 +120,9 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
     probs = jnp.zeros((R, K, V), jnp.float32)
 
     def draw(normed_rows, i):
-        return draw_draft(logits_from_hidden(params, normed_rows), sp, seq_len + 1 + i,
-                          source=source, forced=forced, coupled=spec.acceptance == "coupled")
+        logits, ids = draft_logits(params, normed_rows)
+        return draw_draft(logits, sp, seq_len + 1 + i, source=source, forced=forced,
+                          coupled=spec.acceptance == "coupled", vocab_ids=ids, vocab_size=V)
 
     def record(drafts, probs, tok, q, i):
         drafts = jax.lax.dynamic_update_index_in_dim(drafts, tok, i, axis=1)
