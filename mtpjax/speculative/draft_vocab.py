@@ -132,3 +132,39 @@ def draft_logits(params, normed: jax.Array):
     if entry is None:
         return logits_from_hidden(params, normed), None
     return (normed @ entry["head"]).astype(jnp.float32), entry["ids"]
+
+
+def main(argv=None):
+    """`python -m mtpjax.speculative.draft_vocab --model FOLDER`: rank a model folder's token ids
+    by frequency over a corpus of *.py files (the training split: every `--heldout-every`-th
+    file is left out, as `mtpjax.train.tiny` splits) and write FOLDER/draft_vocab.json."""
+    import argparse
+    import sysconfig
+
+    from tokenizers import Tokenizer
+
+    from mtpjax.train.data import read_corpus
+
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="folder with config.json and tokenizer.json")
+    ap.add_argument("--corpus", default=sysconfig.get_paths()["stdlib"])
+    ap.add_argument("--heldout-every", type=int, default=20)
+    args = ap.parse_args(argv)
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    tok = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
+    train, _ = read_corpus(args.corpus, args.heldout_every)
+    eos = tok.token_to_id("<|endoftext|>")
+    ranked = frequent_token_ids((np.asarray(e.ids, np.int64) for e in tok.encode_batch(train)),
+                                vocab, always=() if eos is None else (eos,))
+    import platform
+    corpus = (f"CPython {platform.python_version()}'s standard library"
+              if args.corpus == sysconfig.get_paths()["stdlib"] else args.corpus)
+    source = (f"token counts over the training split of {corpus} (*.py, every "
+              f"{args.heldout_every}th file held out; {len(train)} files), eos first")
+    path = save_ranked_ids(args.model, ranked, source)
+    print(f"wrote {path}: {vocab} ranked ids; {source}")
+
+
+if __name__ == "__main__":
+    main()
