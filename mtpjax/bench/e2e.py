@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -127,10 +128,12 @@ def weight_bytes(cfg, itemsize: int = 2) -> dict:
             "embed_table_not_counted": V * E * itemsize}
 
 
-def step_bytes(w: dict, cfg, batch: int, ctx: float, K: int) -> dict:
+def step_bytes(w: dict, cfg, batch: int, ctx: float, K: int, draft_vocab: int = 0) -> dict:
+    """draft_vocab: N > 0 when the draft passes read an [E, N] slice of the lm_head."""
     kv = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     target = w["target_layers"] + w["final_norm"] + w["lm_head"]
-    drafts = K * (w["mtp_module"] + w["lm_head"])
+    head = w["lm_head"] * draft_vocab // cfg.vocab_size if draft_vocab else w["lm_head"]
+    drafts = K * (w["mtp_module"] + head)
     return {"weights": target, "mtp_drafts": drafts, "kv": kv, "total": target + drafts + kv}
 
 
@@ -196,6 +199,13 @@ def engine_kwargs(args, batch: int) -> dict:
                 max_model_len=tokens)
 
 
+def draft_vocab_of(spec):
+    """Draft subset ids for a spec with draft_vocab_size (random weights: the first N ids)."""
+    import numpy as np
+    return None if spec is None or spec.draft_vocab_size is None else np.arange(
+        spec.draft_vocab_size)
+
+
 def time_generate(params, cfg, spec, prompts, args) -> dict:
     import mtpjax
     N = args.new_tokens
@@ -204,7 +214,8 @@ def time_generate(params, cfg, spec, prompts, args) -> dict:
         t0 = time.perf_counter()
         out = mtpjax.generate(params, cfg, prompts, max_new_tokens=N, spec=spec,
                               page_size=PAGE_SIZE, sampling=sampling, mesh=mesh_of(args),
-                              steps_per_check=args.steps_per_check)
+                              steps_per_check=args.steps_per_check,
+                              draft_vocab=draft_vocab_of(spec))
         return out, time.perf_counter() - t0
 
     out, _ = call()                                  # compiles; greedy first tokens
@@ -260,7 +271,7 @@ def engine_pass(llm, prompts, new_tokens: int) -> dict:
 def time_engine(params, cfg, spec, prompts, args) -> dict:
     import mtpjax
     llm = mtpjax.LLM(params, cfg, spec, warmup=False, mesh=mesh_of(args),
-                     **engine_kwargs(args, len(prompts)))
+                     draft_vocab=draft_vocab_of(spec), **engine_kwargs(args, len(prompts)))
     engine_pass(llm, prompts, args.new_tokens)                # compiles the buckets it uses
     passes = [engine_pass(llm, prompts, args.new_tokens) for _ in range(args.repeats)]
     best = sorted(passes, key=lambda p: p["ms_per_step"])[len(passes) // 2]     # median pass
@@ -426,6 +437,9 @@ def parse_args(argv):
     ap.add_argument("--accept-rate", type=float, default=0.8,
                     help="synthetic acceptance probability per draft (MTP rows)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="also run the MTP rows with drafts from N of the V token ids "
+                         "(SpecConfig.draft_vocab_size; the draft passes read N lm_head columns)")
     ap.add_argument("--steps-per-check", type=int, default=4,
                     help="generate rows: steps between two 'all done' checks of the device loop")
     ap.add_argument("--rows", default=",".join(ROWS),
@@ -559,9 +573,9 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
             with open(os.path.join(args.out, "e2e.json"), "w") as f:
                 json.dump(result, f, indent=1, default=str)
 
-    def add(row: dict, batch=None, drafts=0):
+    def add(row: dict, batch=None, drafts=0, draft_vocab=0):
         if batch is not None and "ms_per_step" in row:
-            b = step_bytes(w, cfg, batch, ctx, drafts)
+            b = step_bytes(w, cfg, batch, ctx, drafts, draft_vocab)
             row["bytes_per_step"] = b
             row["floor_ms"] = 1e3 * b["total"] / bw
             row["pct_floor"] = 100 * row["floor_ms"] / row["ms_per_step"]
@@ -573,14 +587,14 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
         log(f"{row['row']} (batch {row.get('batch')}): " + ", ".join(
             f"{k} {_fmt(v) if not isinstance(v, str) else v}" for k, v in shown.items()))
 
-    def attempt(name: str, batch, fn, drafts=0):
+    def attempt(name: str, batch, fn, drafts=0, draft_vocab=0):
         log(f"{name}, batch {batch} ...")
         try:
             res = fn()
         except Exception as e:                                 # report, keep going
             traceback.print_exc()
             res = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        add(dict(row=name, batch=batch, **res), batch, drafts)
+        add(dict(row=name, batch=batch, **res), batch, drafts, draft_vocab)
 
     top = max(args.batches)
     if not args.no_startup:
@@ -591,6 +605,8 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
                     lambda: _warm_row(args, top, cache_dir))
     names = {"generate plain": "generate plain", "generate MTP": f"generate MTP K={K}",
              "engine plain": "engine plain", "engine MTP": f"engine MTP K={K}"}
+    N = args.draft_vocab
+    spec_dv = dataclasses.replace(spec, draft_vocab_size=N) if N else None
     for batch in args.batches:
         prompts = prompts_for(cfg, batch, args.prompt_len, args.seed)
         for key, name in names.items():
@@ -600,6 +616,9 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
             fn = time_generate if key.startswith("generate") else time_engine
             attempt(name, batch, lambda: fn(params, cfg, spec if mtp else None, prompts, args),
                     K if mtp else 0)
+            if mtp and spec_dv is not None:
+                attempt(f"{name} draft vocab {N}", batch,
+                        lambda: fn(params, cfg, spec_dv, prompts, args), K, N)
     if "HF" in args.row_set:
         for batch in args.batches:
             attempt("HF Llama static+compile", batch, lambda: _hf_row(args, batch))
