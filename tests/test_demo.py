@@ -3,7 +3,7 @@ its lossless check and statistics are tests/test_tiny_model.py's)."""
 
 import os
 
-from mtpjax.demo import GPU_8B_BATCH1, acceptance_stats
+from mtpjax.demo import GPU_8B_BATCH1, GPU_8B_SEEDS, acceptance_stats
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                     "benchmarks.md")
@@ -29,6 +29,16 @@ def test_demo_gpu_numbers_match_docs():
     assert float(plain[2]) == g["plain_ms"] and float(plain[6]) == g["plain_tok_s"]
     assert float(mtp[2]) == g["mtp_ms"] and float(mtp[6]) == g["mtp_tok_s"]
     assert float(mtp[5]) == g["mtp_tokens_per_step"]
+
+
+def test_demo_seed_mean_numbers_match_docs():
+    g = GPU_8B_SEEDS
+    text = open(DOCS).read()
+    section = text[text.index(f"**Batch 1 over four seeds** (call 3, same lease, commit {g['commit']}"):]
+    mean = next(line for line in section.splitlines() if line.startswith("| mean |"))
+    c = [x.strip().split()[0].strip("*") for x in mean.strip("|").split("|")]
+    assert (int(c[2]), int(c[5]), int(c[8])) == (g["plain_tok_s"], g["mtp_tok_s"],
+                                                 g["draft_vocab_tok_s"])
 
 
 class _Out:
