@@ -127,9 +127,29 @@ def processed_logprobs(logits: jax.Array, temperature, top_k, top_p, mode: str =
     _check_mode(mode)
     logits = logits.astype(jnp.float32)
     if mode == "greedy":
-        probs = jax.nn.softmax(logits, axis=-1)
-        return jnp.log(probs / jnp.sum(probs, axis=-1, keepdims=True))
+        return logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     return jnp.log(_row_probs(logits, temperature, top_k, top_p))
+
+
+def processed_logprob_top(logits: jax.Array, tokens: jax.Array, temperature, top_k, top_p,
+                          n: int, mode: str = "filter"):
+    """What logprobs reporting needs from `processed_logprobs`, without writing its [B, ..., V]
+    array: logits [B, ..., V], tokens int32[B, ...] -> (chosen f32[B, ...], the logprob of each
+    token; top values f32[B, ..., n], descending; top ids int32[B, ..., n]). Equal to gathering
+    from / `lax.top_k` of `processed_logprobs` (log is monotone, so the top n of the
+    probabilities are the top n of the logprobs). mode "greedy": a log-sum-exp and a `top_k` of
+    the logits; "filter": `_row_probs`, which the step's sampling computes anyway."""
+    _check_mode(mode)
+    logits = logits.astype(jnp.float32)
+    if mode == "greedy":
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        chosen = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0] - lse
+        vals, ids = jax.lax.top_k(logits, n)
+        return chosen, vals - lse[..., None], ids.astype(jnp.int32)
+    probs = _row_probs(logits, temperature, top_k, top_p)
+    chosen = jnp.log(jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0])
+    vals, ids = jax.lax.top_k(probs, n)
+    return chosen, jnp.log(vals), ids.astype(jnp.int32)
 
 
 def _top_k_mask(scaled, k):

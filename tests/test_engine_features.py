@@ -259,3 +259,36 @@ def test_bench_spec_features_smoke():
     out = spec_features.main(["adaptive", "--tiny", "--batches", "2", "--steps", "1",
                               "--prompt-len", "8"])
     assert [r[1] for r in out["adaptive"]] == ["fixed K", "adaptive"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_token_logprobs_equal_the_dicts_built_eagerly(seed):
+    """RequestOutput.logprobs keeps each step's arrays and builds dicts on access: the same
+    dicts the eager per-step build gave, in order, through snapshots and later appends."""
+    from mtpjax.engine.logprobs import TokenLogprobs
+    r = np.random.default_rng(seed)
+    n, N = int(r.integers(1, 4)), 5
+    lp, want, snaps = TokenLogprobs(n), [], []
+    for _ in range(int(r.integers(3, 9))):
+        k = int(r.integers(0, 5))
+        toks = r.integers(0, 50, k).tolist()
+        chosen = r.standard_normal(k).astype(np.float32)
+        ids = r.integers(0, 50, (k, N)).astype(np.int32)
+        vals = np.sort(r.standard_normal((k, N)).astype(np.float32))[:, ::-1]
+        lp.append_step(toks, chosen, ids, vals)
+        for j in range(k):
+            d = dict(zip(ids[j, :n].tolist(), vals[j, :n].tolist()))
+            d[toks[j]] = float(chosen[j])
+            want.append(d)
+        if r.random() < 0.5 and len(lp):
+            _ = lp[int(r.integers(0, len(lp)))]          # a partial build, then more appends
+        snaps.append((lp.snapshot(), list(want)))
+    assert lp == want and list(lp) == want and len(lp) == len(want)
+    for snap, w in snaps:
+        assert snap == w
+    if want:
+        assert lp[-1] == want[-1] and lp[1:3] == want[1:3]
+        lp[0][12345] = 0.0                                  # a copy: the stored dict is unchanged
+        assert lp[0] == want[0]
+    with pytest.raises(IndexError, match=f"index {len(want)} out of range"):
+        lp[len(want)]

@@ -16,8 +16,8 @@ import pytest
 
 from mtpjax import SpecConfig
 from mtpjax.sampling import (SAMPLING_MODES, SamplingArrays, _top_k_mask, _top_p_mask,
-                             filtered_probs, position_keys, sample, sample_from_probs,
-                             sampling_mode)
+                             filtered_probs, position_keys, processed_logprob_top,
+                             processed_logprobs, sample, sample_from_probs, sampling_mode)
 from mtpjax.speculative.accept import accept_rejection, apply_acceptance
 
 V = 48
@@ -211,6 +211,29 @@ def _primitives(jaxpr, out=None):
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             _primitives(sub, out)
     return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("batch", ["all_greedy", "mixed"])
+def test_logprob_top_equals_the_full_processed_logprobs(batch, seed):
+    """The step reports logprobs without writing the [B, J, V] array: chosen / top-n equal to
+    gathering from and `top_k` of `processed_logprobs`, in the host's mode and in "filter"."""
+    sp, logits, r = _batch(BATCHES[batch], 6, seed, 3.0)
+    tokens = jnp.asarray(r.integers(0, V, (6, 4)), jnp.int32)
+    n = 4
+    for mode in {sp.mode, "filter"}:
+        lp = processed_logprobs(logits, *_filters(sp), mode=mode)
+        chosen, vals, ids = processed_logprob_top(logits, tokens, *_filters(sp), n, mode)
+        want_vals, want_ids = jax.lax.top_k(lp, n)
+        np.testing.assert_allclose(chosen, jnp.take_along_axis(lp, tokens[..., None], -1)[..., 0],
+                                   atol=1e-5, rtol=0)
+        np.testing.assert_allclose(vals, want_vals, atol=1e-5, rtol=0)
+        finite = np.isfinite(np.asarray(want_vals))        # -inf ties (filtered out) may reorder
+        np.testing.assert_array_equal(np.asarray(ids)[finite], np.asarray(want_ids)[finite])
+        # a greedy row reports log_softmax at temperature 1 in either mode
+        g = np.asarray(sp.temperature) <= 0
+        np.testing.assert_allclose(np.asarray(lp)[g], np.asarray(jax.nn.log_softmax(logits))[g],
+                                   atol=1e-5, rtol=0)
 
 
 def _abstract_batch(mode, B=4, K=3):

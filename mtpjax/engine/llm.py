@@ -30,6 +30,7 @@ import numpy as np
 from mtpjax.compilation_cache import enable_compilation_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig, check_seed
 from mtpjax.engine.block_manager import BlockManager
+from mtpjax.engine.logprobs import TokenLogprobs
 from mtpjax.engine.runner import ModelRunner
 from mtpjax.engine.scheduler import Scheduler
 from mtpjax.engine.sequence import Sequence, SequenceStatus
@@ -49,8 +50,9 @@ class RequestOutput:
     num_draft_tokens: int = 0          # drafts proposed to the target (this request's own k)
     num_accepted_draft_tokens: int = 0
     # SamplingParams.logprobs set: logprobs[i] = {token id: logprob} for the i-th generated token
-    # (the token itself and the `logprobs` most likely tokens), else None
-    logprobs: list[dict[int, float]] | None = None
+    # (the token itself and the `logprobs` most likely tokens), else None. A read-only sequence
+    # of dicts (`TokenLogprobs`, built on access; compares equal to the list of dicts)
+    logprobs: TokenLogprobs | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -375,7 +377,7 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             seq = Sequence(self._encode(p, i), sampling_params=sp, seq_id=self._next_id + i)
             self.scheduler.check(seq)
-            seq.logprobs = [] if sp.logprobs is not None else None
+            seq.logprobs = TokenLogprobs(sp.logprobs) if sp.logprobs is not None else None
             seqs.append(seq)
         return seqs
 
@@ -457,7 +459,7 @@ class LLM:
         return RequestOutput(seq.seq_id, list(seq.prompt_token_ids), toks, text,
                              seq.finish_reason, seq.num_verify_steps, seq.num_draft_tokens,
                              seq.num_accepted_draft_tokens,
-                             None if lps is None else [dict(d) for d in lps])
+                             None if lps is None else lps.snapshot())
 
     @property
     def _metrics(self) -> dict[int, list[int]]:
@@ -578,7 +580,7 @@ class LLM:
     def _complete(self, out, result, ks=None) -> None:
         """Reads a dispatched step back, applies it and routes the news."""
         committed = self.runner.collect(out, result)
-        lps = self.runner.logprobs(out, result, committed) if self.max_logprobs else None
+        lps = self.runner.logprobs(out, result) if self.max_logprobs else None
         live = [not self.scheduler.is_void(out, r) for r in out.requests]
         before = [r.seq.num_tokens for r in out.requests]
         K = self.spec.num_speculative_tokens if self.spec else 0
@@ -591,7 +593,8 @@ class LLM:
                 continue      # preempted, finished or aborted after dispatch: a wasted row
             seq = req.seq
             if lps is not None and lps[i] is not None and seq.logprobs is not None:
-                seq.logprobs.extend(lps[i][:seq.num_tokens - before[i]])   # the kept tokens
+                kept = seq.num_tokens - before[i]
+                seq.logprobs.append_step(toks[:kept], *(a[:kept] for a in lps[i]))
             if not req.is_prefill and K:
                 seq.num_verify_steps += 1
                 seq.num_draft_tokens += ks[i]

@@ -301,28 +301,20 @@ class ModelRunner:
         J = self.K + 1
         return [result[i, :result[i, J]].tolist() for i in range(len(out.requests))]
 
-    def logprobs(self, out: SchedulerOutput, result: jax.Array, toks: list[list[int]]) -> list:
-        """Per scheduled request: None if it did not ask, else one dict {token id: logprob} per
-        committed token (`toks`, from `collect`): the token's own logprob and its
-        SamplingParams.logprobs best alternatives (the chosen token may be one of them)."""
+    def logprobs(self, out: SchedulerOutput, result: jax.Array) -> list:
+        """Per scheduled request: None if it did not ask, else numpy views (chosen f32[J],
+        top ids int32[J, n], top values f32[J, n]) for its J = K + 1 step positions, n =
+        max_logprobs (`TokenLogprobs` keeps the request's own number). No per-element Python:
+        this runs on the critical path of every step."""
         J, n = self.K + 1, self.max_logprobs
         lps: list = [None] * len(out.requests)
-        asked = [(i, req.seq.sampling_params.logprobs) for i, req in enumerate(out.requests)
-                 if getattr(req.seq.sampling_params, "logprobs", None) is not None]
-        if n and asked:
-            # whole rows to Python lists first: per-element numpy reads cost ~1 ms per step at
-            # batch 32 (host time the device then waits for)
-            result = np.asarray(result)
-            rows_of = np.asarray([i for i, _ in asked])
-            sel = result[rows_of]
-            chosen = sel[:, J + 1:2 * J + 1].view(np.float32).tolist()
-            vals = sel[:, 2 * J + 1:2 * J + 1 + J * n].view(np.float32).reshape(-1, J, n).tolist()
-            ids = sel[:, 2 * J + 1 + J * n:].reshape(-1, J, n).tolist()
-            for a, (i, want) in enumerate(asked):
-                rows = []
-                for j, t in enumerate(toks[i]):
-                    d = dict(zip(ids[a][j][:want], vals[a][j][:want]))
-                    d[t] = chosen[a][j]
-                    rows.append(d)
-                lps[i] = rows
+        if not n:
+            return lps
+        result = np.asarray(result)
+        chosen = result[:, J + 1:2 * J + 1].view(np.float32)
+        vals = result[:, 2 * J + 1:2 * J + 1 + J * n].view(np.float32).reshape(-1, J, n)
+        ids = result[:, 2 * J + 1 + J * n:].reshape(-1, J, n)
+        for i, req in enumerate(out.requests):
+            if getattr(req.seq.sampling_params, "logprobs", None) is not None:
+                lps[i] = (chosen[i], ids[i], vals[i])
         return lps

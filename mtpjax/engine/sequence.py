@@ -66,7 +66,7 @@ class Sequence:
         self.num_accepted_draft_tokens: int = 0
         self.num_reported_tokens: int = 0
         # one {token id: logprob} dict per completion token, when the request asks for logprobs
-        self.logprobs: list[dict[int, float]] | None = None
+        self.logprobs = None        # engine.logprobs.TokenLogprobs | None
 
     # ---- sizes -------------------------------------------------------------------------------
     def __len__(self) -> int:
