@@ -378,6 +378,10 @@ class SamplingParams:
     # Return, for every generated token, its logprob and the `logprobs` most likely tokens'
     # logprobs under the target's processed distribution (docs/engine.md, "Logprobs").
     logprobs: int | None = None
+    # Return, for every prompt token after the first, its logprob and the `prompt_logprobs`
+    # most likely tokens' (same distribution; one extra target pass over the prompt,
+    # docs/engine.md, "Prompt logprobs").
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         set_ = lambda name, v: object.__setattr__(self, name, v)    # noqa: E731 (frozen)
@@ -409,7 +413,7 @@ class SamplingParams:
         set_("stop_token_ids", tuple(int(t) for t in stops))
         if self.seed is not None:
             set_("seed", check_seed("seed", self.seed))
-        for name in ("num_speculative_tokens", "logprobs"):
+        for name in ("num_speculative_tokens", "logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None:
                 if not _is_int(v) or v < 0:

@@ -1,6 +1,8 @@
 """Serving features: reproducible seeded sampling (coupled acceptance; preemption-invariant
 rejection sampling), per-request K, logprobs, adaptive K."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -292,3 +294,34 @@ def test_token_logprobs_equal_the_dicts_built_eagerly(seed):
         assert lp[0] == want[0]
     with pytest.raises(IndexError, match=f"index {len(want)} out of range"):
         lp[len(want)]
+
+
+@pytest.mark.parametrize("name", ["plain", "rejection"])
+def test_prompt_logprobs_equal_the_generated_tokens_logprobs(engines, prompts, name):
+    """prompt_logprobs come from a separate uncached pass over the prompt: for a prompt that
+    is an earlier request's prompt + completion, they equal the logprobs that request got for
+    its completion (paged verify logits, bonus tokens included) to 1e-5 — greedy, and sampled
+    with top-k / top-p (the processed distribution, -inf outside the filter)."""
+    llm = engines[name]
+    for i, sp in enumerate(_sampled() + [SamplingParams(max_tokens=12, logprobs=2)]):
+        p = prompts[i % len(prompts)]
+        first = llm.generate([p], [sp])[0]
+        again = dataclasses.replace(sp, max_tokens=1, prompt_logprobs=2, logprobs=None)
+        second = llm.generate([p + first.token_ids], [again])[0]
+        plp = second.prompt_logprobs
+        assert len(plp) == len(p) + len(first.token_ids) and plp[0] is None
+        assert first.prompt_logprobs is None and second.logprobs is None
+        for j, d in enumerate(plp[1:], start=1):
+            assert (p + first.token_ids)[j] in d and len(d) <= 3
+        _same_logprobs(plp[len(p):], first.logprobs[:len(first.token_ids)])
+
+
+def test_prompt_logprobs_are_refused_past_max_logprobs(model):
+    cfg, params = model
+    llm = mtpjax.LLM(params, cfg, None, num_pages=8, page_size=4, max_logprobs=1, warmup=False)
+    with pytest.raises(ValueError, match=r"prompt_logprobs=2 exceeds the engine's max_logprobs=1"):
+        llm.generate([[1, 2, 3]], [SamplingParams(prompt_logprobs=2)])
+    with pytest.raises(ValueError, match="prompt_logprobs must be an int >= 0"):
+        SamplingParams(prompt_logprobs=-1)
+    out = llm.generate([[1, 2, 3]], [SamplingParams(max_tokens=2, prompt_logprobs=0)])[0]
+    assert out.prompt_logprobs[0] is None and [list(d) for d in out.prompt_logprobs[1:]] == [[2], [3]]

@@ -31,6 +31,7 @@ from mtpjax.compilation_cache import enable_compilation_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig, check_seed
 from mtpjax.engine.block_manager import BlockManager
 from mtpjax.engine.logprobs import TokenLogprobs
+from mtpjax.engine.prompt_logprobs import PromptLogprobs
 from mtpjax.engine.runner import ModelRunner
 from mtpjax.engine.scheduler import Scheduler
 from mtpjax.engine.sequence import Sequence, SequenceStatus
@@ -53,6 +54,9 @@ class RequestOutput:
     # (the token itself and the `logprobs` most likely tokens), else None. A read-only sequence
     # of dicts (`TokenLogprobs`, built on access; compares equal to the list of dicts)
     logprobs: TokenLogprobs | None = None
+    # SamplingParams.prompt_logprobs set: [None, {prompt[1]: logprob, ...}, ...] (vLLM's layout:
+    # the first prompt token has no logprob), else None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -365,10 +369,12 @@ class LLM:
                     + ("SpecConfig.num_speculative_tokens)" if self.spec else
                        "an LLM without speculation)") + f"; expected 0 <= num_speculative_tokens "
                     f"<= {K}")
-            if sp.logprobs is not None and sp.logprobs > self.max_logprobs:
-                raise ValueError(f"logprobs={sp.logprobs} exceeds the engine's max_logprobs="
-                                 f"{self.max_logprobs} (compiled into its step): create the LLM "
-                                 f"with max_logprobs >= {sp.logprobs}")
+            for name in ("logprobs", "prompt_logprobs"):
+                n = getattr(sp, name)
+                if n is not None and n > self.max_logprobs:
+                    raise ValueError(f"{name}={n} exceeds the engine's max_logprobs="
+                                     f"{self.max_logprobs} (compiled into its step): create the "
+                                     f"LLM with max_logprobs >= {n}")
             bad = [t for t in sp.stop_token_ids if t >= self.cfg.vocab_size]
             if bad:
                 raise ValueError(f"stop_token_ids has {bad[0]}, outside the vocabulary "
@@ -379,6 +385,11 @@ class LLM:
             self.scheduler.check(seq)
             seq.logprobs = TokenLogprobs(sp.logprobs) if sp.logprobs is not None else None
             seqs.append(seq)
+        for seq in seqs:         # all valid: dispatch the extra prompt passes (asynchronous)
+            sp = seq.sampling_params
+            if sp.prompt_logprobs is not None:
+                seq.prompt_lp = PromptLogprobs(self.runner.params, self.cfg,
+                                               list(seq.prompt_token_ids), sp, self.max_logprobs)
         return seqs
 
     def _has_room(self) -> bool:
@@ -459,7 +470,8 @@ class LLM:
         return RequestOutput(seq.seq_id, list(seq.prompt_token_ids), toks, text,
                              seq.finish_reason, seq.num_verify_steps, seq.num_draft_tokens,
                              seq.num_accepted_draft_tokens,
-                             None if lps is None else lps.snapshot())
+                             None if lps is None else lps.snapshot(),
+                             None if seq.prompt_lp is None else seq.prompt_lp.result())
 
     @property
     def _metrics(self) -> dict[int, list[int]]:

@@ -67,6 +67,7 @@ class Sequence:
         self.num_reported_tokens: int = 0
         # one {token id: logprob} dict per completion token, when the request asks for logprobs
         self.logprobs = None        # engine.logprobs.TokenLogprobs | None
+        self.prompt_lp = None       # engine.prompt_logprobs.PromptLogprobs | None
 
     # ---- sizes -------------------------------------------------------------------------------
     def __len__(self) -> int:

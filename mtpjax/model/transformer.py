@@ -22,6 +22,13 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, return_hidden: bool 
     Returns logits f32[B, T, V]; with return_hidden also the final-normed hidden states [B, T, E]
     (h^0, what MTP module 1 consumes).
     """
+    hidden = final_hidden(params, cfg, tokens)
+    logits = logits_from_hidden(params, hidden)
+    return (logits, hidden) if return_hidden else logits
+
+
+def final_hidden(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Plain causal pass over int32[B, T] -> final-normed hidden states [B, T, E] (no lm_head)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be int32[B, T], got shape {tokens.shape}")
@@ -30,9 +37,7 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, return_hidden: bool 
     x = params["embed"][tokens]
     for p, kinds in zip(params["layers"], cfg.layer_kinds()):
         x, _ = decoder_block(p, x, positions, cfg, kinds)
-    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    logits = logits_from_hidden(params, hidden)
-    return (logits, hidden) if return_hidden else logits
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
 def forward_cached(params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
