@@ -135,21 +135,25 @@ def processed_logprob_top(logits: jax.Array, tokens: jax.Array, temperature, top
                           n: int, mode: str = "filter"):
     """What logprobs reporting needs from `processed_logprobs`, without writing its [B, ..., V]
     array: logits [B, ..., V], tokens int32[B, ...] -> (chosen f32[B, ...], the logprob of each
-    token; top values f32[B, ..., n], descending; top ids int32[B, ..., n]). Equal to gathering
-    from / `lax.top_k` of `processed_logprobs` (log is monotone, so the top n of the
-    probabilities are the top n of the logprobs). mode "greedy": a log-sum-exp and a `top_k` of
-    the logits; "filter": `_row_probs`, which the step's sampling computes anyway."""
+    token; top values f32[B, ..., n], descending; top ids int32[B, ..., n]).
+
+    The n most likely ids are `lax.top_k` of the raw logits: temperature is monotone, and
+    top-k / top-p keep a prefix of that same order, so they are the top n of the processed
+    logprobs too (filtered ones come out as -inf). Values are then gathers: mode "greedy" the
+    logits minus a log-sum-exp; "filter" the log of the `_row_probs` entries the step's
+    sampling computes anyway (n + 1 gathers per row: no second full-vocabulary consumer, which
+    measured +0.7 ms per step at 128 rows x 32k on the H100 as a `top_k` over the probs)."""
     _check_mode(mode)
     logits = logits.astype(jnp.float32)
+    _, ids = jax.lax.top_k(logits, n)
+    at = lambda x, i: jnp.take_along_axis(x, i, axis=-1)               # noqa: E731
     if mode == "greedy":
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        chosen = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0] - lse
-        vals, ids = jax.lax.top_k(logits, n)
-        return chosen, vals - lse[..., None], ids.astype(jnp.int32)
+        lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        return (at(logits, tokens[..., None]) - lse)[..., 0], at(logits, ids) - lse, \
+            ids.astype(jnp.int32)
     probs = _row_probs(logits, temperature, top_k, top_p)
-    chosen = jnp.log(jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0])
-    vals, ids = jax.lax.top_k(probs, n)
-    return chosen, jnp.log(vals), ids.astype(jnp.int32)
+    return jnp.log(at(probs, tokens[..., None]))[..., 0], jnp.log(at(probs, ids)), \
+        ids.astype(jnp.int32)
 
 
 def _top_k_mask(scaled, k):

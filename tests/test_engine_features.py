@@ -277,7 +277,13 @@ def test_token_logprobs_equal_the_dicts_built_eagerly(seed):
         chosen = r.standard_normal(k).astype(np.float32)
         ids = r.integers(0, 50, (k, N)).astype(np.int32)
         vals = np.sort(r.standard_normal((k, N)).astype(np.float32))[:, ::-1]
-        lp.append_step(toks, chosen, ids, vals)
+        R = int(r.integers(1, 4))                   # the request's row of a step's [R, J] arrays
+        row = int(r.integers(0, R))
+        J = k + int(r.integers(0, 2))
+        pad = lambda a: np.stack([np.pad(a, [(0, J - k)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
+                                  if i == row else r.standard_normal((J,) + a.shape[1:]).astype(a.dtype)
+                                  for i in range(R)])
+        lp.append_step(toks, (pad(chosen), pad(ids), pad(vals)), row)
         for j in range(k):
             d = dict(zip(ids[j, :n].tolist(), vals[j, :n].tolist()))
             d[toks[j]] = float(chosen[j])

@@ -3,8 +3,8 @@
 `RequestOutput.logprobs` is vLLM's `list[dict[token id, logprob]]`; building those dicts on the
 engine's critical path cost ~0.4 ms of Python per step at 32 rows (K = 3, 5 alternatives), which
 the device waits for once host time passes the step time. `TokenLogprobs` instead appends each
-step's numpy slices (a few views per request per step) and builds a token's dict on first
-access (vLLM made the same move with its `FlatLogprobs`, vllm-project/vllm PR #28002).
+step's result arrays with the request's row (one tuple per request per step) and builds a
+token's dict on first access (vLLM made the same move with its `FlatLogprobs`, vllm-project/vllm PR #28002).
 """
 
 from collections.abc import Sequence
@@ -18,16 +18,18 @@ class TokenLogprobs(Sequence):
 
     def __init__(self, n: int):
         self.n = n
-        self._chunks: list[tuple] = []   # (tokens int[k], chosen f32[k], ids int[k, >=n], vals f32[k, >=n])
+        # (tokens list[k], (chosen f32[R, J], ids int32[R, J, >=n], vals f32[R, J, >=n]), row):
+        # the request's k tokens are positions 0..k-1 of row `row` of one step's arrays
+        self._chunks: list[tuple] = []
         self._len = 0
         self._built: list[dict[int, float]] = []
 
-    def append_step(self, tokens, chosen, ids, vals) -> None:
-        """One step's committed tokens [k] with chosen [k], ids / vals [k, >= n] (views kept)."""
-        k = len(tokens)
-        if k:
-            self._chunks.append((tokens, chosen, ids, vals))
-            self._len += k
+    def append_step(self, tokens: list[int], step: tuple, row: int) -> None:
+        """One step's committed tokens (k of them) and that step's arrays `step` = (chosen
+        f32[R, J], ids int32[R, J, >= n], vals f32[R, J, >= n]), J >= k; the request's row."""
+        if tokens:
+            self._chunks.append((tokens, step, row))
+            self._len += len(tokens)
 
     def snapshot(self) -> "TokenLogprobs":
         """A copy that later appends do not change (shares the immutable chunks)."""
@@ -39,14 +41,14 @@ class TokenLogprobs(Sequence):
         if end <= len(self._built):
             return
         seen = 0
-        for tokens, chosen, ids, vals in self._chunks:
+        for tokens, (chosen, ids, vals), row in self._chunks:
             k = len(tokens)
             if seen + k > len(self._built):
                 lo = len(self._built) - seen
-                ids_l = np.asarray(ids)[lo:, :self.n].tolist()
-                vals_l = np.asarray(vals)[lo:, :self.n].tolist()
-                for t, c, i, v in zip(np.asarray(tokens)[lo:].tolist(),
-                                      np.asarray(chosen)[lo:].tolist(), ids_l, vals_l):
+                ids_l = np.asarray(ids)[row, lo:k, :self.n].tolist()
+                vals_l = np.asarray(vals)[row, lo:k, :self.n].tolist()
+                for t, c, i, v in zip(list(tokens)[lo:], np.asarray(chosen)[row, lo:k].tolist(),
+                                      ids_l, vals_l):
                     d = dict(zip(i, v))
                     d[t] = c
                     self._built.append(d)

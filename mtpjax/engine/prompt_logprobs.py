@@ -59,7 +59,7 @@ class PromptLogprobs:
 
     def __init__(self, params, cfg: ModelConfig, prompt: list[int], sp: SamplingParams,
                  n_max: int):
-        self.length, self.n = len(prompt), sp.prompt_logprobs
+        self.n = sp.prompt_logprobs
         T = padded_length(len(prompt))
         tokens = np.zeros(T, np.int32)
         tokens[:len(prompt)] = prompt
@@ -74,8 +74,7 @@ class PromptLogprobs:
         list each call; the arrays are read once)."""
         if self._dicts is None:
             chosen, ids, vals = (np.asarray(a) for a in self._arrays)
-            L = self.length
             lps = TokenLogprobs(self.n)
-            lps.append_step(self.tokens[1:], chosen[:L - 1], ids[:L - 1], vals[:L - 1])
+            lps.append_step(self.tokens[1:], (chosen[None], ids[None], vals[None]), 0)
             self._dicts, self._arrays = list(lps), None
         return [None] + [dict(d) for d in self._dicts]

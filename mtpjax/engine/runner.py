@@ -301,20 +301,13 @@ class ModelRunner:
         J = self.K + 1
         return [result[i, :result[i, J]].tolist() for i in range(len(out.requests))]
 
-    def logprobs(self, out: SchedulerOutput, result: jax.Array) -> list:
-        """Per scheduled request: None if it did not ask, else numpy views (chosen f32[J],
-        top ids int32[J, n], top values f32[J, n]) for its J = K + 1 step positions, n =
-        max_logprobs (`TokenLogprobs` keeps the request's own number). No per-element Python:
-        this runs on the critical path of every step."""
+    def logprobs(self, result: jax.Array) -> tuple:
+        """The step's logprob arrays, numpy views of its result: (chosen f32[R, J], top ids
+        int32[R, J, n], top values f32[R, J, n]), J = K + 1, n = max_logprobs; row i is the
+        i-th scheduled request (`TokenLogprobs.append_step` keeps them with the row: no
+        per-request Python on the critical path of every step)."""
         J, n = self.K + 1, self.max_logprobs
-        lps: list = [None] * len(out.requests)
-        if not n:
-            return lps
         result = np.asarray(result)
-        chosen = result[:, J + 1:2 * J + 1].view(np.float32)
-        vals = result[:, 2 * J + 1:2 * J + 1 + J * n].view(np.float32).reshape(-1, J, n)
-        ids = result[:, 2 * J + 1 + J * n:].reshape(-1, J, n)
-        for i, req in enumerate(out.requests):
-            if getattr(req.seq.sampling_params, "logprobs", None) is not None:
-                lps[i] = (chosen[i], ids[i], vals[i])
-        return lps
+        return (result[:, J + 1:2 * J + 1].view(np.float32),
+                result[:, 2 * J + 1 + J * n:].reshape(-1, J, n),
+                result[:, 2 * J + 1:2 * J + 1 + J * n].view(np.float32).reshape(-1, J, n))
