@@ -5,8 +5,10 @@
     python -m mtpjax.bench.spec_features acceptance [--k 1 2 3] [--temperatures 0.6 1.0]
     python -m mtpjax.bench.spec_features all --tiny        # CPU smoke shapes (the test runs this)
 
-logprobs: engine ms/step at `batch` decoding requests, K drafts (synthetic acceptance 0.7), on
-  `LLM(max_logprobs=5)`, with no request asking and with every request asking `logprobs=5`.
+logprobs: engine ms/step at `batch` decoding requests, K drafts, `LLM(max_logprobs=0)` against
+  `LLM(max_logprobs=5)` with every request asking `logprobs=5`; greedy (`--temperature 0`) with
+  synthetic acceptance 0.7, sampled with rejection sampling (what a sampled request runs).
+  Also the device-only step time (the last batch replayed back to back, no host work).
 adaptive: tokens/s of fixed K against `AdaptiveK()` at each batch size, synthetic acceptance whose
   conditional per-position rates decay (`--rates`, P(draft i kept | drafts < i kept)).
 acceptance: the shipped trained model (`tiny_code_mimo`), seeded sampled requests, coupled vs
@@ -105,8 +107,12 @@ def args_tiny(llm) -> bool:
 def bench_logprobs(args):
     import mtpjax
     cfg, params = _model(args)
-    spec = mtpjax.SpecConfig(num_speculative_tokens=args.k, acceptance="synthetic",
-                             synthetic_accept_rate=0.7)
+    # greedy: synthetic acceptance 0.7. Sampled: rejection sampling, what serving a sampled
+    # request runs — synthetic acceptance never filters the target's distribution, so there
+    # the logprobs alone would pay the top-k / top-p sorts that sampling otherwise shares
+    spec = (mtpjax.SpecConfig(num_speculative_tokens=args.k, acceptance="synthetic",
+                              synthetic_accept_rate=0.7) if args.temperature == 0 else
+            mtpjax.SpecConfig(num_speculative_tokens=args.k))
     # an engine without logprobs against one compiled with max_logprobs=5 whose every request
     # asks (the logprob work runs for every row of such an engine: no device-side branch)
     runs = {}
