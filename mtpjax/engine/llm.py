@@ -592,7 +592,11 @@ class LLM:
     def _complete(self, out, result, ks=None) -> None:
         """Reads a dispatched step back, applies it and routes the news."""
         committed = self.runner.collect(out, result)
-        lps = self.runner.logprobs(result) if self.max_logprobs else None
+        lps, lp_row = None, {}
+        if self.max_logprobs:
+            asked = [i for i, r in enumerate(out.requests) if r.seq.logprobs is not None]
+            if asked:
+                lps, lp_row = self.runner.logprobs(result, asked), {i: a for a, i in enumerate(asked)}
         live = [not self.scheduler.is_void(out, r) for r in out.requests]
         before = [r.seq.num_tokens for r in out.requests]
         K = self.spec.num_speculative_tokens if self.spec else 0
@@ -604,8 +608,8 @@ class LLM:
             if not was_live:
                 continue      # preempted, finished or aborted after dispatch: a wasted row
             seq = req.seq
-            if lps is not None and seq.logprobs is not None:
-                seq.logprobs.append_step(toks[:seq.num_tokens - before[i]], lps, i)
+            if i in lp_row and seq.logprobs is not None:
+                seq.logprobs.append_step(toks[:seq.num_tokens - before[i]], lps, lp_row[i])
             if not req.is_prefill and K:
                 seq.num_verify_steps += 1
                 seq.num_draft_tokens += ks[i]

@@ -301,13 +301,14 @@ class ModelRunner:
         J = self.K + 1
         return [result[i, :result[i, J]].tolist() for i in range(len(out.requests))]
 
-    def logprobs(self, result: jax.Array) -> tuple:
-        """The step's logprob arrays, numpy views of its result: (chosen f32[R, J], top ids
-        int32[R, J, n], top values f32[R, J, n]), J = K + 1, n = max_logprobs; row i is the
-        i-th scheduled request (`TokenLogprobs.append_step` keeps them with the row: no
-        per-request Python on the critical path of every step)."""
+    def logprobs(self, result: jax.Array, rows: list[int]) -> tuple:
+        """The step's logprob arrays for the scheduled requests `rows` (their indices in the
+        step), copied out of its result so a request keeps only the rows that asked: (chosen
+        f32[A, J], top ids int32[A, J, n], top values f32[A, J, n]), A = len(rows), J = K + 1,
+        n = max_logprobs. Three array copies per step, no per-request Python
+        (`TokenLogprobs.append_step` keeps them with the request's row)."""
         J, n = self.K + 1, self.max_logprobs
-        result = np.asarray(result)
-        return (result[:, J + 1:2 * J + 1].view(np.float32),
-                result[:, 2 * J + 1 + J * n:].reshape(-1, J, n),
-                result[:, 2 * J + 1:2 * J + 1 + J * n].view(np.float32).reshape(-1, J, n))
+        sel = np.asarray(result)[np.asarray(rows, np.int64)]
+        return (sel[:, J + 1:2 * J + 1].view(np.float32),
+                sel[:, 2 * J + 1 + J * n:].reshape(-1, J, n),
+                sel[:, 2 * J + 1:2 * J + 1 + J * n].view(np.float32).reshape(-1, J, n))
