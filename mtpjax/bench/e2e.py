@@ -292,7 +292,9 @@ def time_startup(params, cfg, spec, args, batch: int) -> dict:
     llm.generate([prompt], mtpjax.SamplingParams(max_tokens=1))
     t2 = time.perf_counter()
     ev = _EVENTS - before
-    return dict(startup_s=t2 - t0, construct_s=t1 - t0, first_token_after_construct_s=t2 - t1,
+    store = llm.runner.store
+    return dict(store_loaded=store.hits if store else 0, store_compiled=store.misses if store else 0,
+                startup_s=t2 - t0, construct_s=t1 - t0, first_token_after_construct_s=t2 - t1,
                 buckets=len(llm.warmup_times),
                 bucket_compile_s={f"{T},{F}": s for T, F, s in llm.warmup_times},
                 programs=ev[BACKEND_COMPILE], cache_hits=ev[CACHE_HIT],
@@ -531,6 +533,7 @@ def main(argv=None) -> int:
     finally:
         if fresh:
             shutil.rmtree(fresh, ignore_errors=True)
+            shutil.rmtree(fresh + "_executables", ignore_errors=True)   # the executable store
 
 
 def _run(args, cache_dir, cache_files, fresh) -> int:
@@ -638,7 +641,8 @@ def _startup_row(params, cfg, spec, args, batch, cache_dir, fresh) -> dict:
     where = ("no persistent cache" if not cache_dir else
              "empty fresh cache" if fresh else f"cache {cache_dir}")
     r["note"] = (f"{r['buckets']} step buckets; {r['programs']} programs: {r['compiled']} "
-                 f"compiled, {r['cache_hits']} from the cache ({where}); LLM() "
+                 f"compiled, {r['cache_hits']} from the cache ({where}), "
+                 f"{r.get('store_loaded', 0)} loaded whole from the executable store; LLM() "
                  f"{r['construct_s']:.1f} s")
     return r
 
@@ -653,7 +657,8 @@ def _hf_row(args, batch) -> dict:
 def _warm_row(args, batch, cache_dir) -> dict:
     r = run_child(args, "startup", batch, {"MTPJAX_CACHE_DIR": cache_dir} if cache_dir else None)
     r["note"] = (f"{r['buckets']} step buckets; {r['programs']} programs: {r['compiled']} "
-                 f"compiled, {r['cache_hits']} from the cache; LLM() {r['construct_s']:.1f} s; "
+                 f"compiled, {r['cache_hits']} from the cache, {r.get('store_loaded', 0)} loaded "
+                 f"whole from the executable store; LLM() {r['construct_s']:.1f} s; "
                  f"whole process {r['process_s']:.1f} s")
     return r
 

@@ -30,6 +30,7 @@ import numpy as np
 from mtpjax.compilation_cache import enable_compilation_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig, check_seed
 from mtpjax.engine.block_manager import BlockManager
+from mtpjax.engine.executable_store import ExecutableStore
 from mtpjax.engine.logprobs import TokenLogprobs
 from mtpjax.engine.prompt_logprobs import PromptLogprobs
 from mtpjax.engine.runner import ModelRunner
@@ -198,8 +199,10 @@ class LLM:
     compiles. Default (None): on when JAX's default backend is not the CPU (GPU/TPU steps take
     seconds to compile; on the CPU the tests' tiny engines would pay for buckets they never use).
     `MTPJAX_WARMUP_THREADS` (default min(4, CPU count)) compiles that many buckets at once.
-    JAX's persistent compilation cache is turned on first (`mtpjax/compilation_cache.py`), so a
-    second process loads the compiled steps from disk.
+    JAX's persistent compilation cache is turned on first (`mtpjax/compilation_cache.py`), and
+    the warmed-up steps are kept whole in an executable store (`engine/executable_store.py`), so
+    a second process loads them from disk without tracing them. executable_cache: None (the
+    default store, on with the compilation cache), False (off), or a folder.
     mesh: a jax.sharding.Mesh with axes ("data", "model") (`mtpjax.make_mesh`); params and the
     device state are placed by the sharding table and the step runs on it (docs/parallel.md).
     max_waiting_requests (default 1024, None = unbounded): `add_request` raises QueueFullError
@@ -218,7 +221,7 @@ class LLM:
                  attention_impl="auto", seed: int = 0, async_scheduling: bool = True,
                  max_waiting_requests: int | None = 1024, warmup: bool | None = None,
                  max_logprobs: int = 0, adaptive_k: AdaptiveK | None = None, mesh=None,
-                 draft_vocab=None):
+                 draft_vocab=None, executable_cache: str | bool | None = None):
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         if spec is not None:
@@ -247,9 +250,15 @@ class LLM:
                                           and callable(getattr(tokenizer, "decode", None))):
             raise ValueError(f"tokenizer must have encode(str) and decode(ids), got "
                              f"{type(tokenizer).__name__}")
+        if executable_cache is not None and executable_cache is not False and \
+                not isinstance(executable_cache, (str, os.PathLike)):
+            raise ValueError(f"executable_cache must be None, False or a folder, got "
+                             f"executable_cache={executable_cache!r}")
         check_params(params, cfg)
         vocab_ids = draft_vocab_ids(cfg, spec, draft_vocab)
         enable_compilation_cache()
+        store = (ExecutableStore.default() if executable_cache is None else
+                 None if executable_cache is False else ExecutableStore(os.fspath(executable_cache)))
         self.cfg, self.spec, self.tokenizer = cfg, spec, tokenizer
         K = spec.num_speculative_tokens if spec else 0
         chain = spec is not None and spec.method == "chain"
@@ -271,7 +280,8 @@ class LLM:
         self.runner = ModelRunner(params, cfg, spec, num_pages=num_pages, page_size=page_size,
                                   max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks,
                                   seed=seed, attention_impl=attention_impl,
-                                  max_logprobs=max_logprobs, mesh=mesh, draft_vocab=vocab_ids)
+                                  max_logprobs=max_logprobs, mesh=mesh, draft_vocab=vocab_ids,
+                                  executable_store=store)
         self.max_logprobs = max_logprobs
         self.adaptive_k = adaptive_k
         self._acceptance = AcceptanceTable(self.spec.num_speculative_tokens if self.spec else 0)

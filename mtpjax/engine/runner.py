@@ -12,7 +12,6 @@ programs are ever compiled.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +100,7 @@ class ModelRunner:
     def __init__(self, params, cfg: ModelConfig, spec: SpecConfig | None, *, num_pages: int,
                  page_size: int, max_num_seqs: int, max_blocks_per_seq: int, seed: int = 0,
                  attention_impl="auto", cache_dtype=None, max_logprobs: int = 0, mesh=None,
-                 draft_vocab=None):
+                 draft_vocab=None, executable_store=None):
         self.params, self.cfg, self.spec = params, cfg, spec
         self.max_logprobs = max_logprobs              # n compiled into the step (0: no logprobs)
         self.K, self.W = draft_shape(spec)
@@ -117,6 +116,9 @@ class ModelRunner:
         self.seed = seed
         self.num_pages, self.dtype = num_pages, cache_dtype or params["embed"].dtype
         self.num_slots = max_num_seqs + 1                 # last slot: scratch for padding rows
+        # (shape, F, sampling mode) -> compiled step, filled by warmup; ExecutableStore or None
+        self.executables: dict = {}
+        self.store = executable_store
         self.reset_state()
 
     def reset_state(self) -> None:
@@ -243,53 +245,73 @@ class ModelRunner:
         no device-side branch, so this returns as soon as it is enqueued."""
         batch, F = self.pack(out, num_drafts)
         inputs, shape = self.device_inputs(batch)
-        self.state, result = _step(self.params, self.cfg, self.spec, self.state, inputs,
-                                   first_pass_len=F, backend=self.backend, shape=shape,
-                                   logprobs=self.max_logprobs,
-                                   sampling_mode=sampling_mode(batch.sampling.temperature))
+        mode = sampling_mode(batch.sampling.temperature)
+        compiled = self.executables.get((shape, F, mode))
+        if compiled is not None:                 # warmed up: no tracing, not even a cache lookup
+            self.state, result = compiled(self.params, self.state, inputs)
+        else:
+            self.state, result = _step(self.params, self.cfg, self.spec, self.state, inputs,
+                                       **self._static(F, shape, mode))
         result.copy_to_host_async()                        # the step's only device->host copy
         return result
 
+    def _static(self, F: int, shape: tuple, mode: str) -> dict:
+        """The step's static keyword arguments (cfg and spec are positional)."""
+        return dict(first_pass_len=F, backend=self.backend, shape=shape,
+                    logprobs=self.max_logprobs, sampling_mode=mode)
+
+    def _compile_later(self, inputs, kw: dict, pool):
+        """A function returning the compiled step for one bucket and mode: loaded from the
+        executable store (`engine/executable_store.py`) when it holds it, else lowered here
+        and compiled (on `pool` when given), then stored."""
+        key = None
+        if self.store is not None:
+            key, hit = self.store.lookup("engine_step", (self.params, self.state, inputs),
+                                         dict(cfg=self.cfg, spec=self.spec, **kw))
+            if hit is not None:
+                return lambda: hit
+        lowered = _step.lower(self.params, self.cfg, self.spec, self.state, inputs, **kw)
+        future = pool.submit(lowered.compile) if pool is not None else None
+
+        def get():
+            compiled = future.result() if future is not None else lowered.compile()
+            if key is not None:
+                self.store.save(key, compiled)
+            return compiled
+        return get
+
     def warmup(self, buckets, on_compiled=None, threads: int = 1) -> None:
-        """Compiles the step for every (T, F) in `buckets` (`engine.warmup.step_buckets`) before
-        serving, so no step compiles mid-serving. Each bucket gets a dry run on an all-padding
-        batch: every row is a KIND_PAD row in the scratch slot at position -1, so it writes no
-        KV and changes no real slot (the donated state comes back with the same meaning).
-        threads > 1: each bucket is first lowered here and compiled ahead of time on a pool of
-        that many threads (`lower().compile()` fills the cache the dry run then hits).
-        Each bucket is compiled in every sampling mode (`sampling.SAMPLING_MODES`); on_compiled(T, F, seconds) after
-        each bucket (seconds summed over the modes), in order."""
+        """Compiles the step for every (T, F) in `buckets` (`engine.warmup.step_buckets`) and
+        every sampling mode (`sampling.SAMPLING_MODES`) before serving, so no step compiles
+        mid-serving; `dispatch` then calls these executables directly. With an executable
+        store (`self.store`), a bucket compiled by an earlier process is loaded, not traced.
+        threads > 1: the buckets are lowered here and compiled on a pool of that many threads.
+        Each bucket gets a dry run on an all-padding batch: every row is a KIND_PAD row in the
+        scratch slot at position -1, so it writes no KV and changes no real slot (the donated
+        state comes back with the same meaning). on_compiled(T, F, seconds) after each bucket
+        (load or compile plus the dry run, summed over the modes), in order."""
         import time
         from concurrent.futures import ThreadPoolExecutor
-
-        def timed(fn, *args):
-            t0 = time.perf_counter()
-            out = fn(*args)
-            return out, time.perf_counter() - t0
 
         empty, _ = self.pack(SchedulerOutput([], [], self.K))
         with ThreadPoolExecutor(max(threads, 1)) as pool:
             runs = []
             for T, F in buckets:
+                t0 = time.perf_counter()
                 batch = empty.replace(tokens=np.zeros(T, np.int32), seq_ids=np.zeros(T, np.int32),
                                       positions=np.full(T, -1, np.int32))
                 inputs, shape = self.device_inputs(batch)
-                kws = [dict(first_pass_len=F, backend=self.backend, shape=shape,
-                            logprobs=self.max_logprobs, sampling_mode=m)
-                       for m in SAMPLING_MODES]
-                aots = [None if threads <= 1 else pool.submit(timed, _step.lower(
-                    self.params, self.cfg, self.spec, self.state, inputs, **kw).compile)
-                    for kw in kws]
-                runs.append((T, F, inputs, kws, aots))
-            for T, F, inputs, kws, aots in runs:
-                total = 0.0
-                for kw, aot in zip(kws, aots):
-                    total += aot.result()[1] if aot else 0.0
-                    (self.state, result), seconds = timed(functools.partial(_step, **kw),
-                                                          self.params, self.cfg, self.spec,
-                                                          self.state, inputs)
+                gets = [(m, self._compile_later(inputs, self._static(F, shape, m),
+                                                pool if threads > 1 else None))
+                        for m in SAMPLING_MODES]
+                runs.append((T, F, shape, inputs, gets, time.perf_counter() - t0))
+            for T, F, shape, inputs, gets, total in runs:
+                for m, get in gets:
+                    t0 = time.perf_counter()
+                    compiled = self.executables[(shape, F, m)] = get()
+                    self.state, result = compiled(self.params, self.state, inputs)
                     jax.block_until_ready(result)
-                    total += seconds
+                    total += time.perf_counter() - t0
                 if on_compiled is not None:
                     on_compiled(T, F, total)
         request_key(SamplingParams(), self.seed, 0)      # its eager ops compile on first use

@@ -1,0 +1,44 @@
+"""Child process of tests/test_executable_store.py: one engine start in a fresh process.
+
+    python -m tests.store_child FOLDER SEED  ->  one JSON line: store hits / misses, traces of
+                                                the engine step, and the workload's tokens
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def main(folder: str, seed: int) -> None:
+    import numpy as np
+
+    import mtpjax
+    from mtpjax import SamplingParams, SpecConfig
+    from mtpjax.engine import runner as runner_mod
+    from tests.conftest import random_params, tiny_config
+
+    traces = [0]
+    inner = runner_mod.mixed_step
+
+    def counting(*a, **k):
+        traces[0] += 1
+        return inner(*a, **k)
+    runner_mod.mixed_step = counting
+    cfg = tiny_config(vocab_size=44)
+    llm = mtpjax.LLM(random_params(cfg, seed=seed), cfg, SpecConfig(num_speculative_tokens=1),
+                     warmup=True, executable_cache=folder, num_pages=40, page_size=4,
+                     max_num_seqs=2, max_num_batched_tokens=8)
+    warm_traces = traces[0]
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 44, int(n)).tolist() for n in (1, 7, 13, 3)]
+    sps = [SamplingParams(max_tokens=int(m), temperature=t, seed=seed + i)
+           for i, (m, t) in enumerate(zip([5, 9, 4, 7], [0, 0.8, 0, 1.0]))]
+    tokens = [o.token_ids for o in llm.generate(prompts, sps)]
+    print(json.dumps(dict(hits=llm.runner.store.hits, misses=llm.runner.store.misses,
+                          buckets=len(llm.warmup_times), warmup_traces=warm_traces,
+                          traces=traces[0], tokens=tokens)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

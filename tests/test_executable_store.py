@@ -1,0 +1,126 @@
+"""Executable store (engine/executable_store.py): a second engine loads every warmed-up step
+from disk without tracing one, gives the same tokens, and never takes a step that another
+configuration, code version or argument layout compiled."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtpjax
+from mtpjax import SamplingParams, SpecConfig
+from mtpjax.engine import executable_store
+from mtpjax.sampling import SAMPLING_MODES
+from tests.conftest import random_params, tiny_config
+
+KW = dict(num_pages=40, page_size=4, max_num_seqs=2, max_num_batched_tokens=8)
+
+
+def _child(folder, seed) -> dict:
+    """One engine start in a fresh process (a real warm start; also, XLA:CPU cannot serialize
+    a program whose sort it compiled earlier in the same process)."""
+    out = subprocess.run([sys.executable, "-m", "tests.store_child", str(folder), str(seed)],
+                         capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _workload(seed):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 46, int(n)).tolist() for n in (1, 7, 13, 3)]
+    sps = [SamplingParams(max_tokens=int(m), temperature=t, seed=seed + i)
+           for i, (m, t) in enumerate(zip([5, 9, 4, 7], [0, 0.8, 0, 1.0]))]
+    return prompts, sps
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_second_process_loads_every_step_without_tracing(tmp_path, seed):
+    first = _child(tmp_path, seed)
+    programs = first["buckets"] * len(SAMPLING_MODES)
+    assert (first["hits"], first["misses"]) == (0, programs)
+    assert first["warmup_traces"] == programs
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".jaxexec")]) == programs
+    second = _child(tmp_path, seed)
+    assert (second["hits"], second["misses"]) == (programs, 0)
+    assert second["traces"] == 0, "a warm engine traced its step"
+    assert second["tokens"] == first["tokens"]
+    # and the tokens are those of an engine without store or warm-up
+    cfg = tiny_config(vocab_size=44)
+    cold = mtpjax.LLM(random_params(cfg, seed=seed), cfg, SpecConfig(num_speculative_tokens=1),
+                      warmup=False, executable_cache=False, **KW)
+    assert cold.runner.store is None
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 44, int(n)).tolist() for n in (1, 7, 13, 3)]
+    sps = [SamplingParams(max_tokens=int(m), temperature=t, seed=seed + i)
+           for i, (m, t) in enumerate(zip([5, 9, 4, 7], [0, 0.8, 0, 1.0]))]
+    assert [o.token_ids for o in cold.generate(prompts, sps)] == first["tokens"]
+
+
+def test_other_configurations_and_damaged_files_are_compiled_not_loaded(tmp_path):
+    cfg = tiny_config(vocab_size=46)            # programs no other test of this process compiled
+    params = random_params(cfg)
+    prompts, sps = _workload(2)
+    base = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=1), warmup=True,
+                      executable_cache=tmp_path, **KW)
+    base_files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".jaxexec"))
+    # another K: new keys, nothing loaded
+    other = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), warmup=True,
+                       executable_cache=tmp_path, **KW)
+    assert other.runner.store.hits == 0 and other.runner.store.misses > 0
+    # a damaged file: a warning naming it, compiled again, outputs unchanged
+    with open(tmp_path / base_files[0], "wb") as f:
+        f.write(b"not an executable")
+    with pytest.warns(UserWarning, match="could not be loaded"):
+        again = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=1), warmup=True,
+                           executable_cache=tmp_path, **KW)
+    total = base.runner.store.misses + other.runner.store.misses
+    assert again.runner.store.hits + again.runner.store.misses == base.runner.store.misses
+    assert again.runner.store.misses <= 1 < total
+    assert [o.token_ids for o in again.generate(prompts, sps)] == \
+        [o.token_ids for o in base.generate(prompts, sps)]
+    with pytest.raises(ValueError, match="executable_cache must be None, False or a folder"):
+        mtpjax.LLM(params, cfg, None, executable_cache=3, **KW)
+
+
+def test_step_key_covers_code_statics_and_argument_layout(monkeypatch):
+    a = (jnp.zeros((4, 8), jnp.float32), {"x": jnp.zeros((3,), jnp.int32)})
+    key = executable_store.step_key("s", a, {"cfg": tiny_config(vocab_size=44), "n": 1})
+    same = executable_store.step_key("s", a, {"n": 1, "cfg": tiny_config(vocab_size=44)})
+    assert key == same
+    changed = [
+        executable_store.step_key("s", a, {"cfg": tiny_config(vocab_size=45), "n": 1}),
+        executable_store.step_key("s", a, {"cfg": tiny_config(vocab_size=44), "n": 2}),
+        executable_store.step_key("s", (a[0].astype(jnp.bfloat16), a[1]),
+                                  {"cfg": tiny_config(vocab_size=44), "n": 1}),
+        executable_store.step_key("s", (a[0], {"y": a[1]["x"]}),
+                                  {"cfg": tiny_config(vocab_size=44), "n": 1}),
+        executable_store.step_key("t", a, {"cfg": tiny_config(vocab_size=44), "n": 1}),
+    ]
+    monkeypatch.setattr(executable_store, "_SOURCES", "another version of the code")
+    changed.append(executable_store.step_key("s", a, {"cfg": tiny_config(vocab_size=44), "n": 1}))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
+    changed.append(executable_store.step_key("s", a, {"cfg": tiny_config(vocab_size=44), "n": 1}))
+    assert len({key, *changed}) == len(changed) + 1
+
+
+def test_default_store_sits_beside_the_compilation_cache(monkeypatch, tmp_path):
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_cache"))
+        monkeypatch.setenv("MTPJAX_COMPILATION_CACHE", "0")           # the same switch
+        assert executable_store.ExecutableStore.default() is None
+        monkeypatch.setenv("MTPJAX_COMPILATION_CACHE", "1")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            store = executable_store.ExecutableStore.default()
+        assert store.folder == str(tmp_path / "jax_cache_executables")
+        assert os.path.isdir(store.folder)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
