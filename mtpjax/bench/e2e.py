@@ -294,6 +294,7 @@ def time_startup(params, cfg, spec, args, batch: int) -> dict:
     ev = _EVENTS - before
     store = llm.runner.store
     return dict(store_loaded=store.hits if store else 0, store_compiled=store.misses if store else 0,
+                store_load_s=llm.runner.load_seconds,
                 startup_s=t2 - t0, construct_s=t1 - t0, first_token_after_construct_s=t2 - t1,
                 buckets=len(llm.warmup_times),
                 bucket_compile_s={f"{T},{F}": s for T, F, s in llm.warmup_times},

@@ -22,6 +22,7 @@ import hashlib
 import os
 import pickle
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -81,6 +82,7 @@ class ExecutableStore:
     def __init__(self, folder: str):
         self.folder = folder
         self.hits = self.misses = 0
+        self._lock = threading.Lock()          # lookups run on a thread pool
 
     @classmethod
     def default(cls) -> "ExecutableStore | None":
@@ -135,8 +137,9 @@ class ExecutableStore:
         arguments only."""
         key = step_key(name, arrays, static)
         compiled = self.load(key)
-        if compiled is None:
-            self.misses += 1
-        else:
-            self.hits += 1
+        with self._lock:
+            if compiled is None:
+                self.misses += 1
+            else:
+                self.hits += 1
         return key, compiled

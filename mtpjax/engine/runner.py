@@ -119,6 +119,7 @@ class ModelRunner:
         # (shape, F, sampling mode) -> compiled step, filled by warmup; ExecutableStore or None
         self.executables: dict = {}
         self.store = executable_store
+        self.load_seconds = 0.0          # warmup's wait for the store's loads
         self.reset_state()
 
     def reset_state(self) -> None:
@@ -260,60 +261,57 @@ class ModelRunner:
         return dict(first_pass_len=F, backend=self.backend, shape=shape,
                     logprobs=self.max_logprobs, sampling_mode=mode)
 
-    def _compile_later(self, inputs, kw: dict, pool):
-        """A function returning the compiled step for one bucket and mode: loaded from the
-        executable store (`engine/executable_store.py`) when it holds it, else lowered here
-        and compiled (on `pool` when given), then stored."""
-        key = None
-        if self.store is not None:
-            key, hit = self.store.lookup("engine_step", (self.params, self.state, inputs),
-                                         dict(cfg=self.cfg, spec=self.spec, **kw))
-            if hit is not None:
-                return lambda: hit
-        lowered = _step.lower(self.params, self.cfg, self.spec, self.state, inputs, **kw)
-        future = pool.submit(lowered.compile) if pool is not None else None
-
-        def get():
-            compiled = future.result() if future is not None else lowered.compile()
-            if key is not None:
-                self.store.save(key, compiled)
-            return compiled
-        return get
-
-    def warmup(self, buckets, on_compiled=None, threads: int = 1) -> None:
+    def warmup(self, buckets, on_compiled=None, threads: int = 1, load_threads: int = 1) -> None:
         """Compiles the step for every (T, F) in `buckets` (`engine.warmup.step_buckets`) and
         every sampling mode (`sampling.SAMPLING_MODES`) before serving, so no step compiles
         mid-serving; `dispatch` then calls these executables directly. With an executable
-        store (`self.store`), a bucket compiled by an earlier process is loaded, not traced.
-        threads > 1: the buckets are lowered here and compiled on a pool of that many threads.
+        store (`self.store`, `engine/executable_store.py`) a program compiled by an earlier
+        process is loaded instead of traced; loads run on a pool of `load_threads` threads. The
+        rest are lowered here and compiled on a pool of `threads` threads (then stored).
         Each bucket gets a dry run on an all-padding batch: every row is a KIND_PAD row in the
         scratch slot at position -1, so it writes no KV and changes no real slot (the donated
         state comes back with the same meaning). on_compiled(T, F, seconds) after each bucket
-        (load or compile plus the dry run, summed over the modes), in order."""
+        (its wait for load or compile plus the dry runs, over the modes), in order."""
         import time
         from concurrent.futures import ThreadPoolExecutor
 
         empty, _ = self.pack(SchedulerOutput([], [], self.K))
-        with ThreadPoolExecutor(max(threads, 1)) as pool:
-            runs = []
-            for T, F in buckets:
+        progs = []                    # (T, F, shape, mode, inputs, static kwargs)
+        for T, F in buckets:
+            batch = empty.replace(tokens=np.zeros(T, np.int32), seq_ids=np.zeros(T, np.int32),
+                                  positions=np.full(T, -1, np.int32))
+            inputs, shape = self.device_inputs(batch)
+            progs += [(T, F, shape, m, inputs, self._static(F, shape, m)) for m in SAMPLING_MODES]
+        with ThreadPoolExecutor(max(threads, 1)) as pool, \
+                ThreadPoolExecutor(max(load_threads, 1)) as loads:
+            def lookup(inputs, kw):
+                return self.store.lookup("engine_step", (self.params, self.state, inputs),
+                                         dict(cfg=self.cfg, spec=self.spec, **kw))
+            found = [loads.submit(lookup, p[4], p[5]) if self.store is not None else None
+                     for p in progs]
+            pending = []              # per program: (store key of a miss, a function -> executable)
+            t_load = time.perf_counter()
+            results = [fut.result() if fut is not None else (None, None) for fut in found]
+            self.load_seconds = time.perf_counter() - t_load     # waiting for the store's loads
+            for (T, F, shape, m, inputs, kw), (key, hit) in zip(progs, results):
+                if hit is not None:
+                    pending.append((None, lambda hit=hit: hit))
+                    continue
+                lowered = _step.lower(self.params, self.cfg, self.spec, self.state, inputs, **kw)
+                pending.append((key, pool.submit(lowered.compile).result if threads > 1
+                                else lowered.compile))
+            per_bucket: dict = {}
+            for (T, F, shape, m, inputs, kw), (miss_key, get) in zip(progs, pending):
                 t0 = time.perf_counter()
-                batch = empty.replace(tokens=np.zeros(T, np.int32), seq_ids=np.zeros(T, np.int32),
-                                      positions=np.full(T, -1, np.int32))
-                inputs, shape = self.device_inputs(batch)
-                gets = [(m, self._compile_later(inputs, self._static(F, shape, m),
-                                                pool if threads > 1 else None))
-                        for m in SAMPLING_MODES]
-                runs.append((T, F, shape, inputs, gets, time.perf_counter() - t0))
-            for T, F, shape, inputs, gets, total in runs:
-                for m, get in gets:
-                    t0 = time.perf_counter()
-                    compiled = self.executables[(shape, F, m)] = get()
-                    self.state, result = compiled(self.params, self.state, inputs)
-                    jax.block_until_ready(result)
-                    total += time.perf_counter() - t0
-                if on_compiled is not None:
-                    on_compiled(T, F, total)
+                compiled = get()
+                if miss_key is not None:
+                    self.store.save(miss_key, compiled)
+                self.executables[(shape, F, m)] = compiled
+                self.state, result = compiled(self.params, self.state, inputs)
+                jax.block_until_ready(result)
+                per_bucket[(T, F)] = per_bucket.get((T, F), 0.0) + time.perf_counter() - t0
+                if on_compiled is not None and m == SAMPLING_MODES[-1]:
+                    on_compiled(T, F, per_bucket[(T, F)])
         request_key(SamplingParams(), self.seed, 0)      # its eager ops compile on first use
 
     def collect(self, out: SchedulerOutput, result: jax.Array) -> list[list[int]]:
