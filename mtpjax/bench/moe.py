@@ -3,13 +3,16 @@
 decode sizes (few tokens per expert: weight-read bound) and prefill sizes (compute bound).
 
     python -m mtpjax.bench.moe [--shapes v2-lite,v3-slice] [--tokens 1,32,256,4096] [--out DIR]
+                               [--variants ragged_dot,tiled,mgpu,gather]
 
 Shapes (bf16 random weights, routing uniform random top-k without repeats per token):
   v2-lite   DeepSeek-V2-Lite: 64 routed experts, 6 per token, hidden 2048, expert width 1408
   v3-slice  DeepSeek-V3: 8 per token, hidden 7168, width 2048, experts subsampled 256 -> 128 to
             fit one GPU beside the benchmark's buffers (the top-8 then touch a larger fraction)
 Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pairs + weighting):
-  ragged_dot  `mtpjax.model.moe.routed_experts` as the model runs it (XLA's ragged_dot)
+  ragged_dot  `mtpjax.model.moe.routed_experts` with XLA's ragged_dot
+  tiled       the same with `model.grouped_matmul.tiled_grouped_matmul` (exact tiles; what the
+              model runs on GPU from 16 rows per expert)
   mgpu        the same sort/scatter with ragged_dot_mgpu (Hopper WGMMA + TMA) for the matmuls
   gather      w[ids] per (token, slot) and batched matvecs: reads each chosen expert once per
               token (duplicates at larger N); decode sizes only
@@ -66,8 +69,23 @@ def make_routing(shape: dict, n: int, seed: int):
     return jnp.asarray(ids, jnp.int32), jnp.asarray(w / w.sum(-1, keepdims=True))
 
 
-def experts_ragged(x, p, ids, w):
-    return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu)
+def _routed(path: str):
+    """`routed_experts` with its grouped matmuls forced to `path` (ragged or tiled); the
+    choice is read when the benchmark's jit traces it."""
+    from mtpjax.model.grouped_matmul import ENV
+
+    def fn(x, p, ids, w):
+        before = os.environ.get(ENV)
+        os.environ[ENV] = path
+        try:
+            return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu)
+        finally:
+            os.environ.pop(ENV) if before is None else os.environ.__setitem__(ENV, before)
+    return fn
+
+
+experts_ragged = _routed("ragged")
+experts_tiled = _routed("tiled")
 
 
 def experts_gather(x, p, ids, w):
@@ -112,7 +130,7 @@ def floor_s(shape: dict, ids, n: int, copy_bw: float, flops: float) -> tuple[flo
     return max(bytes_ / copy_bw, fl / flops), bytes_, touched
 
 
-def run(shape_names, token_counts, out_dir=None):
+def run(shape_names, token_counts, out_dir=None, use=("ragged_dot", "tiled", "mgpu", "gather")):
     on_gpu = jax.default_backend() == "gpu"
     copy_bw, _ = copy_bandwidth() if on_gpu else (1e11, {})
     flops = matmul_rate(8192 if on_gpu else 256, reps=2 if on_gpu else 1)
@@ -131,11 +149,12 @@ def run(shape_names, token_counts, out_dir=None):
             row = dict(shape=name, tokens=n, touched=touched, floor_us=fl * 1e6,
                        floor_bytes=nbytes)
             ref = None
-            variants = [("ragged_dot", experts_ragged)]
+            variants = [("ragged_dot", experts_ragged), ("tiled", experts_tiled)]
             if on_gpu or name == "tiny":
                 variants.append(("mgpu", experts_mgpu))
             if n <= 32:
                 variants.append(("gather", experts_gather))
+            variants = [v for v in variants if v[0] in use]
             for vname, fn in variants:
                 try:
                     if vname == "mgpu" and not on_gpu:
@@ -165,11 +184,12 @@ def table(rows) -> str:
         if f"{v}_us" not in r:
             return "fail" if f"{v}_error" in r else "-"
         return f"{r[f'{v}_us']:.0f} ({r[f'{v}_x_floor']:.2f}x)"
-    lines = ["| shape | tokens | experts touched | floor us | ragged_dot us (x floor) | "
-             "mgpu | gather |", "|---|---|---|---|---|---|---|"]
+    lines = ["| shape | tokens | experts touched | floor us | ragged_dot us (x floor) | tiled | "
+             "mgpu | gather |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['tokens']} | {r['touched']} | {r['floor_us']:.0f} | "
-                     f"{cell(r, 'ragged_dot')} | {cell(r, 'mgpu')} | {cell(r, 'gather')} |")
+                     f"{cell(r, 'ragged_dot')} | {cell(r, 'tiled')} | {cell(r, 'mgpu')} | "
+                     f"{cell(r, 'gather')} |")
     return "\n".join(lines)
 
 
@@ -177,11 +197,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="v2-lite,v3-slice")
     ap.add_argument("--tokens", default="1,32,256,4096")
+    ap.add_argument("--variants", default="ragged_dot,tiled,mgpu,gather")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-    run(a.shapes.split(","), [int(t) for t in a.tokens.split(",")], a.out)
+    run(a.shapes.split(","), [int(t) for t in a.tokens.split(",")], a.out,
+        tuple(a.variants.split(",")))
     return 0
 
 

@@ -11,8 +11,8 @@ Routing (float32, per token; transformers' `DeepseekV3TopkRouter` / `DeepseekV2T
 - weights = their unbiased scores, normalized to sum 1 when `norm_topk_prob`, times
   `routed_scaling_factor`.
 
-Experts run as grouped matmuls (`jax.lax.ragged_dot`) over the N*k (token, expert) pairs sorted by
-expert, so each expert's weights multiply only its own tokens: never all experts on all tokens,
+Experts run as grouped matmuls (`grouped_matmul`: `jax.lax.ragged_dot` at decode sizes, exact
+tiles at prefill sizes on GPU) over the N*k (token, expert) pairs sorted by expert, so each expert's weights multiply only its own tokens: never all experts on all tokens,
 never an [N, n_experts, hidden] activation. Padding tokens (valid False) are routed nowhere:
 they sort behind every expert's group, take no part in any matmul group and add nothing.
 """
@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from mtpjax.model.dense_ffn import swiglu
+from mtpjax.model.grouped_matmul import grouped_matmul
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
 
 
@@ -67,9 +68,9 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     token = order // k
     sizes = jnp.zeros(X + 1, jnp.int32).at[expert].add(1)[:X]    # tokens per expert
     xs = x[token]                                                 # [N*k, E]
-    h = activation(jax.lax.ragged_dot(xs, p["w_gate"], sizes)) * jax.lax.ragged_dot(
+    h = activation(grouped_matmul(xs, p["w_gate"], sizes)) * grouped_matmul(
         xs, p["w_up"], sizes)                                     # [N*k, I]
-    y = jax.lax.ragged_dot(h, p["w_down"], sizes)                 # [N*k, E]
+    y = grouped_matmul(h, p["w_down"], sizes)                     # [N*k, E]
     real = expert[order] < X
     y = jnp.where(real[:, None], y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
     return jnp.zeros((N, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
