@@ -19,7 +19,7 @@ Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pai
 Floors: decode = bytes of the distinct experts touched (3 matrices each) / same-run copy
 bandwidth; prefill = FLOPs (2 * N * k * 3 * E * I) / same-run dense bf16 matmul rate
 (max of the two is reported). Times: marginal per call in one jit of many calls
-(`mtpjax.bench.kernels.timeit`). GPU only for `mgpu`; the rest runs anywhere (`--shapes tiny`
+(`mtpjax.bench.kernels.timeit`), each call with its own tokens and routing. GPU only for `mgpu`; the rest runs anywhere (`--shapes tiny`
 is the CPU smoke test).
 """
 from __future__ import annotations
@@ -141,10 +141,13 @@ def run(shape_names, token_counts, out_dir=None, use=("ragged_dot", "tiled", "mg
         shape = SHAPES[name]
         p = make_weights(shape)
         for n in token_counts:
-            ids, w = make_routing(shape, n, seed=n)
             calls = 16 if n <= 256 else 4
-            xs = [0.5 * jax.random.normal(jax.random.key(100 + i), (n, shape["hidden"]),
-                                          jnp.bfloat16) for i in range(calls)]
+            # each call its own tokens and routing: with one routing shared by every call, XLA
+            # computes routing-only work (the tiled path's weight gather) once for all calls
+            routings = [make_routing(shape, n, seed=1000 * n + i) for i in range(calls)]
+            ids, w = routings[0]
+            xs = [(0.5 * jax.random.normal(jax.random.key(100 + i), (n, shape["hidden"]),
+                                           jnp.bfloat16), *routings[i]) for i in range(calls)]
             fl, nbytes, touched = floor_s(shape, ids, n, copy_bw, flops)
             row = dict(shape=name, tokens=n, touched=touched, floor_us=fl * 1e6,
                        floor_bytes=nbytes)
@@ -159,7 +162,7 @@ def run(shape_names, token_counts, out_dir=None, use=("ragged_dot", "tiled", "mg
                 try:
                     if vname == "mgpu" and not on_gpu:
                         continue
-                    t, out = timeit(lambda x, p, ids, w: fn(x, p, ids, w), xs, (p, ids, w))
+                    t, out = timeit(lambda q, p: fn(q[0], p, q[1], q[2]), xs, (p,))
                     err = 0.0 if ref is None else rel_err(out, ref)
                     ref = out if ref is None else ref
                     row[f"{vname}_us"] = t * 1e6

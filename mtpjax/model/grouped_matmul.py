@@ -12,7 +12,8 @@ a multiple of `tile` and laid out tile by tile, every tile takes its group's wei
 (a gather of [tiles, E, I]), and one batched matmul does the rest. Its waste is bounded: at most
 G x (tile - 1) padding rows and G spare tiles. `grouped_matmul` picks between the two from the
 static number of rows per group (`MTPJAX_MOE_MATMUL=ragged|tiled|auto` overrides; auto uses the
-tiles only on GPU, where ragged_dot is dense).
+tiles only on one GPU, where ragged_dot is dense; on several devices the experts are sharded
+and `ragged_dot`'s partition keeps each device on its own experts).
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def matmul_choice(rows: int, groups: int) -> str:
         raise ValueError(f"{ENV}={forced!r}: expected auto, ragged or tiled")
     if forced != "auto":
         return forced
-    on_gpu = jax.default_backend() == "gpu"
-    return "tiled" if on_gpu and rows >= MIN_ROWS_PER_GROUP * groups else "ragged"
+    # one GPU only: with experts sharded over a mesh, the per-tile weight gather would pull
+    # other devices' experts (ragged_dot's partition keeps them local: docs/parallel.md)
+    one_gpu = jax.default_backend() == "gpu" and jax.device_count() == 1
+    return "tiled" if one_gpu and rows >= MIN_ROWS_PER_GROUP * groups else "ragged"
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
