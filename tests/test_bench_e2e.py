@@ -39,3 +39,34 @@ def test_bench_e2e_tiny_prints_every_row(capsys, tmp_path):
     saved = json.loads((tmp_path / "e2e.json").read_text())
     assert [r["row"] for r in saved["rows"]] == list(rows)
     assert saved["copy_bandwidth_Bps"] > 0
+
+
+def test_mla_moe_shape_bytes_and_rows(capsys, tmp_path):
+    """The DeepSeek-V2-Lite shape's byte count comes from the parameter table: every parameter
+    counted once (15.7B + one MTP module), a step reads only the experts its tokens touch, and
+    the tiny MLA + MoE shape runs the decode rows end to end (HF peer skipped: llama only)."""
+    from mtpjax.bench import e2e
+    from mtpjax.model.params import param_specs, tree_items
+    cfg = e2e.model_config("deepseek-v2-lite")
+    w = e2e.weight_bytes(cfg)
+    total = sum(int(math.prod(s.shape)) for _, s in tree_items(param_specs(cfg))) * 2
+    counted = (w["target_layers"] + w["final_norm"] + w["lm_head"] + w["mtp_module"]
+               + w["embed_table_not_counted"]
+               + w["expert"] * 64 * (w["target_moe_layers"] + w["mtp_moe_layers"]))
+    assert counted == total and 15.5e9 < total / 2 < 17.5e9
+    assert (w["target_moe_layers"], w["mtp_moe_layers"]) == (26, 1)
+    assert w["expert"] == 3 * 2048 * 1408 * 2
+    assert 5.9 < e2e.touched_experts(cfg, 1) <= 6 and 63 < e2e.touched_experts(cfg, 128) <= 64
+    b1, b32 = (e2e.step_bytes(w, cfg, b, 192.0, 3)["total"] for b in (1, 32))
+    assert b1 < b32 < b1 + 26 * 64 * w["expert"] + 32 * 192 * 27 * 576 * 2 + 3 * 64 * w["expert"]
+
+    rc = e2e.main(["--model-shape", "tiny-mla-moe", "--batch", "1,2", "--prompt-len", "4",
+                   "--new-tokens", "16", "--k", "2", "--copy-mib", "4", "--repeats", "1",
+                   "--no-startup", "--rows", "generate MTP,engine plain,HF",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    saved = json.loads((tmp_path / "e2e.json").read_text())
+    timed = [r for r in saved["rows"] if "ms_per_step" in r]
+    assert len(timed) == 4 and all(math.isfinite(r["pct_floor"]) and r["pct_floor"] > 0
+                                   for r in timed)
+    assert any("llama shapes only" in r.get("skipped", "") for r in saved["rows"])

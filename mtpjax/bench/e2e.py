@@ -84,6 +84,31 @@ SHAPES = {
                  num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
                  rms_norm_eps=1e-5, max_position_embeddings=1024, tie_word_embeddings=False,
                  num_mtp_layers=1),
+    # DeepSeek-V2-Lite (its config.json) + one DeepSeek MTP module (an MLA + MoE block): MLA
+    # without q_lora, latent 512 + rope 64, 64 routed experts (6 per token) + 2 shared, 27 layers
+    # of which the first is dense
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+                             intermediate_size=10944, num_layers=27, num_heads=16,
+                             num_kv_heads=16, attention_kind="mla", q_lora_rank=None,
+                             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                             v_head_dim=128, ffn_kind="moe", n_routed_experts=64,
+                             num_experts_per_tok=6, n_shared_experts=2,
+                             moe_intermediate_size=1408, first_k_dense_replace=1,
+                             scoring_func="softmax", topk_method="greedy", n_group=1,
+                             topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+                             rope_theta=10000.0, rms_norm_eps=1e-6,
+                             max_position_embeddings=4096, tie_word_embeddings=False,
+                             num_mtp_layers=1),
+    "tiny-mla-moe": dict(model_type="deepseek_v2", vocab_size=128, hidden_size=64,
+                         intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=4,
+                         attention_kind="mla", q_lora_rank=None, kv_lora_rank=32,
+                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                         ffn_kind="moe", n_routed_experts=8, num_experts_per_tok=2,
+                         n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
+                         scoring_func="softmax", topk_method="greedy", n_group=1, topk_group=1,
+                         norm_topk_prob=False, routed_scaling_factor=1.0, rope_theta=10000.0,
+                         rms_norm_eps=1e-6, max_position_embeddings=1024,
+                         tie_word_embeddings=False, num_mtp_layers=1),
 }
 PAGE_SIZE = 16
 ROWS = ("generate plain", "generate MTP", "engine plain", "engine MTP", "HF")
@@ -114,11 +139,14 @@ def _listen() -> None:
 
 def model_config(shape: str):
     import mtpjax
-    return mtpjax.ModelConfig(model_type="llama", **SHAPES[shape])
+    fields = dict(SHAPES[shape])
+    return mtpjax.ModelConfig(model_type=fields.pop("model_type", "llama"), **fields)
 
 
 def weight_bytes(cfg, itemsize: int = 2) -> dict:
     """Bytes of the weights a decode step reads, from the config (bf16: 2 bytes)."""
+    if cfg.attention_kind == "mla" or cfg.ffn_kind == "moe":
+        return _spec_weight_bytes(cfg, itemsize)
     E, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layer = 2 * E * H * D + 2 * E * KVH * D + 3 * E * I + 2 * E      # q, o, k, v, MLP, 2 norms
@@ -128,12 +156,50 @@ def weight_bytes(cfg, itemsize: int = 2) -> dict:
             "embed_table_not_counted": V * E * itemsize}
 
 
+def _spec_weight_bytes(cfg, itemsize: int) -> dict:
+    """weight_bytes from the parameter table, for any layer kinds: routed-expert matrices apart
+    (a step reads only the experts its tokens choose: `touched_experts`)."""
+    from mtpjax.model.params import param_specs, tree_items
+    out = dict(target_layers=0, final_norm=0, lm_head=0, mtp_module=0, embed_table_not_counted=0,
+               expert=0, target_moe_layers=0, mtp_moe_layers=0)
+    for path, spec in tree_items(param_specs(cfg)):
+        n = math.prod(spec.shape) * itemsize
+        routed = spec.axes[:1] == ("experts",) and len(spec.shape) == 3   # [X, in, out]
+        where = {"embed": "embed_table_not_counted", "final_norm": "final_norm",
+                 "lm_head": "lm_head", "layers": "target_layers", "mtp": "mtp_module"}[path[0]]
+        if routed:
+            if where == "target_layers" and path[1] == cfg.first_k_dense_replace:
+                out["expert"] += n // spec.shape[0]        # one expert's three matrices
+            if path[-1] == "w_gate":
+                out["target_moe_layers" if where == "target_layers" else "mtp_moe_layers"] += 1
+            continue
+        out[where] += n
+    out["mtp_module"] //= max(cfg.num_mtp_layers, 1)
+    out["mtp_moe_layers"] //= max(cfg.num_mtp_layers, 1)
+    return out
+
+
+def touched_experts(cfg, tokens: int) -> float:
+    """Expected distinct routed experts chosen by `tokens` tokens routing uniformly at random
+    (random weights): X (1 - (1 - k/X)^tokens)."""
+    X, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    return X * (1 - (1 - k / X) ** tokens)
+
+
 def step_bytes(w: dict, cfg, batch: int, ctx: float, K: int, draft_vocab: int = 0) -> dict:
-    """draft_vocab: N > 0 when the draft passes read an [E, N] slice of the lm_head."""
-    kv = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    """draft_vocab: N > 0 when the draft passes read an [E, N] slice of the lm_head. MoE: the
+    target pass reads the experts touched by batch x (K + 1) tokens per MoE layer, each draft
+    pass those of `batch` tokens (a lower bound: the first draft pass covers a window)."""
+    if cfg.attention_kind == "mla":
+        kv = batch * ctx * cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+    else:
+        kv = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     target = w["target_layers"] + w["final_norm"] + w["lm_head"]
     head = w["lm_head"] * draft_vocab // cfg.vocab_size if draft_vocab else w["lm_head"]
     drafts = K * (w["mtp_module"] + head)
+    if w.get("expert"):
+        target += w["target_moe_layers"] * w["expert"] * touched_experts(cfg, batch * (K + 1))
+        drafts += K * w["mtp_moe_layers"] * w["expert"] * touched_experts(cfg, batch)
     return {"weights": target, "mtp_drafts": drafts, "kv": kv, "total": target + drafts + kv}
 
 
@@ -557,7 +623,8 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
     log(f"random bf16 params: {tree_bytes / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
     w = weight_bytes(cfg)
     counted = w["target_layers"] + w["final_norm"] + w["lm_head"] + w["mtp_module"] \
-        + w["embed_table_not_counted"]
+        + w["embed_table_not_counted"] + w.get("expert", 0) * cfg.n_routed_experts * (
+            w.get("target_moe_layers", 0) + w.get("mtp_moe_layers", 0))
     log("weights per step: target layers {:.3f} GB + lm_head {:.3f} GB; MTP module {:.3f} GB "
         "(config count {:.3f} GB incl. embedding vs param tree {:.3f} GB)".format(
             w["target_layers"] / 1e9, w["lm_head"] / 1e9, w["mtp_module"] / 1e9,
@@ -650,6 +717,8 @@ def _startup_row(params, cfg, spec, args, batch, cache_dir, fresh) -> dict:
 
 def _hf_row(args, batch) -> dict:
     import jax
+    if model_config(args.model_shape).model_type != "llama":
+        return dict(skipped="the HF peer (LlamaForCausalLM) is timed for llama shapes only")
     if jax.default_backend() == "cpu":
         return dict(skipped="JAX runs on the CPU; the HF peer is timed on CUDA only")
     return run_child(args, "hf", batch)           # torch in its own process: no clash with JAX
