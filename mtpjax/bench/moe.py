@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtpjax.bench.kernels import copy_bandwidth, matmul_rate, rel_err, timeit
+from mtpjax.model.grouped_matmul import tiled_grouped_matmul
 from mtpjax.model.moe import routed_experts
 
 SHAPES = {
@@ -69,23 +70,15 @@ def make_routing(shape: dict, n: int, seed: int):
     return jnp.asarray(ids, jnp.int32), jnp.asarray(w / w.sum(-1, keepdims=True))
 
 
-def _routed(path: str):
-    """`routed_experts` with its grouped matmuls forced to `path` (ragged or tiled); the
-    choice is read when the benchmark's jit traces it."""
-    from mtpjax.model.grouped_matmul import ENV
-
+def _routed(matmul):
+    """`routed_experts` with its three grouped matmuls done by `matmul`."""
     def fn(x, p, ids, w):
-        before = os.environ.get(ENV)
-        os.environ[ENV] = path
-        try:
-            return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu)
-        finally:
-            os.environ.pop(ENV) if before is None else os.environ.__setitem__(ENV, before)
+        return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu, matmul)
     return fn
 
 
-experts_ragged = _routed("ragged")
-experts_tiled = _routed("tiled")
+experts_ragged = _routed(jax.lax.ragged_dot)
+experts_tiled = _routed(tiled_grouped_matmul)
 
 
 def experts_gather(x, p, ids, w):

@@ -627,7 +627,7 @@ class LLM:
             if not was_live:
                 continue      # preempted, finished or aborted after dispatch: a wasted row
             seq = req.seq
-            if i in lp_row and seq.logprobs is not None:
+            if i in lp_row:                  # (rows whose request has a TokenLogprobs)
                 seq.logprobs.append_step(toks[:seq.num_tokens - before[i]], lps, lp_row[i])
             if not req.is_prefill and K:
                 seq.num_verify_steps += 1

@@ -57,10 +57,11 @@ def route(p: dict, x: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
 
 
 def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
-                   valid: jax.Array, activation) -> jax.Array:
+                   valid: jax.Array, activation, matmul=grouped_matmul) -> jax.Array:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for valid tokens, grouped by expert.
 
-    x [N, E], ids int32[N, k], weights f32[N, k], valid bool[N] -> [N, E]."""
+    x [N, E], ids int32[N, k], weights f32[N, k], valid bool[N] -> [N, E]. matmul(rows, w,
+    sizes): the grouped matmul (`grouped_matmul` picks by shape; the MoE bench passes one)."""
     N, k = ids.shape
     X = p["w_gate"].shape[0]
     expert = jnp.where(valid[:, None], ids, X).reshape(-1)        # padding -> past every group
@@ -68,9 +69,8 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     token = order // k
     sizes = jnp.zeros(X + 1, jnp.int32).at[expert].add(1)[:X]    # tokens per expert
     xs = x[token]                                                 # [N*k, E]
-    h = activation(grouped_matmul(xs, p["w_gate"], sizes)) * grouped_matmul(
-        xs, p["w_up"], sizes)                                     # [N*k, I]
-    y = grouped_matmul(h, p["w_down"], sizes)                     # [N*k, E]
+    h = activation(matmul(xs, p["w_gate"], sizes)) * matmul(xs, p["w_up"], sizes)  # [N*k, I]
+    y = matmul(h, p["w_down"], sizes)                             # [N*k, E]
     real = expert[order] < X
     y = jnp.where(real[:, None], y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
     return jnp.zeros((N, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
