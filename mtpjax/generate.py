@@ -29,7 +29,7 @@ from mtpjax.speculative.draft_vocab import resolve_ids as draft_vocab_ids
 from mtpjax.speculative.metrics import SpecStats
 from mtpjax.speculative.mixed_step import (KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD, MixedBatch,
                                            SlotState, mixed_step, thinking_after)
-from mtpjax.step_jit import step_jit
+from mtpjax.step_jit import LOOP_COMPILER_OPTIONS, step_jit
 
 
 @dataclasses.dataclass
@@ -215,12 +215,13 @@ def _prefill(params, cfg, spec, slots, batch, limits, forced, *, first_pass_len,
 
 
 @step_jit(static_argnames=("cfg", "spec", "backend", "draft_source", "steps_per_check"),
-          donate_argnames=("state",))
+          donate_argnames=("state",), extra_options=LOOP_COMPILER_OPTIONS)
 def _loop(params, cfg, spec, state: GenerateState, sampling, limits, forced, *, backend,
           draft_source, steps_per_check):
-    # On a GPU a while loop copies its predicate to the host every iteration, and the host
-    # launches the next iteration only after it: the device idles between steps. A fixed-trip
-    # inner loop has a trip count XLA knows, so only every `steps_per_check`-th step waits.
+    # On a GPU a while loop outside a CUDA graph copies its predicate to the host every
+    # iteration and launches the next only after it: the device idles between steps. The loop
+    # is compiled into the graph (LOOP_COMPILER_OPTIONS); where XLA cannot (collectives in the
+    # body), the fixed-trip inner loop still makes only every `steps_per_check`-th step wait.
     # Steps after every request is done run on padding rows and change nothing.
     def steps(s):
         return jax.lax.fori_loop(0, steps_per_check, lambda _, t: pin(generate_step(

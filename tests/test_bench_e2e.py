@@ -9,7 +9,7 @@ from mtpjax.cli import main
 
 def test_bench_e2e_tiny_prints_every_row(capsys, tmp_path):
     rc = main(["bench", "e2e", "--model-shape", "tiny", "--batch", "1", "--prompt-len", "4",
-               "--new-tokens", "32", "--k", "2", "--copy-mib", "4", "--repeats", "3",
+               "--new-tokens", "128", "--k", "2", "--copy-mib", "4", "--repeats", "3",
                "--draft-vocab", "16",
                "--out", str(tmp_path)])
     assert rc == 0

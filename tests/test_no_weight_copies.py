@@ -130,6 +130,16 @@ def test_every_jitted_step_goes_through_step_jit():
     assert STEP_COMPILER_OPTIONS == {"xla_gpu_dot_merger_threshold_mb": 0}
 
 
+def test_generate_loop_runs_inside_the_cuda_graph():
+    """generate's loop is compiled with while loops as CUDA-graph commands (step_jit says why);
+    the engine's step, which XLA graphs whole, keeps XLA's defaults."""
+    import mtpjax.engine.runner as runner
+    from mtpjax.step_jit import compiler_options_of
+    loop = compiler_options_of(gen._loop)["xla_gpu_enable_command_buffer"].split(",")
+    assert {"WHILE", "CONDITIONAL", "FUSION", "CUBLAS", "CUSTOM_CALL"} <= set(loop)
+    assert "xla_gpu_enable_command_buffer" not in compiler_options_of(runner._step)
+
+
 def test_generate_and_the_engine_run_the_same_step(params, monkeypatch):
     """One device step: both paths trace `mixed_step` (and nothing else that steps)."""
     import mtpjax.engine.runner as runner

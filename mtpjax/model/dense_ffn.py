@@ -5,11 +5,12 @@ from __future__ import annotations
 import jax
 
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
+from mtpjax.model.linear import linear
 
 
 def swiglu(x, w_gate, w_up, w_down, activation=jax.nn.silu):
     """down(act(x gate) * (x up)): the dense MLP, also DeepSeek's shared experts."""
-    return (activation(x @ w_gate) * (x @ w_up)) @ w_down
+    return linear(activation(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
 class DenseFFN:

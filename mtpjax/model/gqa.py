@@ -13,6 +13,7 @@ from flax import struct
 
 from mtpjax.model.kinds import ParamSpec, register_attention_kind
 from mtpjax.model.layers import apply_rope, rms_norm
+from mtpjax.model.linear import linear
 
 
 @struct.dataclass
@@ -47,9 +48,9 @@ class GQAPages:
 def qkv_projection(p: dict, x: jax.Array, positions: jax.Array, cfg):
     """x [..., T, E] -> q [..., T, NH, hd], k/v [..., T, KV, hd] with bias, q/k norm and RoPE."""
     hd = cfg.head_dim
-    q = x @ p["wq"]
-    k = x @ p["wk"]
-    v = x @ p["wv"]
+    q = linear(x, p["wq"])
+    k = linear(x, p["wk"])
+    v = linear(x, p["wv"])
     if "bq" in p:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = q.reshape(*q.shape[:-1], cfg.num_heads, hd)
@@ -111,7 +112,7 @@ class GQA:
         else:
             pages = pages.write(k, v, paged.page, paged.offset)
             o = paged.backend.paged_attention(q, pages, paged.batch)
-        return o.reshape(*o.shape[:-2], -1) @ p["wo"], pages
+        return linear(o.reshape(*o.shape[:-2], -1), p["wo"]), pages
 
 
 GQA_KIND = register_attention_kind(GQA())

@@ -29,6 +29,7 @@ from flax import struct
 
 from mtpjax.model.kinds import ParamSpec, register_attention_kind
 from mtpjax.model.layers import apply_rope, rms_norm
+from mtpjax.model.linear import linear
 
 # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps in DeepSeek's code and in
 # transformers, not the config's rms_norm_eps.
@@ -87,11 +88,11 @@ def mla_projections(p: dict, x: jax.Array, positions: jax.Array, cfg):
     c [..., T, R] (normed latent), k_rope [..., T, dr] (rotated)."""
     H, dn, dr, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if "wq" in p:
-        q = x @ p["wq"]
+        q = linear(x, p["wq"])
     else:
-        q = rms_norm(x @ p["wq_a"], p["q_a_norm"], LORA_NORM_EPS) @ p["wq_b"]
+        q = linear(rms_norm(linear(x, p["wq_a"]), p["q_a_norm"], LORA_NORM_EPS), p["wq_b"])
     q = q.reshape(*q.shape[:-1], H, dn + dr)
-    kv = x @ p["wkv_a"]
+    kv = linear(x, p["wkv_a"])
     c = rms_norm(kv[..., :R], p["kv_a_norm"], LORA_NORM_EPS)
     q_rope = _rope(q[..., dn:], positions, cfg)
     k_rope = _rope(kv[..., None, R:], positions, cfg)[..., 0, :]
@@ -159,7 +160,7 @@ class MLA:
             q_lat = jnp.concatenate([jnp.einsum("nhd,rhd->nhr", q_nope, w_uk), q_rope], axis=-1)
             o_lat = paged.backend.paged_attention(q_lat, pages, paged.batch, sm_scale=scale)
             o = jnp.einsum("nhr,rhd->nhd", o_lat, w_uv)           # [N, H, dv]
-        return o.reshape(*o.shape[:-2], -1) @ p["wo"], pages
+        return linear(o.reshape(*o.shape[:-2], -1), p["wo"]), pages
 
 
 MLA_KIND = register_attention_kind(MLA())

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from mtpjax.cache import KVCache, PagedBatch, PagedContext
 from mtpjax.config import ModelConfig
 from mtpjax.model.layers import decoder_block, rms_norm
+from mtpjax.model.linear import linear
 from mtpjax.model.transformer import logits_from_hidden
 
 
@@ -28,7 +29,7 @@ def _module_input(params, mp, cfg: ModelConfig, hidden_prev, tokens, positions):
     e = rms_norm(emb, mp["enorm"], cfg.rms_norm_eps)
     h = rms_norm(hidden_prev.astype(emb.dtype), mp["hnorm"], cfg.rms_norm_eps)
     parts = (e, h) if cfg.mtp_concat_order == "embed_hidden" else (h, e)
-    return jnp.concatenate(parts, axis=-1) @ mp["eh_proj"]
+    return linear(jnp.concatenate(parts, axis=-1), mp["eh_proj"])
 
 
 def _module_output(mp, cfg: ModelConfig, y):

@@ -8,12 +8,13 @@ import jax.numpy as jnp
 from mtpjax.cache import KVCache, PagedBatch, PagedContext
 from mtpjax.config import ModelConfig
 from mtpjax.model.layers import decoder_block, rms_norm
+from mtpjax.model.linear import linear
 from mtpjax.model.params import lm_head_weight
 
 
 def logits_from_hidden(params, hidden: jax.Array) -> jax.Array:
     """hidden [..., E] (already final-normed) -> f32 logits [..., V]."""
-    return (hidden @ lm_head_weight(params)).astype(jnp.float32)
+    return linear(hidden, lm_head_weight(params)).astype(jnp.float32)
 
 
 def forward(params, cfg: ModelConfig, tokens: jax.Array, *, return_hidden: bool = False):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtpjax.config import ModelConfig, SpecConfig
+from mtpjax.model.linear import linear
 from mtpjax.model.params import lm_head_weight
 from mtpjax.model.transformer import logits_from_hidden
 
@@ -131,7 +132,7 @@ def draft_logits(params, normed: jax.Array):
     entry = params.get(KEY)
     if entry is None:
         return logits_from_hidden(params, normed), None
-    return (normed @ entry["head"]).astype(jnp.float32), entry["ids"]
+    return linear(normed, entry["head"]).astype(jnp.float32), entry["ids"]
 
 
 def main(argv=None):
