@@ -109,6 +109,69 @@ def hlo_model():
     return cfg, random_params(cfg, 0)
 
 
+_COLLECTIVE = r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+
+
+def case_moe() -> dict:
+    """The MoE layer on meshes (expert parallel when the experts divide the model axis):
+    its output against one device's (3 seeds, random tokens, padding rows) and the collectives
+    of its compiled HLO; and the collectives of the DeepSeek engine step on a (1, 2) mesh that
+    come from the MoE layers (op names under "expert_parallel") or from anything routing."""
+    import re
+    from mtpjax.engine.runner import _step
+    from mtpjax.engine.scheduler import SchedulerOutput
+    from mtpjax.model.moe import MOE
+    from mtpjax.parallel import shard_params
+    layer = []
+    for seed in range(3):
+        cfg, params = model("ds")
+        params = _ds_params_seed(cfg, seed)
+        p = params["layers"][0]
+        x = jax.random.normal(jax.random.PRNGKey(seed + 10), (11, cfg.hidden_size))
+        valid = np.arange(11) < 9
+        ref = np.asarray(MOE(p, x, cfg, valid))
+        for d, m in ((1, 2), (1, 4), (1, 8), (2, 4), (4, 2)):
+            mesh = mtpjax.make_mesh(tensor_parallel=m, data_parallel=d)
+            ps = shard_params(params, cfg, mesh)["layers"][0]
+            f = jax.jit(lambda p, x, v, mesh=mesh: MOE(p, x, cfg, v, mesh))
+            out = np.asarray(f(ps, x, valid))
+            layer.append({"seed": seed, "mesh": [d, m],
+                          "max_err": float(np.max(np.abs(out - ref))),
+                          "scale": float(np.max(np.abs(ref))),
+                          "collectives": re.findall(_COLLECTIVE,
+                                                    f.lower(ps, x, valid).compile().as_text())})
+    cfg, params = model("ds")
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), num_pages=16,
+                     page_size=4, max_num_seqs=2, max_num_batched_tokens=8, warmup=False,
+                     mesh=mtpjax.make_mesh(tensor_parallel=2))
+    r = llm.runner
+    empty, _ = r.pack(SchedulerOutput([], [], r.K))
+    batch = empty.replace(tokens=np.zeros(8, np.int32), seq_ids=np.zeros(8, np.int32),
+                          positions=np.full(8, -1, np.int32))
+    inputs, shape = r.device_inputs(batch)
+    hlo = _step.lower(r.params, cfg, r.spec, r.state, inputs, first_pass_len=8,
+                      backend=r.backend, shape=shape, sampling_mode="greedy").compile().as_text()
+    ep, routing = [], []
+    for line in hlo.split("\n"):
+        m = re.search(r"= (.+?) " + _COLLECTIVE, line)
+        if not m:
+            continue
+        op = re.search(r'op_name="([^"]+)"', line)
+        op = op.group(1) if op else ""
+        shapes = sorted(set(re.findall(r"[fsu]\d+\[[\d,]*\]", m.group(1))))
+        if "expert_parallel" in op:
+            ep.append([m.group(2), ",".join(shapes)])
+        if "router" in op or "experts" in op.split("/"):
+            routing.append([m.group(2), ",".join(shapes), op])
+    return {"layer": layer, "step_expert_parallel": sorted(ep), "step_routing": routing,
+            "n_layers_with_moe": 1 + cfg.num_mtp_layers}
+
+
+def _ds_params_seed(cfg, seed):
+    from test_deepseek import _ds_params
+    return _ds_params(cfg, seed)
+
+
 def case_step_hlo() -> dict:
     """The engine's step (chain MTP, K=2) on a (1, 2) mesh at a tiny GQA layout: every collective
     of its compiled HLO per sampling mode as [kind, shape, scope, where] (scope: the named
@@ -286,5 +349,6 @@ if __name__ == "__main__":
                               "ref": case_one_process_ref(), "pallas": case_pallas_per_device(),
                               "train": case_train_mesh()},
               "process": lambda: case_process(int(sys.argv[2]), int(sys.argv[3])),
+              "moe": case_moe,
               }[case]()
     print("RESULT " + json.dumps(result))

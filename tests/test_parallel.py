@@ -163,8 +163,38 @@ def test_every_param_and_state_leaf_has_the_table_sharding(model_runs):
         for s in (s18, s24):
             assert s["pages"] == [] and s["mtp_pages"] == []
             assert s["w_gate"] == ["model"] and s["w_down"] == ["model"]
-            assert s["router"] == [None, "model"] and s["shared_gate"] == [None, "model"]
+            assert s["router"] == [] and s["shared_gate"] == [None, "model"]   # router replicated
             assert s["wkv_a"] == [] and s["wq_a"] == [] and s["wkv_b"] == [None, "model"]
+
+
+# ---------------------------------------------------------------- MoE: expert parallel
+
+
+@pytest.fixture(scope="module")
+def moe_runs():
+    return _cases(8, "moe", timeout=900)
+
+
+def test_expert_parallel_moe_equals_one_device_with_one_all_reduce(moe_runs):
+    """On every mesh whose model axis splits the experts, the MoE layer (routed + shared
+    experts, padding rows) equals one device's, and its compiled HLO holds exactly one
+    collective: the all-reduce of the partial outputs."""
+    seen = set()
+    for r in moe_runs["layer"]:
+        where = (r["seed"], tuple(r["mesh"]))
+        assert r["max_err"] <= 1e-5 * max(1.0, r["scale"]), where
+        assert r["collectives"] == ["all-reduce"], where
+        seen.add(r["seed"])
+    assert seen == {0, 1, 2} and len(moe_runs["layer"]) == 15
+
+
+def test_engine_step_moe_collectives(moe_runs):
+    """DeepSeek engine step on (1, 2), chain K=2: one f32[N, E] all-reduce per MoE pass (the
+    target layer, the MTP block's first pass, the draft loop's block) and no routing gathers."""
+    ep = moe_runs["step_expert_parallel"]
+    assert [c[0] for c in ep] == ["all-reduce"] * 3, ep
+    assert all(c[1].startswith("f32[") for c in ep), ep
+    assert moe_runs["step_routing"] == []
 
 
 # ---------------------------------------------------------------- 2 fake devices

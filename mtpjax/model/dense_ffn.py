@@ -30,7 +30,7 @@ class DenseFFN:
             "w_down": ParamSpec((I, E), ("mlp", "embed"), "normal"),
         }
 
-    def __call__(self, p: dict, x, cfg, valid):
+    def __call__(self, p: dict, x, cfg, valid, mesh=None):
         """x [N, E] -> [N, E]; a per-token op, so padding rows (valid False) need no mask."""
         return swiglu(x, p["w_gate"], p["w_up"], p["w_down"], self.activation)
 

@@ -63,8 +63,10 @@ def tiled_grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array,
     return jnp.where(in_group[:, None], y, 0.0).astype(x.dtype)
 
 
-def matmul_choice(rows: int, groups: int) -> str:
-    """"ragged" or "tiled" for `rows` grouped rows over `groups` groups (static)."""
+def matmul_choice(rows: int, groups: int, per_device: bool = False) -> str:
+    """"ragged" or "tiled" for `rows` grouped rows over `groups` groups (static). per_device:
+    called inside `shard_map` on one device's own experts (the expert-parallel MoE), where the
+    tiles gather only local weights."""
     forced = os.environ.get(ENV, "auto").strip().lower()
     if forced not in ("auto", "ragged", "tiled"):
         raise ValueError(f"{ENV}={forced!r}: expected auto, ragged or tiled")
@@ -72,12 +74,13 @@ def matmul_choice(rows: int, groups: int) -> str:
         return forced
     # one GPU only: with experts sharded over a mesh, the per-tile weight gather would pull
     # other devices' experts (ragged_dot's partition keeps them local: docs/parallel.md)
-    one_gpu = jax.default_backend() == "gpu" and jax.device_count() == 1
+    one_gpu = jax.default_backend() == "gpu" and (per_device or jax.device_count() == 1)
     return "tiled" if one_gpu and rows >= MIN_ROWS_PER_GROUP * groups else "ragged"
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array,
+                   per_device: bool = False) -> jax.Array:
     """`ragged_dot(x, w, sizes)`, by the path `matmul_choice` picks for these shapes."""
-    if matmul_choice(x.shape[0], w.shape[0]) == "tiled":
+    if matmul_choice(x.shape[0], w.shape[0], per_device) == "tiled":
         return tiled_grouped_matmul(x, w, sizes)
     return jax.lax.ragged_dot(x, w, sizes)

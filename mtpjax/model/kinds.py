@@ -28,7 +28,7 @@ class FFNKind(Protocol):
     hf_rows: Mapping[str, tuple[str, bool]]        # leaf -> (HF suffix in the layer, transposed)
 
     def param_specs(self, cfg) -> dict[str, ParamSpec]: ...
-    def __call__(self, p: dict, x, cfg, valid): ...  # x [N, E] -> [N, E]; valid bool[N]
+    def __call__(self, p: dict, x, cfg, valid, mesh=None): ...  # x [N, E] -> [N, E]; valid bool[N]
 
 
 class AttentionKind(Protocol):

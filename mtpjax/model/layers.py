@@ -91,5 +91,6 @@ def decoder_block(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig,
                              pages, paged)
         x = x + o
     with jax.named_scope("mlp"):
-        x = x + ffn(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, positions >= 0)
+        mesh = getattr(getattr(paged, "backend", None), "mesh", None)
+        x = x + ffn(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, positions >= 0, mesh)
     return x, pages

@@ -19,6 +19,8 @@ they sort behind every expert's group, take no part in any matmul group and add 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -57,14 +59,16 @@ def route(p: dict, x: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
 
 
 def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
-                   valid: jax.Array, activation, matmul=grouped_matmul) -> jax.Array:
+                   valid: jax.Array, activation, matmul=grouped_matmul,
+                   out_dtype=None) -> jax.Array:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for valid tokens, grouped by expert.
 
-    x [N, E], ids int32[N, k], weights f32[N, k], valid bool[N] -> [N, E]. matmul(rows, w,
-    sizes): the grouped matmul (`grouped_matmul` picks by shape; the MoE bench passes one)."""
+    x [N, E], ids int32[N, k] (an id >= the number of experts in p: routed nowhere), weights
+    f32[N, k], valid bool[N] -> [N, E] in out_dtype (default x's). matmul(rows, w, sizes): the
+    grouped matmul (`grouped_matmul` picks by shape; the MoE bench passes one)."""
     N, k = ids.shape
     X = p["w_gate"].shape[0]
-    expert = jnp.where(valid[:, None], ids, X).reshape(-1)        # padding -> past every group
+    expert = jnp.where(valid[:, None] & (ids < X), ids, X).reshape(-1)   # -> past every group
     order = jnp.argsort(expert, stable=True)                      # [N*k] pairs sorted by expert
     token = order // k
     sizes = jnp.zeros(X + 1, jnp.int32).at[expert].add(1)[:X]    # tokens per expert
@@ -73,7 +77,60 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     y = matmul(h, p["w_down"], sizes)                             # [N*k, E]
     real = expert[order] < X
     y = jnp.where(real[:, None], y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
-    return jnp.zeros((N, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
+    out = jnp.zeros((N, x.shape[-1]), jnp.float32).at[token].add(y)
+    return out.astype(out_dtype or x.dtype)
+
+
+def expert_parallel(p: dict, x: jax.Array, cfg, valid: jax.Array, mesh, activation):
+    """The MoE layer with its routed experts split over the mesh's "model" axis, by hand: every
+    device routes every token (the router is replicated), runs the (token, expert) pairs of
+    *its own* experts through its own weights, adds its slice of the shared experts (their
+    columns split like a dense MLP's), and one all-reduce of f32[N, E] sums the partial
+    outputs. XLA's partition of the same layer (a sharded router and `ragged_dot`) performed
+    three all-gathers for routing, four for group sizes and two all-reduces of f32[N*k, I]
+    (docs/parallel.md). The "data" axis replicates the call. x [N, E], valid bool[N] -> [N, E].
+    """
+    from jax.sharding import PartitionSpec as P
+
+    from mtpjax.parallel.kernels import shard_map_compat
+    from mtpjax.parallel.sharding import partition_spec
+
+    specs = MOE.param_specs(cfg)
+    names = [k for k in ("router", "router_bias", "w_gate", "w_up", "w_down", "shared_gate",
+                         "shared_up", "shared_down") if k in p]
+    leaf_specs = [partition_spec(specs[k].axes, p[k].shape, cfg, mesh) for k in names]
+    shared_split = "shared_gate" in p and leaf_specs[names.index("shared_gate")] != P()
+    X_local = p["w_gate"].shape[0] // int(mesh.shape["model"])
+
+    def local(x, valid, *leaves):
+        q = dict(zip(names, leaves))
+        ids, weights = route(q, x, cfg)
+        first = jax.lax.axis_index("model") * X_local
+        mine = (ids >= first) & (ids < first + X_local)
+        out = routed_experts(q, x, jnp.where(mine, ids - first, X_local), weights, valid,
+                             activation, matmul=functools.partial(grouped_matmul,
+                                                                  per_device=True),
+                             out_dtype=jnp.float32)
+        if shared_split:                       # this device's columns of the shared experts
+            out = out + swiglu(x, q["shared_gate"], q["shared_up"], q["shared_down"],
+                               activation).astype(jnp.float32)
+        return jax.lax.psum(out, "model")
+
+    out = shard_map_compat(local, mesh=mesh, in_specs=(P(), P(), *leaf_specs),
+                           out_specs=P())(x, valid, *[p[k] for k in names])
+    if "shared_gate" in p and not shared_split:   # replicated shared experts: once, outside
+        out = out + swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"], activation)
+    return out.astype(x.dtype)
+
+
+def uses_expert_parallel(cfg, mesh) -> bool:
+    """Does the MoE layer run `expert_parallel` on this mesh? When the "model" axis has several
+    devices and the routed experts divide over it (else the table replicates them, and XLA's
+    partition of the plain layer splits their columns)."""
+    if mesh is None:
+        return False
+    m = int(mesh.shape["model"])
+    return m > 1 and cfg.n_routed_experts % m == 0
 
 
 class MoEFFN:
@@ -96,9 +153,10 @@ class MoEFFN:
 
     def param_specs(self, cfg) -> dict[str, ParamSpec]:
         E, X, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-        specs = {"router": ParamSpec((E, X), ("embed", "experts"), "normal")}
+        # the router is replicated (not split by expert): every device routes every token
+        specs = {"router": ParamSpec((E, X), ("embed", None), "normal")}
         if cfg.topk_method == "noaux_tc":
-            specs["router_bias"] = ParamSpec((X,), ("experts",), "zeros")
+            specs["router_bias"] = ParamSpec((X,), (None,), "zeros")
         specs["w_gate"] = ParamSpec((X, E, I), ("experts", "embed", "mlp"), "normal")
         specs["w_up"] = ParamSpec((X, E, I), ("experts", "embed", "mlp"), "normal")
         specs["w_down"] = ParamSpec((X, I, E), ("experts", "mlp", "embed"), "normal")
@@ -109,11 +167,15 @@ class MoEFFN:
             specs["shared_down"] = ParamSpec((S, E), ("mlp", "embed"), "normal")
         return specs
 
-    def __call__(self, p: dict, x, cfg, valid):
-        """x [..., E] -> [..., E]; valid bool[...] marks real tokens (padding is not routed)."""
+    def __call__(self, p: dict, x, cfg, valid, mesh=None):
+        """x [..., E] -> [..., E]; valid bool[...] marks real tokens (padding is not routed).
+        mesh: the run's mesh; experts split over its "model" axis run `expert_parallel`."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         valid = jnp.broadcast_to(valid, shape[:-1]).reshape(-1)
+        if uses_expert_parallel(cfg, mesh):
+            with jax.named_scope("expert_parallel"):
+                return expert_parallel(p, x, cfg, valid, mesh, self.activation).reshape(shape)
         with jax.named_scope("router"):
             ids, weights = route(p, x, cfg)
         with jax.named_scope("experts"):

@@ -6,7 +6,7 @@
     kv_heads       model       wk / wv / bk / bv, GQA pages [KVH, P, S, hd]  (if KVH divides)
     mlp            model       dense FFN and shared-expert columns (and expert columns when the
                                experts do not divide the model axis)
-    experts        model       router [E, X], router_bias, w_gate / w_up / w_down [X, ...]
+    experts        model       w_gate / w_up / w_down [X, ...] (the router is replicated)
     batch          data        per-request device state (slots, generate's outputs)
     everything else replicated: embed (hidden), embed2, head_dim, q_lora, kv_lora, latent,
                                pages, page (MLA latent pages are replicated over "model")
