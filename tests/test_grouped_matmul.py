@@ -48,14 +48,15 @@ def test_choice_env_and_moe_layer_through_both_paths(monkeypatch):
     assert gm.matmul_choice(10 ** 6, 8) == ("tiled" if one_gpu else "ragged")
     assert gm.matmul_choice(8, 8) == "ragged"
     monkeypatch.setenv(gm.ENV, "fast")
-    with pytest.raises(ValueError, match="MTPJAX_MOE_MATMUL='fast': expected auto, ragged or tiled"):
+    with pytest.raises(ValueError, match="MTPJAX_MOE_MATMUL='fast': expected auto, ragged, tiled or pallas"):
         gm.matmul_choice(8, 8)
     cfg = ds_config(n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=2)
     p = _ds_params(cfg, 0)["layers"][1]
     x = jax.random.normal(jax.random.PRNGKey(2), (40, cfg.hidden_size))
     valid = jnp.arange(40) < 33                            # padding tokens are routed nowhere
     outs = {}
-    for path in ("ragged", "tiled"):
+    for path in ("ragged", "tiled", "pallas"):            # pallas: the kernel, interpreted
         monkeypatch.setenv(gm.ENV, path)
         outs[path] = ffn_kind("moe")(p, x, cfg, valid)     # eager: the choice is read now
     np.testing.assert_allclose(outs["tiled"], outs["ragged"], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(outs["pallas"], outs["ragged"], atol=1e-5, rtol=1e-5)

@@ -3,7 +3,7 @@
 decode sizes (few tokens per expert: weight-read bound) and prefill sizes (compute bound).
 
     python -m mtpjax.bench.moe [--shapes v2-lite,v3-slice] [--tokens 1,32,256,4096] [--out DIR]
-                               [--variants ragged_dot,tiled,mgpu,gather]
+                               [--variants ragged_dot,tiled,pallas,mgpu,gather]
 
 Shapes (bf16 random weights, routing uniform random top-k without repeats per token):
   v2-lite   DeepSeek-V2-Lite: 64 routed experts, 6 per token, hidden 2048, expert width 1408
@@ -13,6 +13,9 @@ Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pai
   ragged_dot  `mtpjax.model.moe.routed_experts` with XLA's ragged_dot
   tiled       the same with `model.grouped_matmul.tiled_grouped_matmul` (exact tiles; what the
               model runs on GPU from 16 rows per expert)
+  pallas      the same with mtpjax's Pallas (Triton) grouped-matmul kernel
+              (`pallas_kernels.grouped_matmul`: each tile reads its expert's weights in place;
+              interpreted off the GPU)
   mgpu        the same sort/scatter with ragged_dot_mgpu (Hopper WGMMA + TMA) for the matmuls
   gather      w[ids] per (token, slot) and batched matvecs: reads each chosen expert once per
               token (duplicates at larger N); decode sizes only
@@ -81,6 +84,12 @@ experts_ragged = _routed(jax.lax.ragged_dot)
 experts_tiled = _routed(tiled_grouped_matmul)
 
 
+def experts_pallas(x, p, ids, w):
+    from pallas_kernels.grouped_matmul import grouped_matmul
+    mm = functools.partial(grouped_matmul, interpret=jax.default_backend() != "gpu")
+    return _routed(mm)(x, p, ids, w)
+
+
 def experts_gather(x, p, ids, w):
     """x [N, E] -> [N, E]: each token's k experts gathered ([N, k, E, I]) and applied."""
     g = jnp.einsum("ne,nkei->nki", x, p["w_gate"][ids])
@@ -123,7 +132,8 @@ def floor_s(shape: dict, ids, n: int, copy_bw: float, flops: float) -> tuple[flo
     return max(bytes_ / copy_bw, fl / flops), bytes_, touched
 
 
-def run(shape_names, token_counts, out_dir=None, use=("ragged_dot", "tiled", "mgpu", "gather")):
+def run(shape_names, token_counts, out_dir=None,
+        use=("ragged_dot", "tiled", "pallas", "mgpu", "gather")):
     on_gpu = jax.default_backend() == "gpu"
     copy_bw, _ = copy_bandwidth() if on_gpu else (1e11, {})
     flops = matmul_rate(8192 if on_gpu else 256, reps=2 if on_gpu else 1)
@@ -145,7 +155,8 @@ def run(shape_names, token_counts, out_dir=None, use=("ragged_dot", "tiled", "mg
             row = dict(shape=name, tokens=n, touched=touched, floor_us=fl * 1e6,
                        floor_bytes=nbytes)
             ref = None
-            variants = [("ragged_dot", experts_ragged), ("tiled", experts_tiled)]
+            variants = [("ragged_dot", experts_ragged), ("tiled", experts_tiled),
+                        ("pallas", experts_pallas)]
             if on_gpu or name == "tiny":
                 variants.append(("mgpu", experts_mgpu))
             if n <= 32:
@@ -181,10 +192,11 @@ def table(rows) -> str:
             return "fail" if f"{v}_error" in r else "-"
         return f"{r[f'{v}_us']:.0f} ({r[f'{v}_x_floor']:.2f}x)"
     lines = ["| shape | tokens | experts touched | floor us | ragged_dot us (x floor) | tiled | "
-             "mgpu | gather |", "|---|---|---|---|---|---|---|---|"]
+             "pallas | mgpu | gather |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['tokens']} | {r['touched']} | {r['floor_us']:.0f} | "
-                     f"{cell(r, 'ragged_dot')} | {cell(r, 'tiled')} | {cell(r, 'mgpu')} | "
+                     f"{cell(r, 'ragged_dot')} | {cell(r, 'tiled')} | {cell(r, 'pallas')} | "
+                     f"{cell(r, 'mgpu')} | "
                      f"{cell(r, 'gather')} |")
     return "\n".join(lines)
 
@@ -193,7 +205,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="v2-lite,v3-slice")
     ap.add_argument("--tokens", default="1,32,256,4096")
-    ap.add_argument("--variants", default="ragged_dot,tiled,mgpu,gather")
+    ap.add_argument("--variants", default="ragged_dot,tiled,pallas,mgpu,gather")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.out:

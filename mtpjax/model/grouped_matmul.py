@@ -11,9 +11,10 @@ dominates (1.01x the bandwidth floor at one token), but G times the FLOPs at pre
 a multiple of `tile` and laid out tile by tile, every tile takes its group's weight matrix
 (a gather of [tiles, E, I]), and one batched matmul does the rest. Its waste is bounded: at most
 G x (tile - 1) padding rows and G spare tiles. `grouped_matmul` picks between the two from the
-static number of rows per group (`MTPJAX_MOE_MATMUL=ragged|tiled|auto` overrides; auto uses the
-tiles only on one GPU, where ragged_dot is dense; on several devices the experts are sharded
-and `ragged_dot`'s partition keeps each device on its own experts).
+static number of rows per group: tiles only on one GPU (where ragged_dot is dense) or per device
+inside the expert-parallel layer, from 16 rows per group. `MTPJAX_MOE_MATMUL=ragged|tiled|
+pallas|auto` overrides; pallas is `pallas_kernels.grouped_matmul` (each tile reads its expert's
+weights in place, no gather), opt-in until its GPU numbers exist.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def matmul_choice(rows: int, groups: int, per_device: bool = False) -> str:
     called inside `shard_map` on one device's own experts (the expert-parallel MoE), where the
     tiles gather only local weights."""
     forced = os.environ.get(ENV, "auto").strip().lower()
-    if forced not in ("auto", "ragged", "tiled"):
-        raise ValueError(f"{ENV}={forced!r}: expected auto, ragged or tiled")
+    if forced not in ("auto", "ragged", "tiled", "pallas"):
+        raise ValueError(f"{ENV}={forced!r}: expected auto, ragged, tiled or pallas")
     if forced != "auto":
         return forced
     # one GPU only: with experts sharded over a mesh, the per-tile weight gather would pull
@@ -81,6 +82,10 @@ def matmul_choice(rows: int, groups: int, per_device: bool = False) -> str:
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array,
                    per_device: bool = False) -> jax.Array:
     """`ragged_dot(x, w, sizes)`, by the path `matmul_choice` picks for these shapes."""
-    if matmul_choice(x.shape[0], w.shape[0], per_device) == "tiled":
+    choice = matmul_choice(x.shape[0], w.shape[0], per_device)
+    if choice == "pallas":          # opt-in until measured on the GPU (interpreted elsewhere)
+        from pallas_kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
+        return pallas_grouped_matmul(x, w, sizes, interpret=jax.default_backend() != "gpu")
+    if choice == "tiled":
         return tiled_grouped_matmul(x, w, sizes)
     return jax.lax.ragged_dot(x, w, sizes)

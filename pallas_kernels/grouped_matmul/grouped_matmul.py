@@ -1,0 +1,113 @@
+"""Public wrapper of the grouped-matmul kernel: `jax.lax.ragged_dot(x, w, sizes)` for MoE experts.
+
+x [M, K] holds rows sorted by group (expert), `sizes[g]` rows for group g (rows past sum(sizes)
+belong to no group and come out zero, as ragged_dot gives them); w [G, K, N]. The wrapper lays
+the rows out tile by tile (each group padded to a multiple of `block_m`; `tile_layout`), runs
+the kernel (kernel.py: each program reads its tile's expert weight in place), and gathers the
+rows back. Why a kernel: XLA lowers `ragged_dot` on the GPU to a dense dot over every group, and
+the XLA tiled form (mtpjax/model/grouped_matmul.py) gathers one weight matrix per tile;
+this reads each touched expert's weights where they lie.
+
+Tuning: block_m (rows per tile; default the mean group size rounded up to a power of two in
+[16, 128]), block_n, block_k (must divide N and K), num_warps, num_stages.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.grouped_matmul.kernel import grouped_matmul_kernel
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def default_block_m(M: int, G: int) -> int:
+    mean = max(M // max(G, 1), 1)
+    return min(128, max(16, 1 << (mean - 1).bit_length()))
+
+
+def _largest_block(dim: int, cap: int) -> int:
+    """Largest power of two <= cap dividing dim (0 if none >= 16)."""
+    b = cap
+    while b >= 16 and dim % b:
+        b //= 2
+    return b if b >= 16 else 0
+
+
+def tile_layout(sizes: jax.Array, M: int, block_m: int):
+    """Tile layout of M rows in groups of `sizes` (int32[G]).
+
+    Returns (dest int32[M]: each row's row in the padded layout, Mp for rows in no group;
+    tile_group int32[n_tiles]: each tile's group, -1 past the last group; Mp = n_tiles x
+    block_m). n_tiles = ceil(M / block_m) + min(G, M) bounds the tiles any sizes can need."""
+    G = sizes.shape[0]
+    n_tiles = -(-M // block_m) + min(G, M)
+    Mp = n_tiles * block_m
+    sizes = sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)                                  # [G] end row of each group
+    padded = -(-sizes // block_m) * block_m
+    pends = jnp.cumsum(padded)                                # [G] end of each padded group
+    row = jnp.arange(M, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(ends, row, side="right"), G).astype(jnp.int32)
+    gc = jnp.minimum(g, G - 1)
+    dest = jnp.where(g < G, pends[gc] - padded[gc] + row - (ends[gc] - sizes[gc]), Mp)
+    tg = jnp.searchsorted(pends, jnp.arange(n_tiles, dtype=jnp.int32) * block_m, side="right")
+    tile_group = jnp.where(tg < G, tg, -1).astype(jnp.int32)
+    return dest.astype(jnp.int32), tile_group, Mp
+
+
+def _check(x, w, sizes, block_m, block_n, block_k):
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2-D [rows, K], got shape {tuple(x.shape)}")
+    if w.ndim != 3:
+        raise ValueError(f"w must be 3-D [groups, K, N], got shape {tuple(w.shape)}")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w's K ({w.shape[1]}) must equal x's K ({x.shape[1]}): x "
+                         f"{tuple(x.shape)}, w {tuple(w.shape)}")
+    if sizes.shape != (w.shape[0],) or not jnp.issubdtype(sizes.dtype, jnp.integer):
+        raise ValueError(f"sizes must be an integer array [groups={w.shape[0]}], got "
+                         f"{sizes.dtype}{list(sizes.shape)}")
+    if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES or w.dtype != x.dtype:
+        raise ValueError(f"x and w must both be bfloat16 or float32, got {x.dtype} and {w.dtype}")
+    for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (Triton's dot), got {b}")
+    if w.shape[2] % block_n or x.shape[1] % block_k:
+        raise ValueError(f"block_n={block_n} must divide N={w.shape[2]} and block_k={block_k} "
+                         f"must divide K={x.shape[1]}")
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
+                                             "num_stages", "interpret"))
+def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, block_m: int | None = None,
+                   block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
+                   num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """`ragged_dot(x [M, K], w [G, K, N], sizes int32[G])` -> [M, N] in x's dtype (float32
+    accumulation). ValueError for shapes, dtypes or blocks the kernel cannot take."""
+    M, K = x.shape
+    G, _, N = w.shape if w.ndim == 3 else (0, 0, 0)
+    block_m = block_m or default_block_m(M, G)
+    block_n = block_n or _largest_block(N, 128) or 128
+    block_k = block_k or _largest_block(K, 64) or 64
+    _check(x, w, sizes, block_m, block_n, block_k)
+    dest, tile_group, Mp = tile_layout(sizes, M, block_m)
+    xp = jnp.zeros((Mp, K), x.dtype).at[dest].set(x, mode="drop")
+    kernel = functools.partial(grouped_matmul_kernel, block_k=block_k, block_n=block_n)
+    yp = pl.pallas_call(
+        kernel,
+        grid=(Mp // block_m, N // block_n),
+        in_specs=[pl.BlockSpec((block_m, K), lambda t, j: (t, 0)),
+                  pl.BlockSpec(memory_space=pl.ANY),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda t, j: (t, j)),
+        out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="grouped_matmul",
+    )(xp, w, tile_group)
+    y = yp[jnp.minimum(dest, Mp - 1)]
+    return jnp.where((dest < Mp)[:, None], y, 0).astype(x.dtype)

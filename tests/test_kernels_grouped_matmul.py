@@ -1,0 +1,94 @@
+"""The Pallas grouped-matmul kernel (pallas_kernels/grouped_matmul) == jax.lax.ragged_dot,
+interpreted on CPU; and it lowers to Triton for CUDA (the lowering runs on this machine)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.grouped_matmul import grouped_matmul, tile_layout
+
+
+def random_case(seed, M, K, N, G, dtype, fill=1.0, empty=0):
+    rng = np.random.default_rng(seed)
+    total = int(M * fill)
+    cuts = np.sort(rng.integers(0, total + 1, G - 1))
+    sizes = np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int32)
+    sizes[rng.choice(G, empty, replace=False)] = 0 if empty else sizes[:0]
+    sizes[-1] += total - sizes.sum()                 # keep sum(sizes) == total
+    if sizes[-1] < 0:
+        sizes = np.full(G, total // G, np.int32)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(k1, (M, K), jnp.float32).astype(dtype)
+    w = (jax.random.normal(k2, (G, K, N), jnp.float32) / np.sqrt(K)).astype(dtype)
+    return x, w, jnp.asarray(sizes)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("M,K,N,G,fill,empty,blocks", [
+    (50, 64, 32, 5, 1.0, 1, dict(block_n=16, block_k=16)),       # an empty group
+    (37, 32, 48, 4, 0.7, 0, dict(block_n=16, block_k=32)),       # rows past the groups
+    (8, 64, 64, 16, 1.0, 8, dict(block_n=32, block_k=16)),       # decode: few rows, many groups
+    (96, 48, 32, 3, 1.0, 0, dict(block_m=32, block_n=32, block_k=16)),   # tiles of 32 rows
+])
+def test_kernel_equals_ragged_dot(seed, M, K, N, G, fill, empty, blocks):
+    x, w, sizes = random_case(seed, M, K, N, G, jnp.float32, fill, empty)
+    got = grouped_matmul(x, w, sizes, interpret=True, **blocks)
+    want = jax.lax.ragged_dot(x, w, sizes, precision=jax.lax.Precision.HIGHEST)
+    assert got.shape == (M, N) and got.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    past = int(np.asarray(sizes).sum())
+    assert np.all(np.asarray(got)[past:] == 0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_bf16(seed):
+    x, w, sizes = random_case(seed, 40, 64, 32, 4, jnp.bfloat16)
+    got = grouped_matmul(x, w, sizes, interpret=True, block_n=16, block_k=32)
+    want = jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), sizes)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2,
+                               atol=2e-2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tile_layout_places_every_row_once_in_its_groups_tiles(seed):
+    rng = np.random.default_rng(seed)
+    G, M, bm = 6, 45, 16
+    sizes = rng.multinomial(40, np.ones(G) / G).astype(np.int32)
+    sizes[rng.integers(G)] = 0
+    sizes = sizes * (sizes.sum() <= M)
+    dest, tile_group, Mp = tile_layout(jnp.asarray(sizes), M, bm)
+    dest, tile_group = np.asarray(dest), np.asarray(tile_group)
+    real = dest < Mp
+    assert real.sum() == sizes.sum() and len(set(dest[real])) == real.sum()
+    group_of_row = np.repeat(np.arange(G), sizes)
+    assert np.all(tile_group[dest[real] // bm] == group_of_row)
+    assert (tile_group >= 0).sum() == sum(-(-s // bm) for s in sizes)
+
+
+def test_bad_inputs_name_the_value():
+    x, w, sizes = random_case(0, 16, 32, 32, 2, jnp.float32)
+    with pytest.raises(ValueError, match="w's K"):
+        grouped_matmul(x, w[:, :16], sizes, interpret=True)
+    with pytest.raises(ValueError, match="sizes must be"):
+        grouped_matmul(x, w, sizes[:1], interpret=True)
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 16.*got 48"):
+        grouped_matmul(x, w, sizes, block_k=48, interpret=True)
+    with pytest.raises(ValueError, match="block_n=64 must divide N=32"):
+        grouped_matmul(x, w, sizes, block_n=64, interpret=True)
+    with pytest.raises(ValueError, match="must both be"):
+        grouped_matmul(x, w.astype(jnp.bfloat16), sizes, interpret=True)
+
+
+def test_lowers_to_triton_for_cuda():
+    """Lowering for CUDA runs the Pallas -> Triton lowering here (no GPU needed): a kernel op
+    Triton cannot take fails this test before it reaches a GPU."""
+    from jax import export
+    args = (jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8, 256, 384), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8,), jnp.int32))
+    exp = export.export(jax.jit(grouped_matmul), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    text = exp.mlir_module()
+    assert "__gpu$xla.gpu.triton" in text and 'name = "grouped_matmul"' in text
