@@ -1,0 +1,56 @@
+"""Every Pallas kernel lowers to Triton for CUDA on this (CPU) machine.
+
+`jax.export(..., platforms=["cuda"])` runs the Pallas -> Triton lowering without a GPU, so a
+kernel change that uses an op, a shape or a dtype the Triton backend cannot take fails here, in
+CI, instead of in the next GPU session. (Triton's own compile to PTX still happens only on the
+GPU: the smoke check `python -m mtpjax.bench.gpu_check` covers that.)"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from pallas_kernels.draft_roll import draft_roll
+from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.mla_paged_attention import mla_paged_attention
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+S = jax.ShapeDtypeStruct
+i32, bf16 = jnp.int32, jnp.bfloat16
+
+
+def lower_for_cuda(fn, *args) -> str:
+    exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    return exp.mlir_module()
+
+
+CASES = {
+    # decode / verify: B=4 requests, Q=4 query tokens, 8 heads over 2 KV heads, d 128, page 16
+    "paged_attention": (paged_attention, (
+        S((4, 4, 8, 128), bf16), S((2, 64, 16, 128), bf16), S((2, 64, 16, 128), bf16),
+        S((4, 16), i32), S((4,), i32))),
+    # ragged: 64 tokens over up to 8 sequences
+    "ragged_paged_attention": (ragged_paged_attention, (
+        S((64, 8, 128), bf16), S((2, 64, 16, 128), bf16), S((2, 64, 16, 128), bf16),
+        S((8, 16), i32), S((8,), i32), S((9,), i32), S((1,), i32))),
+    # MLA absorbed form: 16 heads, latent 512 + rope 64, page 64
+    "mla_paged_attention": (functools.partial(mla_paged_attention, kv_lora_rank=512), (
+        S((32, 16, 576), bf16), S((32, 64, 576), bf16), S((8, 8), i32), S((8,), i32),
+        S((9,), i32), S((1,), i32))),
+    "draft_roll": (draft_roll, (
+        S((64,), i32), S((64,), i32), S((64, 256), bf16), S((9,), i32), S((8, 4), i32),
+        S((8, 4), i32), S((8, 4, 256), bf16), S((8,), i32))),
+    "grouped_matmul": (grouped_matmul, (S((256, 256), bf16), S((8, 256, 384), bf16),
+                                        S((8,), i32))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_lowers_to_triton_for_cuda(name):
+    fn, args = CASES[name]
+    text = lower_for_cuda(fn, *args)
+    assert "__gpu$xla.gpu.triton" in text, name
