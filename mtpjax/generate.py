@@ -20,6 +20,8 @@ from mtpjax.cache import init_cache
 from mtpjax.compilation_cache import enable_compilation_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.model.backend import resolve_backend
+from mtpjax.model.fused import check_fusable
+from mtpjax.model.fused import fuse_projections as fuse
 from mtpjax.parallel import check_mesh, sharded_inputs, to_host
 from mtpjax.parallel.sharding import pin
 from mtpjax.sampling import Limits, SamplingArrays, as_sampling_list, is_stop, stop_id_array
@@ -237,7 +239,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
              num_pages: int | None = None, attention_impl="auto",
              cache_dtype=None, draft_source: str = "model",
              forced_drafts=None, mesh=None, steps_per_check: int = 4,
-             draft_vocab=None) -> GenerateOutput:
+             draft_vocab=None, fuse_projections: bool = False) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt (fewer when `SamplingParams.max_tokens` is
     smaller or a stop token is produced; the stop token is included in the output).
 
@@ -258,6 +260,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     the last request finishes run on padding rows).
     draft_vocab: with `SpecConfig(draft_vocab_size=N)`, the token ids drafts come from (N ids,
     or ranked ids of which the first N are taken; speculative/draft_vocab.py).
+    fuse_projections: run with q/k/v and gate/up weights concatenated once (model/fused.py;
+    one device only).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -265,6 +269,11 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
             or steps_per_check <= 0:
         raise ValueError(f"steps_per_check must be a positive int, got {steps_per_check!r}")
     mesh = check_mesh(mesh)
+    if not isinstance(fuse_projections, (bool, np.bool_)):
+        raise ValueError(f"fuse_projections must be a bool, got {fuse_projections!r}")
+    if fuse_projections:
+        check_fusable(mesh)
+        params = fuse(params, cfg)
     enable_compilation_cache()
     prompts = validate_prompts(prompts, cfg)
     sps = as_sampling_list(sampling, len(prompts))

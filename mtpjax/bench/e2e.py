@@ -281,6 +281,7 @@ def time_generate(params, cfg, spec, prompts, args) -> dict:
         out = mtpjax.generate(params, cfg, prompts, max_new_tokens=N, spec=spec,
                               page_size=PAGE_SIZE, sampling=sampling, mesh=mesh_of(args),
                               steps_per_check=args.steps_per_check,
+                              fuse_projections=args.fuse_projections,
                               draft_vocab=draft_vocab_of(spec))
         return out, time.perf_counter() - t0
 
@@ -337,6 +338,7 @@ def engine_pass(llm, prompts, new_tokens: int) -> dict:
 def time_engine(params, cfg, spec, prompts, args) -> dict:
     import mtpjax
     llm = mtpjax.LLM(params, cfg, spec, warmup=False, mesh=mesh_of(args),
+                     fuse_projections=args.fuse_projections,
                      draft_vocab=draft_vocab_of(spec), **engine_kwargs(args, len(prompts)))
     engine_pass(llm, prompts, args.new_tokens)                # compiles the buckets it uses
     passes = [engine_pass(llm, prompts, args.new_tokens) for _ in range(args.repeats)]
@@ -353,6 +355,7 @@ def time_startup(params, cfg, spec, args, batch: int) -> dict:
     before = collections.Counter(_EVENTS)
     t0 = time.perf_counter()
     llm = mtpjax.LLM(params, cfg, spec, warmup=True, mesh=mesh_of(args),
+                     fuse_projections=args.fuse_projections,
                      **engine_kwargs(args, batch))
     t1 = time.perf_counter()
     llm.generate([prompt], mtpjax.SamplingParams(max_tokens=1))
@@ -451,6 +454,8 @@ def run_child(args, role: str, batch: int, env_extra: dict | None = None) -> dic
            "--data-parallel", str(args.data_parallel)]
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.fuse_projections:
+        cmd += ["--fuse-projections"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=args.child_timeout)
@@ -509,6 +514,9 @@ def parse_args(argv):
     ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="also run the MTP rows with drafts from N of the V token ids "
                          "(SpecConfig.draft_vocab_size; the draft passes read N lm_head columns)")
+    ap.add_argument("--fuse-projections", action="store_true",
+                    help="generate and engine rows with q/k/v and gate/up fused at load "
+                         "(model/fused.py; one device)")
     ap.add_argument("--steps-per-check", type=int, default=4,
                     help="generate rows: steps between two 'all done' checks of the device loop")
     ap.add_argument("--rows", default=",".join(ROWS),
@@ -699,7 +707,8 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
         log(f"wrote {os.path.join(args.out, 'e2e.json')}")
     print(f"\nE2E {args.model_shape} on {dev.device_kind}: prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, K={K}, synthetic acceptance {args.accept_rate}, "
-          f"copy {bw / 1e12:.3f} TB/s, floor ctx {ctx:g}")
+          f"copy {bw / 1e12:.3f} TB/s, floor ctx {ctx:g}"
+          + (", fused projections" if args.fuse_projections else ""))
     print(table(rows), flush=True)
     return 0
 

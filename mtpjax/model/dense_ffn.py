@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
 from mtpjax.model.linear import linear
@@ -32,6 +33,9 @@ class DenseFFN:
 
     def __call__(self, p: dict, x, cfg, valid, mesh=None):
         """x [N, E] -> [N, E]; a per-token op, so padding rows (valid False) need no mask."""
+        if "w_gate_up" in p:             # fused at load (model/fused.py): one GEMM, then split
+            gate, up = jnp.split(linear(x, p["w_gate_up"]), 2, axis=-1)
+            return linear(self.activation(gate) * up, p["w_down"])
         return swiglu(x, p["w_gate"], p["w_up"], p["w_down"], self.activation)
 
 

@@ -48,11 +48,18 @@ class GQAPages:
 def qkv_projection(p: dict, x: jax.Array, positions: jax.Array, cfg):
     """x [..., T, E] -> q [..., T, NH, hd], k/v [..., T, KV, hd] with bias, q/k norm and RoPE."""
     hd = cfg.head_dim
-    q = linear(x, p["wq"])
-    k = linear(x, p["wk"])
-    v = linear(x, p["wv"])
-    if "bq" in p:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if "wqkv" in p:                  # fused at load (model/fused.py): one GEMM, then split
+        qkv = linear(x, p["wqkv"])
+        if "bqkv" in p:
+            qkv = qkv + p["bqkv"]
+        nq, nkv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+    else:
+        q = linear(x, p["wq"])
+        k = linear(x, p["wk"])
+        v = linear(x, p["wv"])
+        if "bq" in p:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = q.reshape(*q.shape[:-1], cfg.num_heads, hd)
     k = k.reshape(*k.shape[:-1], cfg.num_kv_heads, hd)
     v = v.reshape(*v.shape[:-1], cfg.num_kv_heads, hd)

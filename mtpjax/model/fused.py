@@ -1,0 +1,58 @@
+"""Fused projections for serving: q/k/v and gate/up weights concatenated once, at load.
+
+A decode step reads every weight once; what it pays beyond the bytes is per-kernel: a launch
+and a tail for every small GEMM. Measured at the 8B shape on an H100 (docs/benchmarks.md, round
+3 session 7), the k and v projections (8 MB each) ran at ~1.7 TB/s against ~2.9 for the large
+ones. Concatenating `wq | wk | wv` into one `wqkv [E, (NH + 2 KV) hd]` and `w_gate | w_up` into
+one `w_gate_up [E, 2I]` makes each group one GEMM that reads the same bytes. XLA's DotMerger
+would do the same merge *per call* (a copy of the weights every step: why `step_jit` turns it
+off); here it happens once.
+
+`fuse_projections(params, cfg)` returns a new tree: every GQA layer (target and MTP blocks) gets
+`wqkv` (and `bqkv` with biases) in place of wq/wk/wv (bq/bk/bv), every dense SwiGLU `w_gate_up`
+in place of w_gate/w_up; everything else is shared with the input. The model's projections read
+either layout (`gqa.qkv_projection`, `dense_ffn.DenseFFN`). One device only: on a mesh the
+table splits wq by head and wk/wv by KV head, which a concatenated matrix cannot follow.
+Memory: the fused matrices are new arrays; the caller's q/k/v and gate/up stay alive as long as
+the caller holds them (`LLM.from_pretrained` holds nothing else).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+QKV = ("wq", "wk", "wv")
+BQKV = ("bq", "bk", "bv")
+GATE_UP = ("w_gate", "w_up")
+
+
+def _fuse_block(block: dict, kinds: tuple[str, str]) -> dict:
+    out = dict(block)
+    if kinds[0] == "gqa" and all(k in out for k in QKV):
+        out["wqkv"] = jnp.concatenate([out.pop(k) for k in QKV], axis=-1)
+        if all(k in out for k in BQKV):
+            out["bqkv"] = jnp.concatenate([out.pop(k) for k in BQKV], axis=-1)
+    if kinds[1] == "dense" and all(k in out for k in GATE_UP):
+        out["w_gate_up"] = jnp.concatenate([out.pop(k) for k in GATE_UP], axis=-1)
+    return out
+
+
+def fuse_projections(params: dict, cfg) -> dict:
+    """The params with fused q/k/v and gate/up matrices (see above); idempotent."""
+    out = dict(params)
+    out["layers"] = tuple(_fuse_block(p, k) for p, k in zip(params["layers"],
+                                                            cfg.layer_kinds()))
+    if "mtp" in params:
+        out["mtp"] = tuple(dict(m, block=_fuse_block(m["block"], cfg.mtp_layer_kind()))
+                           for m in params["mtp"])
+    return out
+
+
+def is_fused(params: dict) -> bool:
+    return any("wqkv" in p or "w_gate_up" in p for p in params["layers"])
+
+
+def check_fusable(mesh) -> None:
+    if mesh is not None and mesh.size > 1:
+        raise ValueError(f"fuse_projections=True needs one device; got a mesh of {mesh.size} "
+                         f"devices {dict(mesh.shape)} (the sharding table splits q/k/v by head)")
