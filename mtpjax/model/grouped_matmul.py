@@ -24,6 +24,8 @@ import os
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.grouped_matmul.grouped_matmul import tile_layout
+
 MIN_ROWS_PER_GROUP = 16         # auto: tiles from this many rows per group on average (GPU)
 ENV = "MTPJAX_MOE_MATMUL"
 
@@ -44,24 +46,13 @@ def tiled_grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array,
     M, E = x.shape
     G, _, I = w.shape
     m = tile or tile_rows(M, G)
-    n_tiles = -(-(M + G * (m - 1)) // m)                     # static bound on tiles used
-    Mp = n_tiles * m
-    sizes = sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)                                 # [G] end row of each group
-    padded = -(-sizes // m) * m
-    pends = jnp.cumsum(padded)                               # [G] end of each padded group
-    row = jnp.arange(M, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(ends, row, side="right"), G).astype(jnp.int32)
-    in_group = g < G
-    gc = jnp.minimum(g, G - 1)
-    dest = jnp.where(in_group, pends[gc] - padded[gc] + row - (ends[gc] - sizes[gc]), Mp)
+    dest, tile_group, Mp = tile_layout(sizes, M, m)          # shared with the Pallas kernel
     xp = jnp.zeros((Mp, E), x.dtype).at[dest].set(x, mode="drop")
-    tile_group = jnp.searchsorted(pends, jnp.arange(n_tiles) * m, side="right")
-    wt = w[jnp.minimum(tile_group, G - 1)]                   # [n_tiles, E, I]
-    yp = jnp.einsum("tme,tei->tmi", xp.reshape(n_tiles, m, E), wt,
+    wt = w[jnp.maximum(tile_group, 0)]          # [n_tiles, E, I]; tiles past the groups: any
+    yp = jnp.einsum("tme,tei->tmi", xp.reshape(Mp // m, m, E), wt,
                     preferred_element_type=jnp.float32).reshape(Mp, I)
     y = yp[jnp.minimum(dest, Mp - 1)]
-    return jnp.where(in_group[:, None], y, 0.0).astype(x.dtype)
+    return jnp.where((dest < Mp)[:, None], y, 0.0).astype(x.dtype)
 
 
 def matmul_choice(rows: int, groups: int, per_device: bool = False) -> str:
