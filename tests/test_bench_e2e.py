@@ -61,7 +61,7 @@ def test_mla_moe_shape_bytes_and_rows(capsys, tmp_path):
     assert b1 < b32 < b1 + 26 * 64 * w["expert"] + 32 * 192 * 27 * 576 * 2 + 3 * 64 * w["expert"]
 
     rc = e2e.main(["--model-shape", "tiny-mla-moe", "--batch", "1,2", "--prompt-len", "4",
-                   "--new-tokens", "16", "--k", "2", "--copy-mib", "4", "--repeats", "1",
+                   "--new-tokens", "64", "--k", "2", "--copy-mib", "4", "--repeats", "1",
                    "--no-startup", "--rows", "generate MTP,engine plain,HF",
                    "--out", str(tmp_path)])
     assert rc == 0
