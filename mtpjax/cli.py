@@ -7,6 +7,8 @@
     mtpjax bench kernels [options]      the Pallas kernel tables (python -m mtpjax.bench.kernels)
     mtpjax bench e2e [options]          end-to-end decode speed at a model shape vs its floor and
                                         Hugging Face, engine start-up (python -m mtpjax.bench.e2e)
+    mtpjax bench profile [options]      generate's loop vs the engine's steps, kernel by kernel
+                                        (python -m mtpjax.bench.step_profile)
 """
 
 from __future__ import annotations
@@ -173,6 +175,9 @@ def cmd_bench(args):
     if args.what == "e2e":
         from mtpjax.bench import e2e
         return e2e.main(args.rest)
+    if args.what == "profile":
+        from mtpjax.bench import step_profile
+        return step_profile.main(args.rest)
     from mtpjax.bench.engine import main as engine_bench
     return engine_bench(args.rest)
 
@@ -212,7 +217,7 @@ def main(argv=None):
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_convert)
     b = sub.add_parser("bench", help="benchmarks (GPU machine)")
-    b.add_argument("what", choices=["engine", "kernels", "e2e"])
+    b.add_argument("what", choices=["engine", "kernels", "e2e", "profile"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     b.set_defaults(fn=cmd_bench)
     args = ap.parse_args(argv)

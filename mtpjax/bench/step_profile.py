@@ -1,0 +1,131 @@
+"""Where a decode step's time goes on the device: `generate`'s on-device loop against the
+engine's steps, kernel by kernel, from a `jax.profiler` trace.
+
+    python -m mtpjax.bench.step_profile [--model-shape llama3-8b] [--layers 16] [--batch 1]
+                                        [--new-tokens 64] [--k 0] [--out DIR]
+
+For each path it traces one greedy run after a warm-up run and reports, over the decode part
+of the trace (the last 70% of its device time): steps (paged-attention kernels / layers),
+device-busy and wall span per step, kernels per step, the idle gaps between kernels (with the
+host events inside the biggest one: what the device was waiting for), and the top kernels per
+step; then the kernels whose time per step differs most between the two paths. Round 3
+session 7 found both causes of `generate`'s batch-1 gap this way (docs/benchmarks.md). On a
+machine without a GPU the trace has no device kernels and the report says so.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import tempfile
+
+ATTENTION_KERNELS = ("paged_attn", "ragged", "mla_paged")
+
+
+def device_kernels(trace_dir: str):
+    """(kernel events of the busiest device stream sorted by start, all events, pid names)."""
+    path = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]
+    events = json.load(gzip.open(path))["traceEvents"]
+    pids = {e["pid"]: e["args"]["name"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name"}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("dur", 0) > 0
+               and "/device:GPU" in pids.get(e["pid"], "")]
+    if not kernels:
+        return [], events, pids
+    stream = collections.Counter((e["pid"], e["tid"]) for e in kernels).most_common(1)[0][0]
+    return (sorted((e for e in kernels if (e["pid"], e["tid"]) == stream), key=lambda e: e["ts"]),
+            events, pids)
+
+
+def summarize(trace_dir: str, layers: int, name: str, top: int = 12) -> dict:
+    """The report of one path's trace (see the module docstring); prints it."""
+    kernels, events, pids = device_kernels(trace_dir)
+    if not kernels:
+        print(f"{name}: no device kernels in the trace (no GPU?)")
+        return {"name": name, "per_kernel_us": {}}
+    t0, t1 = kernels[0]["ts"], kernels[-1]["ts"] + kernels[-1]["dur"]
+    window = [e for e in kernels if e["ts"] >= t0 + 0.3 * (t1 - t0)]
+    span = window[-1]["ts"] + window[-1]["dur"] - window[0]["ts"]
+    busy = sum(e["dur"] for e in window)
+    steps = max(1, sum(1 for e in window if any(a in e["name"] for a in ATTENTION_KERNELS))
+                // layers)
+    gaps = [(b["ts"] - (a["ts"] + a["dur"]), a, b) for a, b in zip(window, window[1:])]
+    big = sorted(gaps, key=lambda g: -g[0])[:3]
+    per = collections.Counter()
+    for e in window:
+        per[e["name"][:80]] += e["dur"] / steps
+    print(f"{name}: {steps} steps in the window; per step: busy {busy / steps / 1e3:.3f} ms, "
+          f"span {span / steps / 1e3:.3f} ms, {len(window) / steps:.0f} kernels; idle "
+          f"{100 * (span - busy) / span:.1f}%, gaps > 5 us: "
+          f"{sum(g for g, _, _ in gaps if g > 5) / 1e3:.2f} ms in {sum(g > 5 for g, _, _ in gaps)}")
+    for g, a, b in big:
+        print(f"  gap {g:.0f} us after {a['name'][:40]} before {b['name'][:40]}")
+    if big and big[0][0] > 50:
+        g, a, b = big[0]
+        lo, hi = a["ts"] + a["dur"], b["ts"]
+        inside = sorted((e for e in events if e.get("ph") == "X" and e.get("dur", 0) > 0
+                         and "/device:GPU" not in pids.get(e["pid"], "")
+                         and lo <= e["ts"] < hi), key=lambda e: -e["dur"])[:5]
+        for e in inside:
+            print(f"    host in the biggest gap: {e['dur']:.0f} us {e['name'][:70]}")
+    for kname, us in per.most_common(top):
+        print(f"  {us / 1e3:8.3f} ms/step  {kname}")
+    return {"name": name, "steps": steps, "busy_ms_per_step": busy / steps / 1e3,
+            "span_ms_per_step": span / steps / 1e3, "kernels_per_step": len(window) / steps,
+            "per_kernel_us": dict(per)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-shape", default="llama3-8b")
+    ap.add_argument("--layers", type=int, default=16, help="target layers (fewer compile faster)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=0, help="MTP drafts per step (0: plain decoding)")
+    ap.add_argument("--out", default=None, help="folder for step_profile.json")
+    a = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    import mtpjax
+    from mtpjax.bench import e2e
+    cfg = dataclasses.replace(e2e.model_config(a.model_shape), num_layers=a.layers)
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16, std=0.02)
+    prompts = e2e.prompts_for(cfg, a.batch, 128, 0)
+    spec = None if a.k == 0 else mtpjax.SpecConfig(
+        num_speculative_tokens=a.k, acceptance="synthetic", synthetic_accept_rate=0.8)
+    engine_args = argparse.Namespace(k=max(a.k, 1), prompt_len=128, new_tokens=a.new_tokens,
+                                     max_num_batched_tokens=None)
+    llm = mtpjax.LLM(params, cfg, spec, warmup=False, **e2e.engine_kwargs(engine_args, a.batch))
+    sp = mtpjax.SamplingParams(max_tokens=a.new_tokens)
+    paths = {
+        "generate": lambda: mtpjax.generate(params, cfg, prompts, max_new_tokens=a.new_tokens,
+                                            spec=spec, page_size=e2e.PAGE_SIZE),
+        "engine": lambda: llm.generate(prompts, sp),
+    }
+    reports = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, run in paths.items():
+            run()                                           # compiles
+            with jax.profiler.trace(os.path.join(tmp, name)):
+                jax.block_until_ready(run() if name == "engine" else run().tokens)
+            reports.append(summarize(os.path.join(tmp, name), cfg.num_layers, name))
+    a_, b_ = (r["per_kernel_us"] for r in reports)
+    if a_ or b_:
+        print("kernels whose time per step differs most (generate vs engine, ms/step):")
+        for k in sorted(set(a_) | set(b_), key=lambda k: -abs(a_.get(k, 0) - b_.get(k, 0)))[:10]:
+            print(f"  {a_.get(k, 0) / 1e3:8.3f} {b_.get(k, 0) / 1e3:8.3f}  {k}")
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "step_profile.json"), "w") as f:
+            json.dump(reports, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""bench.step_profile: the trace summary on a synthetic device timeline, and the CLI on CPU."""
+
+import gzip
+import json
+
+from mtpjax.bench import step_profile
+
+
+def write_trace(folder, kernels, host=()):
+    """kernels: (name, start_us, dur_us) on one GPU stream; host: (name, start, dur)."""
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    events += [{"ph": "X", "pid": 1, "tid": 7, "name": n, "ts": t, "dur": d} for n, t, d in kernels]
+    events += [{"ph": "X", "pid": 2, "tid": 1, "name": n, "ts": t, "dur": d} for n, t, d in host]
+    (folder / "plugins").mkdir(parents=True)
+    with gzip.open(folder / "plugins" / "x.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_summary_counts_steps_busy_time_and_the_gap(tmp_path, capsys):
+    # 10 steps of 2 layers: per step gemm 30 us + paged_attn 10 us per layer, then a 200 us
+    # gap (filled by a host launch) before every step
+    kernels, host, t = [], [], 0.0
+    for _ in range(10):
+        host.append(("cuGraphLaunch", t + 5, 150))
+        t += 200
+        for _ in range(2):
+            kernels += [("gemm_fusion", t, 30.0), ("paged_attn_bq8", t + 30, 10.0)]
+            t += 40
+    write_trace(tmp_path, kernels, host)
+    r = step_profile.summarize(str(tmp_path), layers=2, name="generate")
+    out = capsys.readouterr().out
+    assert r["steps"] == 7                             # the decode window: the last 70%
+    assert abs(r["busy_ms_per_step"] - 0.080) < 1e-9
+    assert abs(r["per_kernel_us"]["gemm_fusion"] - 60.0) < 1e-9
+    assert "gap 200 us" in out and "cuGraphLaunch" in out
+
+
+def test_no_gpu_trace_says_so(tmp_path, capsys):
+    write_trace(tmp_path, [])
+    assert step_profile.summarize(str(tmp_path), layers=2, name="engine")["per_kernel_us"] == {}
+    assert "no device kernels" in capsys.readouterr().out
+
+
+def test_cli_runs_on_cpu(tmp_path):
+    assert step_profile.main(["--model-shape", "tiny", "--layers", "2", "--new-tokens", "4",
+                              "--k", "2", "--out", str(tmp_path)]) == 0
+    assert [r["name"] for r in json.loads((tmp_path / "step_profile.json").read_text())] == \
+        ["generate", "engine"]
