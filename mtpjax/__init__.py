@@ -10,10 +10,12 @@ __version__ = "0.1.0"
 
 from mtpjax.engine import BlockManager, Sequence  # noqa: E402
 from mtpjax.engine.llm import LLM, QueueFullError, RequestOutput, StreamEvent  # noqa: E402
+from mtpjax.engine.data_parallel import DataParallelLLM  # noqa: E402
 
 from mtpjax.speculative.adaptive import AdaptiveK  # noqa: E402
 
-__all__ += ["BlockManager", "Sequence", "LLM", "QueueFullError", "RequestOutput", "StreamEvent",
+__all__ += ["BlockManager", "Sequence", "LLM", "DataParallelLLM", "QueueFullError",
+            "RequestOutput", "StreamEvent",
             "AdaptiveK"]
 
 # `mtpjax.checkpoint.load_hf(...)` after a plain `import mtpjax` (torch / orbax load lazily there).

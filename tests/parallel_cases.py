@@ -167,6 +167,45 @@ def case_moe() -> dict:
             "n_layers_with_moe": 1 + cfg.num_mtp_layers}
 
 
+def case_data_parallel() -> dict:
+    """DataParallelLLM on 4 fake devices: outputs against one engine's (greedy rows, and a
+    sampled row with an explicit seed), where the requests ran, where each replica's params
+    and state live; and the errors for bad arguments."""
+    from mtpjax import DataParallelLLM
+    cfg, params = model("gqa")
+    prompts = [[3, 5, 7, 9, 11], [2, 4, 6], [1, 2, 3, 4, 5, 6, 7], [8, 9], [4, 4, 4, 4]]
+    sps = [SamplingParams(max_tokens=NEW, temperature=1.0, top_k=20, seed=7) if i == 1 else
+           SamplingParams(max_tokens=NEW) for i in range(len(prompts))]
+    kw = dict(num_pages=40, page_size=4, max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
+    out = {}
+    for mode in ("plain", "chain"):
+        ref = [o.token_ids for o in mtpjax.LLM(params, cfg, spec_of(mode), **kw).generate(
+            prompts, sps)]
+        for dp, tp in ((2, 1), (2, 2), (4, 1)):
+            llm = DataParallelLLM(params, cfg, spec_of(mode), data_parallel=dp,
+                                  tensor_parallel=tp, **kw)
+            got = [o.token_ids for o in llm.generate(prompts, sps)]
+            devices = [sorted({d.id for x in jax.tree.leaves((r.runner.params, r.runner.state))
+                               for d in x.devices()}) for r in llm.replicas]
+            out[f"{mode} {dp}x{tp}"] = {"equal": got == ref, "assign": llm.assign(prompts, sps),
+                                       "devices": devices}
+    errors = []
+    for bad in (dict(data_parallel=3, tensor_parallel=2), dict(data_parallel=0),
+                dict(data_parallel=2, mesh=None)):
+        try:
+            DataParallelLLM(params, cfg, **bad, **kw)
+        except ValueError as e:
+            errors.append(str(e))
+    llm = DataParallelLLM(params, cfg, data_parallel=2, **kw)
+    try:
+        llm.generate([[1, 2], [10 ** 6]])
+    except ValueError as e:
+        errors.append(str(e))
+    out["idle_after_bad_prompt"] = all(r.scheduler.is_finished() for r in llm.replicas)
+    out["errors"] = errors
+    return out
+
+
 def _ds_params_seed(cfg, seed):
     from test_deepseek import _ds_params
     return _ds_params(cfg, seed)
@@ -350,5 +389,6 @@ if __name__ == "__main__":
                               "train": case_train_mesh()},
               "process": lambda: case_process(int(sys.argv[2]), int(sys.argv[3])),
               "moe": case_moe,
+              "data_parallel": case_data_parallel,
               }[case]()
     print("RESULT " + json.dumps(result))

@@ -197,6 +197,29 @@ def test_engine_step_moe_collectives(moe_runs):
     assert moe_runs["step_routing"] == []
 
 
+# ---------------------------------------------------------------- data parallel engines
+
+
+def test_data_parallel_engines_equal_one_engine():
+    """DataParallelLLM (4 fake devices): replicas (2,1), (2,2), (4,1), plain and chain MTP, give
+    the single engine's outputs (greedy rows and a seeded sampled row); every replica gets
+    requests and lives on its own devices; bad arguments and prompts are refused cleanly."""
+    r = _cases(4, "data_parallel", timeout=900)
+    for mode in ("plain", "chain"):
+        for (dp, tp) in ((2, 1), (2, 2), (4, 1)):
+            run = r[f"{mode} {dp}x{tp}"]
+            assert run["equal"], (mode, dp, tp)
+            assert sorted(set(run["assign"])) == list(range(dp))
+            want = [list(range(k * tp, (k + 1) * tp)) for k in range(dp)]
+            assert run["devices"] == want, (mode, dp, tp)
+    e = r["errors"]
+    assert "needs 6 devices, but 4 are given" in e[0]
+    assert "data_parallel must be a positive int, got data_parallel=0" in e[1]
+    assert "pass devices=, not mesh=" in e[2]
+    assert "outside the vocabulary" in e[3]
+    assert r["idle_after_bad_prompt"]
+
+
 # ---------------------------------------------------------------- 2 fake devices
 
 
