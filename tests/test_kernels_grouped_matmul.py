@@ -92,3 +92,11 @@ def test_lowers_to_triton_for_cuda():
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     text = exp.mlir_module()
     assert "__gpu$xla.gpu.triton" in text and 'name = "grouped_matmul"' in text
+
+
+def test_default_column_blocks_fill_the_gpu_at_decode_and_stay_wide_at_prefill():
+    from pallas_kernels.grouped_matmul.grouped_matmul import default_block_n
+    assert default_block_n(6, 64, 1408, 16) == 32          # V2-Lite, one token: 7 tiles x 44
+    assert default_block_n(24576, 64, 1408, 128) == 128    # V2-Lite, 4096 tokens
+    assert default_block_n(8, 128, 2048, 16) == 32         # V3 slice, one token: 9 tiles x 64
+    assert 1408 % default_block_n(40, 64, 1408, 16) == 0

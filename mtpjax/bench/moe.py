@@ -84,10 +84,24 @@ experts_ragged = _routed(jax.lax.ragged_dot)
 experts_tiled = _routed(tiled_grouped_matmul)
 
 
-def experts_pallas(x, p, ids, w):
+def experts_pallas(x, p, ids, w, blocks=None):
+    """blocks: None (the kernel's defaults) or (block_m, block_n, block_k)."""
     from pallas_kernels.grouped_matmul import grouped_matmul
-    mm = functools.partial(grouped_matmul, interpret=jax.default_backend() != "gpu")
+    tuning = {} if blocks is None else dict(zip(("block_m", "block_n", "block_k"), blocks))
+    mm = functools.partial(grouped_matmul, interpret=jax.default_backend() != "gpu", **tuning)
     return _routed(mm)(x, p, ids, w)
+
+
+def pallas_variants(use) -> list:
+    """("pallas", fn) and one ("pallas:BM/BN/BK", fn) per such entry of `use`."""
+    out = [("pallas", experts_pallas)] if "pallas" in use else []
+    for v in use:
+        if v.startswith("pallas:"):
+            blocks = tuple(int(b) for b in v.split(":", 1)[1].split("/"))
+            if len(blocks) != 3:
+                raise ValueError(f"variant {v!r}: expected pallas:BLOCK_M/BLOCK_N/BLOCK_K")
+            out.append((v, functools.partial(experts_pallas, blocks=blocks)))
+    return out
 
 
 def experts_gather(x, p, ids, w):
@@ -156,12 +170,12 @@ def run(shape_names, token_counts, out_dir=None,
                        floor_bytes=nbytes)
             ref = None
             variants = [("ragged_dot", experts_ragged), ("tiled", experts_tiled),
-                        ("pallas", experts_pallas)]
+                        *pallas_variants(use)]
             if on_gpu or name == "tiny":
                 variants.append(("mgpu", experts_mgpu))
             if n <= 32:
                 variants.append(("gather", experts_gather))
-            variants = [v for v in variants if v[0] in use]
+            variants = [v for v in variants if v[0] in use or v[0].startswith("pallas:")]
             for vname, fn in variants:
                 try:
                     if vname == "mgpu" and not on_gpu:
@@ -187,17 +201,26 @@ def run(shape_names, token_counts, out_dir=None,
 
 
 def table(rows) -> str:
+    """One column per variant that ran (or failed) in any row, in the order first seen."""
+    names = []
+    for r in rows:
+        for key in r:
+            for suffix in ("_us", "_error"):
+                if key.endswith(suffix) and key != "floor_us":
+                    name = key[:-len(suffix)]
+                    if name not in names:
+                        names.append(name)
+
     def cell(r, v):
         if f"{v}_us" not in r:
             return "fail" if f"{v}_error" in r else "-"
         return f"{r[f'{v}_us']:.0f} ({r[f'{v}_x_floor']:.2f}x)"
-    lines = ["| shape | tokens | experts touched | floor us | ragged_dot us (x floor) | tiled | "
-             "pallas | mgpu | gather |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | tokens | experts touched | floor us | "
+             + " | ".join(f"{v} us (x floor)" for v in names) + " |",
+             "|---|---|---|---|" + "---|" * len(names)]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['tokens']} | {r['touched']} | {r['floor_us']:.0f} | "
-                     f"{cell(r, 'ragged_dot')} | {cell(r, 'tiled')} | {cell(r, 'pallas')} | "
-                     f"{cell(r, 'mgpu')} | "
-                     f"{cell(r, 'gather')} |")
+                     + " | ".join(cell(r, v) for v in names) + " |")
     return "\n".join(lines)
 
 

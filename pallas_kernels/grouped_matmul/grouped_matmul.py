@@ -9,7 +9,9 @@ the XLA tiled form (mtpjax/model/grouped_matmul.py) gathers one weight matrix pe
 this reads each touched expert's weights where they lie.
 
 Tuning: block_m (rows per tile; default the mean group size rounded up to a power of two in
-[16, 128]), block_n, block_k (must divide N and K), num_warps, num_stages.
+[16, 128]), block_n (default `default_block_n`: enough programs for every SM), block_k (must
+divide K; default 64), num_warps, num_stages. Defaults are a starting point, not yet tuned on
+a GPU (`python -m mtpjax.bench.moe --variants pallas,pallas:BM/BN/BK` sweeps them).
 """
 from __future__ import annotations
 
@@ -36,6 +38,21 @@ def _largest_block(dim: int, cap: int) -> int:
     while b >= 16 and dim % b:
         b //= 2
     return b if b >= 16 else 0
+
+
+TARGET_PROGRAMS = 264           # ~2 programs per SM of an H100 (132 SMs)
+
+
+def default_block_n(M: int, G: int, N: int, block_m: int) -> int:
+    """Column block: 128, halved (down to 16) while the tiles that hold rows (at most
+    ceil(M / block_m) + min(G, M)) times the column blocks give fewer than TARGET_PROGRAMS
+    programs: at decode sizes a few expert tiles must still spread over every SM, since each
+    program's share of the weight read is what the step waits for."""
+    tiles = -(-M // block_m) + min(G, M)
+    b = _largest_block(N, 128) or 128
+    while b > 16 and tiles * (N // b) < TARGET_PROGRAMS and N % (b // 2) == 0:
+        b //= 2
+    return b
 
 
 def tile_layout(sizes: jax.Array, M: int, block_m: int):
@@ -91,7 +108,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, block_m: int
     M, K = x.shape
     G, _, N = w.shape if w.ndim == 3 else (0, 0, 0)
     block_m = block_m or default_block_m(M, G)
-    block_n = block_n or _largest_block(N, 128) or 128
+    block_n = block_n or default_block_n(M, G, N, block_m)
     block_k = block_k or _largest_block(K, 64) or 64
     _check(x, w, sizes, block_m, block_n, block_k)
     dest, tile_group, Mp = tile_layout(sizes, M, block_m)
