@@ -98,5 +98,5 @@ def test_default_column_blocks_fill_the_gpu_at_decode_and_stay_wide_at_prefill()
     from pallas_kernels.grouped_matmul.grouped_matmul import default_block_n
     assert default_block_n(6, 64, 1408, 16) == 32          # V2-Lite, one token: 7 tiles x 44
     assert default_block_n(24576, 64, 1408, 128) == 128    # V2-Lite, 4096 tokens
-    assert default_block_n(8, 128, 2048, 16) == 32         # V3 slice, one token: 9 tiles x 64
+    assert default_block_n(8, 128, 2048, 16) == 64         # V3 slice, one token: 9 tiles x 32
     assert 1408 % default_block_n(40, 64, 1408, 16) == 0
