@@ -342,3 +342,22 @@ def test_bench_e2e_tensor_parallel_runs_on_a_mesh(tmp_path):
     from mtpjax.bench.e2e import parse_args
     with pytest.raises(SystemExit):
         parse_args(["--model-shape", "tiny", "--tensor-parallel", "0"])
+
+
+def test_bench_e2e_replicas_run_data_parallel_engines(tmp_path):
+    """`bench e2e --replicas 2` on 2 fake CPU devices: the engine rows run DataParallelLLM, each
+    replica a share of the batch (the batch column and floor are one replica's)."""
+    code = ("import sys; from mtpjax.cli import main; sys.exit(main(['bench', 'e2e', "
+            "'--model-shape', 'tiny', '--batch', '4', '--prompt-len', '4', '--new-tokens', '16', "
+            "'--k', '2', '--copy-mib', '4', '--repeats', '1', '--no-startup', '--rows', "
+            f"'engine plain,engine MTP', '--replicas', '2', '--out', {str(tmp_path)!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=_env(2), timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = {r["row"]: r for r in json.loads((tmp_path / "e2e.json").read_text())["rows"]}
+    assert set(rows) == {"engine plain x2 replicas", "engine MTP K=2 x2 replicas"}
+    for name, r in rows.items():
+        assert "error" not in r and r["batch"] == 2 and r["decode_tokens"] > 0, (name, r)
+    from mtpjax.bench.e2e import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--model-shape", "tiny", "--replicas", "0"])

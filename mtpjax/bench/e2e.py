@@ -47,7 +47,9 @@ read + written bytes / time, 10 chained copies per round, median of 5 rounds, in
 
 Several devices: `--tensor-parallel N` (and `--data-parallel M`) run every mtpjax row on a
 ("data", "model") mesh of M x N devices (`mtpjax.make_mesh`, docs/parallel.md); the floor
-columns stay single-device numbers (bytes / one device's copy bandwidth).
+columns stay single-device numbers (bytes / one device's copy bandwidth). `--replicas R` runs
+the engine rows as R independent engines (`mtpjax.DataParallelLLM`, each on --tensor-parallel
+devices) sharing the batch; their batch column and floor are one replica's share.
 
 Robustness: each row runs in its own try/except (a failing row or peer is reported, not fatal;
 the warm start and HF run in child processes with `--child-timeout`); progress lines go to
@@ -337,6 +339,16 @@ def engine_pass(llm, prompts, new_tokens: int) -> dict:
 
 def time_engine(params, cfg, spec, prompts, args) -> dict:
     import mtpjax
+    if args.replicas > 1:            # independent engines (DataParallelLLM): batch per replica
+        per = engine_kwargs(args, -(-len(prompts) // args.replicas))
+        llm = mtpjax.DataParallelLLM(params, cfg, spec, data_parallel=args.replicas,
+                                     tensor_parallel=args.tensor_parallel, warmup=False,
+                                     draft_vocab=draft_vocab_of(spec), **per)
+        engine_pass(llm, prompts, args.new_tokens)
+        passes = [engine_pass(llm, prompts, args.new_tokens) for _ in range(args.repeats)]
+        best = sorted(passes, key=lambda p: p["ms_per_step"])[len(passes) // 2]
+        best["runs_ms_per_step"] = [p["ms_per_step"] for p in passes]
+        return best
     llm = mtpjax.LLM(params, cfg, spec, warmup=False, mesh=mesh_of(args),
                      fuse_projections=args.fuse_projections,
                      draft_vocab=draft_vocab_of(spec), **engine_kwargs(args, len(prompts)))
@@ -514,6 +526,9 @@ def parse_args(argv):
     ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="also run the MTP rows with drafts from N of the V token ids "
                          "(SpecConfig.draft_vocab_size; the draft passes read N lm_head columns)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="engine rows: that many independent engines (mtpjax.DataParallelLLM, "
+                         "each on --tensor-parallel devices), the batch split between them")
     ap.add_argument("--fuse-projections", action="store_true",
                     help="generate and engine rows with q/k/v and gate/up fused at load "
                          "(model/fused.py; one device)")
@@ -547,7 +562,7 @@ def parse_args(argv):
     unknown = args.row_set - set(ROWS)
     if unknown:
         ap.error(f"unknown rows {sorted(unknown)}; choose from {ROWS}")
-    for name in ("tensor_parallel", "data_parallel"):
+    for name in ("tensor_parallel", "data_parallel", "replicas"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -682,8 +697,9 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
         if args.warm_start:
             attempt("start-up warm (2nd process)", top,
                     lambda: _warm_row(args, top, cache_dir))
+    reps = f" x{args.replicas} replicas" if args.replicas > 1 else ""
     names = {"generate plain": "generate plain", "generate MTP": f"generate MTP K={K}",
-             "engine plain": "engine plain", "engine MTP": f"engine MTP K={K}"}
+             "engine plain": f"engine plain{reps}", "engine MTP": f"engine MTP K={K}{reps}"}
     N = args.draft_vocab
     spec_dv = dataclasses.replace(spec, draft_vocab_size=N) if N else None
     for batch in args.batches:
@@ -693,7 +709,9 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
                 continue
             mtp = key.endswith("MTP")
             fn = time_generate if key.startswith("generate") else time_engine
-            attempt(name, batch, lambda: fn(params, cfg, spec if mtp else None, prompts, args),
+            # a replica's step carries its share of the batch: its floor is that batch's
+            fb = -(-batch // args.replicas) if key.startswith("engine") else batch
+            attempt(name, fb, lambda: fn(params, cfg, spec if mtp else None, prompts, args),
                     K if mtp else 0)
             if mtp and spec_dv is not None:
                 attempt(f"{name} draft vocab {N}", batch,

@@ -52,6 +52,15 @@ class DataParallelLLM:
             for r in range(data_parallel)]
         self.cfg, self.spec = cfg, spec
 
+    @property
+    def num_steps(self) -> int:
+        """Steps of the busiest replica (replicas step side by side)."""
+        return max(r.num_steps for r in self.replicas)
+
+    def flush(self) -> None:
+        for r in self.replicas:
+            r.flush()
+
     def assign(self, prompts, sampling: list[SamplingParams]) -> list[int]:
         """Replica of each request: the least loaded by prompt + max new tokens, in order."""
         load = [0] * len(self.replicas)
