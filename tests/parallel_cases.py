@@ -189,7 +189,33 @@ def case_data_parallel() -> dict:
                                for d in x.devices()}) for r in llm.replicas]
             out[f"{mode} {dp}x{tp}"] = {"equal": got == ref, "assign": llm.assign(prompts, sps),
                                        "devices": devices}
+    # online: add_request / step / abort, on 2 replicas (chain MTP)
+    ref = [o.token_ids for o in mtpjax.LLM(params, cfg, spec_of("chain"), **kw).generate(
+        prompts, sps)]
+    llm = DataParallelLLM(params, cfg, spec_of("chain"), data_parallel=2, **kw)
+    seqs = [llm.add_request(p, sp) for p, sp in zip(prompts, sps)]
+    placed = sorted({llm._replica_of[id(q)] for q in seqs})
+    got = {id(q): [] for q in seqs}
+    finished = []
+    victim, aborted = llm.add_request([5, 6, 7], SamplingParams(max_tokens=50)), None
+    steps = 0
+    while llm.has_unfinished_requests():
+        for seq, new in llm.step():
+            if seq is not victim:
+                got[id(seq)] += new
+                finished += [seq] if seq.is_finished else []
+        steps += 1
+        if steps == 2:
+            aborted = llm.abort(victim).finish_reason
+    out["online"] = {"equal": [got[id(q)] for q in seqs] == ref,
+                     "replicas": placed,
+                     "finished_once": len(finished) == len(seqs) == len(set(map(id, finished))),
+                     "aborted": aborted}
     errors = []
+    try:
+        llm.get_output(seqs[0])                       # finished and forgotten
+    except ValueError as e:
+        errors.append(str(e))
     for bad in (dict(data_parallel=3, tensor_parallel=2), dict(data_parallel=0),
                 dict(data_parallel=2, mesh=None)):
         try:

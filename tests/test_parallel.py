@@ -212,11 +212,15 @@ def test_data_parallel_engines_equal_one_engine():
             assert sorted(set(run["assign"])) == list(range(dp))
             want = [list(range(k * tp, (k + 1) * tp)) for k in range(dp)]
             assert run["devices"] == want, (mode, dp, tp)
+    online = r["online"]                 # add_request / step / abort on 2 replicas
+    assert online["equal"] and online["finished_once"] and online["aborted"] == "abort"
+    assert online["replicas"] == [0, 1]
     e = r["errors"]
-    assert "needs 6 devices, but 4 are given" in e[0]
-    assert "data_parallel must be a positive int, got data_parallel=0" in e[1]
-    assert "pass devices=, not mesh=" in e[2]
-    assert "outside the vocabulary" in e[3]
+    assert "is not a request this DataParallelLLM holds" in e[0]
+    assert "needs 6 devices, but 4 are given" in e[1]
+    assert "data_parallel must be a positive int, got data_parallel=0" in e[2]
+    assert "pass devices=, not mesh=" in e[3]
+    assert "outside the vocabulary" in e[4]
     assert r["idle_after_bad_prompt"]
 
 

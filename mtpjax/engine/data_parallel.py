@@ -11,6 +11,11 @@ tokens assigned so far in that call (ties: the lowest replica), and all replicas
 from one host thread in turn: a step is dispatched asynchronously (async scheduling), so while
 the host packs and reads back replica r, the other replicas' devices run their steps.
 
+Batch use: `generate` / `generate_stream` (requests assigned per call, by prompt + max new
+tokens). Online use: `add_request` (to the replica with the fewest unfinished requests), `step`
+(every replica with work, in turn), `abort`, `get_output` — as `LLM`'s, with Sequences as
+handles since request ids are per replica. One process: replicas use its local devices.
+
 Outputs equal a single engine's for greedy requests and for sampled ones with an explicit
 `SamplingParams(seed=...)` (a request's key depends only on its seed); a sampled request without
 a seed gets a key from its replica's seed and request id, as in any engine.
@@ -40,7 +45,7 @@ class DataParallelLLM:
         if "mesh" in llm_kwargs:
             raise ValueError("DataParallelLLM places its replicas itself: pass devices=, not "
                              "mesh=")
-        devices = list(jax.devices() if devices is None else devices)
+        devices = list(jax.local_devices() if devices is None else devices)
         need = data_parallel * tensor_parallel
         if need > len(devices):
             raise ValueError(f"data_parallel={data_parallel} x tensor_parallel={tensor_parallel} "
@@ -51,7 +56,57 @@ class DataParallelLLM:
                 devices=devices[r * tensor_parallel:(r + 1) * tensor_parallel]), **llm_kwargs)
             for r in range(data_parallel)]
         self.cfg, self.spec = cfg, spec
+        self._held: list[list] = [[] for _ in self.replicas]    # add_request's open requests
+        self._replica_of: dict[int, int] = {}                    # id(Sequence) -> replica
 
+    # ---- online use: one request at a time (a server's loop) -----------------------------------
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None):
+        """Queues one request on the replica with the fewest unfinished requests (ties: the
+        lowest) and returns its Sequence (ids are per replica: pass the Sequence itself to
+        abort / get_output). Errors as `LLM.add_request`; nothing changes on error."""
+        r = min(range(len(self.replicas)),
+                key=lambda i: (sum(not q.is_finished for q in self._held[i]), i))
+        seq = self.replicas[r].add_request(prompt, sampling_params)
+        self._held[r].append(seq)
+        self._replica_of[id(seq)] = r
+        return seq
+
+    def step(self) -> list:
+        """One step of every replica that holds requests; (Sequence, new tokens) pairs as
+        `LLM.step` (a finished Sequence appears once, then is forgotten here too)."""
+        out = []
+        for r, replica in enumerate(self.replicas):
+            if self._held[r]:
+                out += replica.step()
+        for seq, _ in out:
+            if seq.is_finished:
+                self._forget(seq)
+        return out
+
+    def abort(self, seq) -> RequestOutput:
+        out = self._replica(seq).abort(seq)
+        self._forget(seq)
+        return out
+
+    def get_output(self, seq) -> RequestOutput:
+        return self._replica(seq).get_output(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(self._held)
+
+    def _replica(self, seq) -> LLM:
+        r = self._replica_of.get(id(seq))
+        if r is None:
+            raise ValueError(f"{seq!r} is not a request this DataParallelLLM holds (pass the "
+                             "Sequence add_request returned; ids are per replica)")
+        return self.replicas[r]
+
+    def _forget(self, seq) -> None:
+        r = self._replica_of.pop(id(seq), None)
+        if r is not None:
+            self._held[r] = [q for q in self._held[r] if q is not seq]
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
     @property
     def num_steps(self) -> int:
         """Steps of the busiest replica (replicas step side by side)."""
