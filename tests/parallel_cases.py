@@ -229,6 +229,15 @@ def case_data_parallel() -> dict:
         errors.append(str(e))
     out["idle_after_bad_prompt"] = all(r.scheduler.is_finished() for r in llm.replicas)
     out["errors"] = errors
+    # from_pretrained: an Orbax folder read once, two replicas
+    import tempfile
+    from mtpjax.checkpoint import save
+    with tempfile.TemporaryDirectory() as tmp:
+        save(os.path.join(tmp, "orbax"), params, cfg)
+        llm = DataParallelLLM.from_pretrained(os.path.join(tmp, "orbax"), data_parallel=2, **kw)
+        greedy = [SamplingParams(max_tokens=NEW)] * len(prompts)
+        want = [o.token_ids for o in mtpjax.LLM(params, cfg, **kw).generate(prompts, greedy)]
+        out["from_pretrained_equal"] = [o.token_ids for o in llm.generate(prompts, greedy)] == want
     return out
 
 

@@ -222,6 +222,7 @@ def test_data_parallel_engines_equal_one_engine():
     assert "pass devices=, not mesh=" in e[3]
     assert "outside the vocabulary" in e[4]
     assert r["idle_after_bad_prompt"]
+    assert r["from_pretrained_equal"]
 
 
 # ---------------------------------------------------------------- 2 fake devices

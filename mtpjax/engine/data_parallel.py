@@ -29,7 +29,7 @@ from typing import Iterator
 import jax
 
 from mtpjax.config import SamplingParams
-from mtpjax.engine.llm import LLM, RequestOutput, StreamEvent, _prompt_list
+from mtpjax.engine.llm import LLM, RequestOutput, StreamEvent, _prompt_list, load_for_engine
 from mtpjax.parallel.mesh import make_mesh
 from mtpjax.sampling import as_sampling_list
 
@@ -58,6 +58,16 @@ class DataParallelLLM:
         self.cfg, self.spec = cfg, spec
         self._held: list[list] = [[] for _ in self.replicas]    # add_request's open requests
         self._replica_of: dict[int, int] = {}                    # id(Sequence) -> replica
+
+    @classmethod
+    def from_pretrained(cls, path: str, spec=None, *, data_parallel: int,
+                        tensor_parallel: int = 1, dtype=None, devices=None,
+                        **llm_kwargs) -> "DataParallelLLM":
+        """Replicas over a Hugging Face or Orbax folder, read once (as `LLM.from_pretrained`:
+        the folder's tokenizer, eos id and draft vocabulary unless given)."""
+        params, cfg, llm_kwargs = load_for_engine(path, spec, dtype, None, llm_kwargs)
+        return cls(params, cfg, spec, data_parallel=data_parallel,
+                   tensor_parallel=tensor_parallel, devices=devices, **llm_kwargs)
 
     # ---- online use: one request at a time (a server's loop) -----------------------------------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None):

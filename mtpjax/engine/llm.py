@@ -798,15 +798,23 @@ class LLM:
         tokenizer and eos id unless given, and, for `SpecConfig(draft_vocab_size=N)`, the
         folder's draft_vocab.json (ranked ids; the first N) unless `draft_vocab` is given;
         `llm_kwargs` as for `LLM(...)` (num_pages, ...)."""
-        from mtpjax.checkpoint import load_pretrained
-        from mtpjax.speculative.draft_vocab import load_ranked_ids
-        ckpt = load_pretrained(path, dtype, spec=spec, mesh=mesh)
-        llm_kwargs.setdefault("tokenizer", ckpt.tokenizer)
-        llm_kwargs.setdefault("eos_token_id", ckpt.eos_token_id)
-        if spec is not None and spec.draft_vocab_size is not None \
-                and llm_kwargs.get("draft_vocab") is None:
-            llm_kwargs["draft_vocab"] = load_ranked_ids(path)
-        return cls(ckpt.params, ckpt.cfg, spec, mesh=mesh, **llm_kwargs)
+        params, cfg, llm_kwargs = load_for_engine(path, spec, dtype, mesh, llm_kwargs)
+        return cls(params, cfg, spec, mesh=mesh, **llm_kwargs)
+
+
+def load_for_engine(path: str, spec, dtype, mesh, llm_kwargs: dict):
+    """(params, cfg, llm_kwargs with the folder's tokenizer, eos id and — for
+    `SpecConfig(draft_vocab_size=N)` — draft_vocab.json unless given): `from_pretrained`'s load."""
+    from mtpjax.checkpoint import load_pretrained
+    from mtpjax.speculative.draft_vocab import load_ranked_ids
+    ckpt = load_pretrained(path, dtype, spec=spec, mesh=mesh)
+    llm_kwargs = dict(llm_kwargs)
+    llm_kwargs.setdefault("tokenizer", ckpt.tokenizer)
+    llm_kwargs.setdefault("eos_token_id", ckpt.eos_token_id)
+    if spec is not None and spec.draft_vocab_size is not None \
+            and llm_kwargs.get("draft_vocab") is None:
+        llm_kwargs["draft_vocab"] = load_ranked_ids(path)
+    return ckpt.params, ckpt.cfg, llm_kwargs
 
 
 _FROZEN = False
