@@ -273,7 +273,6 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
         raise ValueError(f"fuse_projections must be a bool, got {fuse_projections!r}")
     if fuse_projections:
         check_fusable(mesh)
-        params = fuse(params, cfg)
     enable_compilation_cache()
     prompts = validate_prompts(prompts, cfg)
     sps = as_sampling_list(sampling, len(prompts))
@@ -304,6 +303,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
             mesh, cfg, params, lambda: SlotState.create(
                 cfg, spec, init_cache(cfg, num_pages, page_size, dtype), B, dtype),
             (batch, sp_arrays, limits, forced))
+    if fuse_projections:            # after placement: the table describes the unfused tree
+        params = fuse(params, cfg)
     params = attach_draft_vocab(params, vocab_ids, mesh)
     state = _prefill(params, cfg, spec, slots, batch, limits, forced,
                      first_pass_len=F, max_new=max(max_new), backend=backend,

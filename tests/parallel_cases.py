@@ -229,6 +229,15 @@ def case_data_parallel() -> dict:
         errors.append(str(e))
     out["idle_after_bad_prompt"] = all(r.scheduler.is_finished() for r in llm.replicas)
     out["errors"] = errors
+    # fused projections on size-1 meshes (replicas) and in generate on a non-default device
+    greedy = [SamplingParams(max_tokens=NEW)] * len(prompts)
+    want = [o.token_ids for o in mtpjax.LLM(params, cfg, **kw).generate(prompts, greedy)]
+    fused = DataParallelLLM(params, cfg, data_parallel=2, fuse_projections=True, **kw)
+    one = mtpjax.make_mesh(devices=[jax.devices()[3]])
+    out["fused_equal"] = (
+        [o.token_ids for o in fused.generate(prompts, greedy)] == want
+        and mtpjax.generate(params, cfg, prompts, max_new_tokens=NEW, mesh=one, page_size=4,
+                            fuse_projections=True).tokens == want)
     # from_pretrained: an Orbax folder read once, two replicas
     import tempfile
     from mtpjax.checkpoint import save

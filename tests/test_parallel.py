@@ -223,6 +223,7 @@ def test_data_parallel_engines_equal_one_engine():
     assert "outside the vocabulary" in e[4]
     assert r["idle_after_bad_prompt"]
     assert r["from_pretrained_equal"]
+    assert r["fused_equal"]                  # fuse_projections on size-1 meshes
 
 
 # ---------------------------------------------------------------- 2 fake devices

@@ -260,10 +260,9 @@ class LLM:
                              f"executable_cache={executable_cache!r}")
         check_params(params, cfg)
         if fuse_projections:
-            from mtpjax.model.fused import check_fusable, fuse_projections as fuse
+            from mtpjax.model.fused import check_fusable
             from mtpjax.parallel import check_mesh
             check_fusable(check_mesh(mesh))
-            params = fuse(params, cfg)
         vocab_ids = draft_vocab_ids(cfg, spec, draft_vocab)
         enable_compilation_cache()
         store = (ExecutableStore.default() if executable_cache is None else
@@ -290,6 +289,7 @@ class LLM:
                                   max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks,
                                   seed=seed, attention_impl=attention_impl,
                                   max_logprobs=max_logprobs, mesh=mesh, draft_vocab=vocab_ids,
+                                  fuse_projections=fuse_projections,
                                   executable_store=store)
         self.max_logprobs = max_logprobs
         self.adaptive_k = adaptive_k

@@ -12,7 +12,9 @@ off); here it happens once.
 `wqkv` (and `bqkv` with biases) in place of wq/wk/wv (bq/bk/bv), every dense SwiGLU `w_gate_up`
 in place of w_gate/w_up; everything else is shared with the input. The model's projections read
 either layout (`gqa.qkv_projection`, `dense_ffn.DenseFFN`). One device only: on a mesh the
-table splits wq by head and wk/wv by KV head, which a concatenated matrix cannot follow.
+table splits wq by head and wk/wv by KV head, which a concatenated matrix cannot follow; the
+engine and `generate` fuse after placing the params (the sharding table describes the unfused
+tree), so a one-device mesh works.
 Memory: the fused matrices are new arrays; the caller's q/k/v and gate/up stay alive as long as
 the caller holds them (`LLM.from_pretrained` holds nothing else).
 """
