@@ -1,6 +1,7 @@
 """`mtpjax` command line.
 
     mtpjax generate [--model DIR | --random] [--prompt TEXT | --prompt-ids 1,2,3 ...] [options]
+                    [--tensor-parallel N] [--replicas R] [--fuse-projections]
     mtpjax convert HF_DIR OUT_DIR [--dtype bfloat16]    Hugging Face folder -> Orbax folder
     mtpjax convert ORBAX_DIR OUT_DIR --to hf           and back (safetensors, config, tokenizer)
     mtpjax bench engine [options]       engine steps/s vs the bare jitted step (host overhead)
@@ -47,6 +48,13 @@ def _model_args(p: argparse.ArgumentParser):
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention", choices=["auto", "reference", "pallas"], default="auto")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel", type=int, default=1,
+                   help="devices per engine (heads / experts split over them)")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="independent engines (mtpjax.DataParallelLLM), each on --tensor-parallel "
+                        "devices")
+    g.add_argument("--fuse-projections", action="store_true",
+                   help="q/k/v and gate/up weights concatenated once at load (one device)")
 
 
 def _build(args):
@@ -74,12 +82,17 @@ def _build(args):
         spec = mtpjax.SpecConfig(num_speculative_tokens=K, method=args.method,
                                  acceptance=args.acceptance,
                                  synthetic_accept_rate=args.synthetic_accept_rate)
-    llm = mtpjax.LLM(params, cfg, spec, num_pages=args.num_pages, page_size=args.page_size,
-                     max_num_seqs=args.max_num_seqs,
-                     max_num_batched_tokens=args.max_num_batched_tokens,
-                     enable_prefix_caching=not args.no_prefix_caching, tokenizer=tokenizer,
-                     eos_token_id=eos_token_id, attention_impl=args.attention, seed=args.seed)
-    return cfg, llm
+    kw = dict(num_pages=args.num_pages, page_size=args.page_size,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=not args.no_prefix_caching, tokenizer=tokenizer,
+              eos_token_id=eos_token_id, attention_impl=args.attention, seed=args.seed,
+              fuse_projections=args.fuse_projections)
+    if args.replicas > 1:
+        return cfg, mtpjax.DataParallelLLM(params, cfg, spec, data_parallel=args.replicas,
+                                           tensor_parallel=args.tensor_parallel, **kw)
+    mesh = mtpjax.make_mesh(tensor_parallel=args.tensor_parallel) \
+        if args.tensor_parallel > 1 else None
+    return cfg, mtpjax.LLM(params, cfg, spec, mesh=mesh, **kw)
 
 
 def _prompts(args, cfg):

@@ -14,6 +14,16 @@ def test_generate_random_model_prints_outputs_and_acceptance(capsys):
     assert "acceptance rate" in out and "mean acceptance length" in out
 
 
+def test_generate_fused_projections_gives_the_same_tokens(capsys):
+    args = ["generate", "--random", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
+            "--max-tokens", "6", "--num-pages", "32", "--max-num-seqs", "2"]
+    main(args)
+    plain = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[")]
+    main(args + ["--fuse-projections"])
+    fused = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[")]
+    assert len(plain) == 2 and fused == plain
+
+
 def test_bad_prompt_is_a_clear_error(capsys):
     rc = main(["generate", "--random", "--prompt-ids", "1,2,5000", "--num-pages", "32"])
     assert rc == 2

@@ -367,3 +367,21 @@ def test_bench_e2e_replicas_run_data_parallel_engines(tmp_path):
     from mtpjax.bench.e2e import parse_args
     with pytest.raises(SystemExit):
         parse_args(["--model-shape", "tiny", "--replicas", "0"])
+
+
+def test_cli_generate_replicas_and_tensor_parallel():
+    """`mtpjax generate --replicas 2 --tensor-parallel 2` on 4 fake devices: the tokens of the
+    one-device command."""
+    args = ["generate", "--random", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
+            "--prompt-ids", "6,7,8,9", "--max-tokens", "6", "--num-pages", "32",
+            "--max-num-seqs", "2", "-k", "2"]
+    outs = []
+    for extra in ([], ["--replicas", "2", "--tensor-parallel", "2"]):
+        code = f"import sys; from mtpjax.cli import main; sys.exit(main({args + extra!r}))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=_env(4), timeout=900)
+        assert out.returncode == 0, out.stderr[-4000:]
+        outs.append([ln for ln in out.stdout.splitlines() if ln.startswith("[")])
+    assert len(outs[0]) == 3
+    # request ids are per replica; the tokens (after the id) must match prompt by prompt
+    assert [ln.split("] ", 1)[1] for ln in outs[1]] == [ln.split("] ", 1)[1] for ln in outs[0]]

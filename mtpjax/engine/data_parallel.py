@@ -29,7 +29,8 @@ from typing import Iterator
 import jax
 
 from mtpjax.config import SamplingParams
-from mtpjax.engine.llm import LLM, RequestOutput, StreamEvent, _prompt_list, load_for_engine
+from mtpjax.engine.llm import (LLM, RequestOutput, StreamEvent, _Progress, _prompt_list,
+                               load_for_engine)
 from mtpjax.parallel.mesh import make_mesh
 from mtpjax.sampling import as_sampling_list
 
@@ -122,6 +123,10 @@ class DataParallelLLM:
         """Steps of the busiest replica (replicas step side by side)."""
         return max(r.num_steps for r in self.replicas)
 
+    @property
+    def num_preemptions(self) -> int:
+        return sum(r.num_preemptions for r in self.replicas)
+
     def flush(self) -> None:
         for r in self.replicas:
             r.flush()
@@ -162,12 +167,18 @@ class DataParallelLLM:
                     yield StreamEvent(index[k][ev.request_index], ev.new_token_ids, ev.finished,
                                       ev.output, ev.request_id)
 
-    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, *, progress: bool = False
+                 ) -> list[RequestOutput]:
         """Outputs in prompt order (as `LLM.generate`)."""
         prompts = _prompt_list(prompts)
         outputs: list = [None] * len(prompts)
+        bar = _Progress(len(prompts)) if progress else None
         with contextlib.closing(self.generate_stream(prompts, sampling_params)) as events:
             for ev in events:
                 if ev.finished:
                     outputs[ev.request_index] = ev.output
+                    if bar:
+                        bar.update(ev.output)
+        if bar:
+            bar.close()
         return outputs
