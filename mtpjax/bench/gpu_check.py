@@ -1,11 +1,16 @@
 """GPU smoke check (not a test): Pallas and reference attention give the same greedy tokens,
 through `generate` (uniform batches) and the engine (ragged batches), with float32 params, for a
 GQA model (the paged / ragged kernels) and a DeepSeek-style MLA + MoE model (the MLA kernel).
+A second table runs the opt-in paths against the same reference tokens: fused projections
+(GQA) and the MoE layer on the Pallas grouped-matmul kernel and on the XLA tiled form (MLA +
+MoE), each through `generate` and the engine.
 
     python -m mtpjax.bench.gpu_check
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,18 +35,68 @@ def main():
                              num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
                              first_k_dense_replace=1, n_group=4, topk_group=2,
                              routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=1)
-    rows = []
+    rows, opt_in = [], []
     for name, c in (("gqa", cfg), ("mla", mla)):
         rows += check(name, c)
+        opt_in += check_opt_in(name, c, attention_impl="pallas")
     print("| model | method | K | generate pallas == reference | engine pallas == reference | of |")
     for r in rows:
         print("| " + " | ".join(map(str, r)) + " |")
+    print("\n| model | opt-in path | generate == reference | engine == reference | of |")
+    for r in opt_in:
+        print("| " + " | ".join(map(str, r)) + " |")
+
+
+OPT_IN = {   # model -> (label, environment, generate/LLM keyword arguments)
+    "gqa": [("fuse_projections=True", {}, {"fuse_projections": True})],
+    "mla": [("MoE on the Pallas grouped matmul", {"MTPJAX_MOE_MATMUL": "pallas"}, {}),
+            ("MoE on the XLA tiled form", {"MTPJAX_MOE_MATMUL": "tiled"}, {})],
+}
+
+
+def _model_inputs(cfg, num_prompts=8):
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(0), jnp.float32, std=0.05)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist()
+               for n in rng.integers(5, 120, num_prompts)]
+    return params, prompts
+
+
+def check_opt_in(name, cfg, attention_impl="pallas", max_new=24, num_prompts=8):
+    """Each opt-in path of `OPT_IN[name]` against reference tokens (reference attention, default
+    paths), chain K=3, through generate and the engine. Rows (model, label, generate matches,
+    engine matches, prompts)."""
+    params, prompts = _model_inputs(cfg, num_prompts)
+    spec = mtpjax.SpecConfig(num_speculative_tokens=3)
+    ref = mtpjax.generate(params, cfg, prompts, max_new_tokens=max_new, spec=spec,
+                          attention_impl="reference").tokens
+    same = lambda a, b: sum(x == y for x, y in zip(a, b))  # noqa: E731
+    rows = []
+    for label, env, kw in OPT_IN[name]:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        jax.clear_caches()           # the MoE path is read at trace time: trace again
+        try:
+            gen = mtpjax.generate(params, cfg, prompts, max_new_tokens=max_new, spec=spec,
+                                  attention_impl=attention_impl, **kw).tokens
+            llm = mtpjax.LLM(params, cfg, spec, num_pages=1024, page_size=16, max_num_seqs=8,
+                             max_num_batched_tokens=256, attention_impl=attention_impl,
+                             warmup=False, **kw)
+            eng = [o.token_ids for o in llm.generate(
+                prompts, mtpjax.SamplingParams(max_tokens=max_new))]
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            jax.clear_caches()
+        rows.append((name, label, same(ref, gen), same(ref, eng), len(prompts)))
+    return rows
 
 
 def check(name, cfg):
-    params = mtpjax.init_params(cfg, jax.random.PRNGKey(0), jnp.float32, std=0.05)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(5, 120, 8)]
+    params, prompts = _model_inputs(cfg)
     rows = []
     for method, K in (("chain", 3),):
         spec = mtpjax.SpecConfig(num_speculative_tokens=K, method=method)
