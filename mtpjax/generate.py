@@ -20,8 +20,7 @@ from mtpjax.cache import init_cache
 from mtpjax.compilation_cache import enable_compilation_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.model.backend import resolve_backend
-from mtpjax.model.fused import check_fusable
-from mtpjax.model.fused import fuse_projections as fuse
+from mtpjax.model.fused import check_fusable, fuse_projections as fuse
 from mtpjax.parallel import check_mesh, sharded_inputs, to_host
 from mtpjax.parallel.sharding import pin
 from mtpjax.sampling import Limits, SamplingArrays, as_sampling_list, is_stop, stop_id_array

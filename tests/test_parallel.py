@@ -45,6 +45,15 @@ slow = pytest.mark.skipif(os.environ.get("MTPJAX_SLOW_TESTS") != "1",
                           reason="multi-device model runs: set MTPJAX_SLOW_TESTS=1")
 
 
+def _cli(argv: list[str], devices: int, timeout: int = 900):
+    """`mtpjax <argv>` in a subprocess with that many fake devices; asserts it exits 0."""
+    code = f"import sys; from mtpjax.cli import main; sys.exit(main({argv!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=_env(devices), timeout=timeout)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
 def _cases(devices: int, *args, timeout: int = 1200):
     out = subprocess.run([sys.executable, os.path.join(HERE, "parallel_cases.py"), *map(str, args)],
                          capture_output=True, text=True, env=_env(devices), timeout=timeout)
@@ -328,13 +337,10 @@ def test_two_processes_give_the_tokens_of_one(two_devices):
 def test_bench_e2e_tensor_parallel_runs_on_a_mesh(tmp_path):
     """`mtpjax bench e2e --tensor-parallel 2` on 2 fake CPU devices, tiny shape: the MTP rows
     run on the (1, 2) mesh and give finite numbers; a bad size is refused by name."""
-    code = ("import sys; from mtpjax.cli import main; sys.exit(main(['bench', 'e2e', "
-            "'--model-shape', 'tiny', '--batch', '2', '--prompt-len', '4', '--new-tokens', '8', "
-            "'--k', '2', '--copy-mib', '4', '--repeats', '1', '--no-startup', '--rows', "
-            f"'generate MTP,engine MTP', '--tensor-parallel', '2', '--out', {str(tmp_path)!r}]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=_env(2), timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
+    out = _cli(["bench", "e2e", "--model-shape", "tiny", "--batch", "2", "--prompt-len", "4",
+                "--new-tokens", "8", "--k", "2", "--copy-mib", "4", "--repeats", "1",
+                "--no-startup", "--rows", "generate MTP,engine MTP", "--tensor-parallel", "2",
+                "--out", str(tmp_path)], devices=2)
     assert "mesh data=1 x model=2 of 2 devices" in out.stdout
     saved = json.loads((tmp_path / "e2e.json").read_text())
     assert saved["mesh"] == {"data": 1, "model": 2}
@@ -353,13 +359,10 @@ def test_bench_e2e_tensor_parallel_runs_on_a_mesh(tmp_path):
 def test_bench_e2e_replicas_run_data_parallel_engines(tmp_path):
     """`bench e2e --replicas 2` on 2 fake CPU devices: the engine rows run DataParallelLLM, each
     replica a share of the batch (the batch column and floor are one replica's)."""
-    code = ("import sys; from mtpjax.cli import main; sys.exit(main(['bench', 'e2e', "
-            "'--model-shape', 'tiny', '--batch', '4', '--prompt-len', '4', '--new-tokens', '16', "
-            "'--k', '2', '--copy-mib', '4', '--repeats', '1', '--no-startup', '--rows', "
-            f"'engine plain,engine MTP', '--replicas', '2', '--out', {str(tmp_path)!r}]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=_env(2), timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
+    _cli(["bench", "e2e", "--model-shape", "tiny", "--batch", "4", "--prompt-len", "4",
+          "--new-tokens", "16", "--k", "2", "--copy-mib", "4", "--repeats", "1", "--no-startup",
+          "--rows", "engine plain,engine MTP", "--replicas", "2", "--out", str(tmp_path)],
+         devices=2)
     rows = {r["row"]: r for r in json.loads((tmp_path / "e2e.json").read_text())["rows"]}
     assert set(rows) == {"engine plain x2 replicas", "engine MTP K=2 x2 replicas"}
     for name, r in rows.items():
@@ -377,10 +380,7 @@ def test_cli_generate_replicas_and_tensor_parallel():
             "--max-num-seqs", "2", "-k", "2"]
     outs = []
     for extra in ([], ["--replicas", "2", "--tensor-parallel", "2"]):
-        code = f"import sys; from mtpjax.cli import main; sys.exit(main({args + extra!r}))"
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env=_env(4), timeout=900)
-        assert out.returncode == 0, out.stderr[-4000:]
+        out = _cli(args + extra, devices=4)
         outs.append([ln for ln in out.stdout.splitlines() if ln.startswith("[")])
     assert len(outs[0]) == 3
     # request ids are per replica; the tokens (after the id) must match prompt by prompt

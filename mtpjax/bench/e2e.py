@@ -339,19 +339,15 @@ def engine_pass(llm, prompts, new_tokens: int) -> dict:
 
 def time_engine(params, cfg, spec, prompts, args) -> dict:
     import mtpjax
+    common = dict(warmup=False, fuse_projections=args.fuse_projections,
+                  draft_vocab=draft_vocab_of(spec))
     if args.replicas > 1:            # independent engines (DataParallelLLM): batch per replica
-        per = engine_kwargs(args, -(-len(prompts) // args.replicas))
         llm = mtpjax.DataParallelLLM(params, cfg, spec, data_parallel=args.replicas,
-                                     tensor_parallel=args.tensor_parallel, warmup=False,
-                                     draft_vocab=draft_vocab_of(spec), **per)
-        engine_pass(llm, prompts, args.new_tokens)
-        passes = [engine_pass(llm, prompts, args.new_tokens) for _ in range(args.repeats)]
-        best = sorted(passes, key=lambda p: p["ms_per_step"])[len(passes) // 2]
-        best["runs_ms_per_step"] = [p["ms_per_step"] for p in passes]
-        return best
-    llm = mtpjax.LLM(params, cfg, spec, warmup=False, mesh=mesh_of(args),
-                     fuse_projections=args.fuse_projections,
-                     draft_vocab=draft_vocab_of(spec), **engine_kwargs(args, len(prompts)))
+                                     tensor_parallel=args.tensor_parallel, **common,
+                                     **engine_kwargs(args, -(-len(prompts) // args.replicas)))
+    else:
+        llm = mtpjax.LLM(params, cfg, spec, mesh=mesh_of(args), **common,
+                         **engine_kwargs(args, len(prompts)))
     engine_pass(llm, prompts, args.new_tokens)                # compiles the buckets it uses
     passes = [engine_pass(llm, prompts, args.new_tokens) for _ in range(args.repeats)]
     best = sorted(passes, key=lambda p: p["ms_per_step"])[len(passes) // 2]     # median pass

@@ -29,8 +29,8 @@ from typing import Iterator
 import jax
 
 from mtpjax.config import SamplingParams
-from mtpjax.engine.llm import (LLM, RequestOutput, StreamEvent, _Progress, _prompt_list,
-                               load_for_engine)
+from mtpjax.engine.llm import (LLM, RequestOutput, StreamEvent, _prompt_list,
+                               collect_outputs, load_for_engine)
 from mtpjax.parallel.mesh import make_mesh
 from mtpjax.sampling import as_sampling_list
 
@@ -171,14 +171,5 @@ class DataParallelLLM:
                  ) -> list[RequestOutput]:
         """Outputs in prompt order (as `LLM.generate`)."""
         prompts = _prompt_list(prompts)
-        outputs: list = [None] * len(prompts)
-        bar = _Progress(len(prompts)) if progress else None
-        with contextlib.closing(self.generate_stream(prompts, sampling_params)) as events:
-            for ev in events:
-                if ev.finished:
-                    outputs[ev.request_index] = ev.output
-                    if bar:
-                        bar.update(ev.output)
-        if bar:
-            bar.close()
-        return outputs
+        return collect_outputs(self.generate_stream(prompts, sampling_params), len(prompts),
+                               progress)

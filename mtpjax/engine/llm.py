@@ -779,17 +779,8 @@ class LLM:
     def generate(self, prompts, sampling_params=None, *, progress: bool = False) -> list[RequestOutput]:
         """Generates for every prompt (token-id lists or strings); outputs in prompt order."""
         prompts = _prompt_list(prompts)
-        outputs: list[Any] = [None] * len(prompts)
-        bar = _Progress(len(prompts)) if progress else None
-        with contextlib.closing(self.generate_stream(prompts, sampling_params)) as events:
-            for ev in events:
-                if ev.finished:
-                    outputs[ev.request_index] = ev.output
-                    if bar:
-                        bar.update(ev.output)
-        if bar:
-            bar.close()
-        return outputs
+        return collect_outputs(self.generate_stream(prompts, sampling_params), len(prompts),
+                               progress)
 
     @classmethod
     def from_pretrained(cls, path: str, spec: SpecConfig | None = None, *, dtype=None,
@@ -800,6 +791,23 @@ class LLM:
         `llm_kwargs` as for `LLM(...)` (num_pages, ...)."""
         params, cfg, llm_kwargs = load_for_engine(path, spec, dtype, mesh, llm_kwargs)
         return cls(params, cfg, spec, mesh=mesh, **llm_kwargs)
+
+
+def collect_outputs(events: Iterator[StreamEvent], num_prompts: int,
+                    progress: bool = False) -> list[RequestOutput]:
+    """The final RequestOutputs of a generate_stream, in prompt order (the stream is closed
+    at the end, early on an exception); with a progress bar when asked."""
+    outputs: list[Any] = [None] * num_prompts
+    bar = _Progress(num_prompts) if progress else None
+    with contextlib.closing(events):
+        for ev in events:
+            if ev.finished:
+                outputs[ev.request_index] = ev.output
+                if bar:
+                    bar.update(ev.output)
+    if bar:
+        bar.close()
+    return outputs
 
 
 def load_for_engine(path: str, spec, dtype, mesh, llm_kwargs: dict):
