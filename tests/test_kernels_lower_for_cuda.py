@@ -3,7 +3,9 @@
 `jax.export(..., platforms=["cuda"])` runs the Pallas -> Triton lowering without a GPU, so a
 kernel change that uses an op, a shape or a dtype the Triton backend cannot take fails here, in
 CI, instead of in the next GPU session. (Triton's own compile to PTX still happens only on the
-GPU: the smoke check `python -m mtpjax.bench.gpu_check` covers that.)"""
+GPU: the smoke check `python -m mtpjax.bench.gpu_check` covers that.) Each Triton module is also
+run through MLIR's verifier here, which XLA:GPU does when it parses the module: the grouped
+matmul once passed lowering and failed only on the H100 ('scf.for' bounds of two int types)."""
 
 import functools
 
@@ -22,7 +24,26 @@ S = jax.ShapeDtypeStruct
 i32, bf16 = jnp.int32, jnp.bfloat16
 
 
-def lower_for_cuda(fn, *args) -> str:
+def lower_for_cuda(fn, *args) -> tuple[str, list]:
+    """The exported StableHLO text; every Triton module on the way must pass MLIR's verifier."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+    verified = []
+
+    def lower_and_verify(*a, **k):
+        result = lower(*a, **k)
+        result.module.operation.verify()     # raises with the verifier's message
+        verified.append(True)
+        return result
+
+    registration.lowering.lower_jaxpr_to_triton_module = lower_and_verify
+    try:
+        return _export(fn, *args), verified
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = lower
+
+
+def _export(fn, *args) -> str:
     exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     return exp.mlir_module()
@@ -52,5 +73,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_kernel_lowers_to_triton_for_cuda(name):
     fn, args = CASES[name]
-    text = lower_for_cuda(fn, *args)
+    text, verified = lower_for_cuda(fn, *args)
     assert "__gpu$xla.gpu.triton" in text, name
+    assert verified, f"{name}: no Triton module went through the verifier"
+

@@ -25,7 +25,9 @@ def grouped_matmul_kernel(x_ref, w_ref, tile_group_ref, o_ref, *, block_k: int, 
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
     t, j = pl.program_id(0), pl.program_id(1)
     g = tile_group_ref[t]
-    steps = jnp.where(g >= 0, x_ref.shape[1] // block_k, 0)
+    # int32 bounds on both ends: Triton's scf.for needs one type (a weak Python 0 lowered to
+    # another width and the module failed to verify on the GPU)
+    steps = jnp.where(g >= 0, jnp.int32(x_ref.shape[1] // block_k), jnp.int32(0))
     g = jnp.maximum(g, 0)
 
     def body(i, acc):
@@ -33,6 +35,6 @@ def grouped_matmul_kernel(x_ref, w_ref, tile_group_ref, o_ref, *, block_k: int, 
         w = w_ref[g, pl.ds(i * block_k, block_k), pl.ds(j * block_n, block_n)]
         return acc + plgpu.dot(x, w, precision=precision).astype(jnp.float32)
 
-    acc = lax.fori_loop(0, steps, body,
+    acc = lax.fori_loop(jnp.int32(0), steps, body,
                         jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
