@@ -5,11 +5,12 @@ A second table runs the opt-in paths against the same reference tokens: fused pr
 (GQA) and the MoE layer on the Pallas grouped-matmul kernel and on the XLA tiled form (MLA +
 MoE), each through `generate` and the engine.
 
-    python -m mtpjax.bench.gpu_check
+    python -m mtpjax.bench.gpu_check [--tables kernels,opt-in]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import jax
@@ -19,7 +20,7 @@ import numpy as np
 import mtpjax
 
 
-def main():
+def main(argv=None):
     # True float32 matmuls: with GPU's default (TF32) precision the two attention paths round
     # differently and near-ties flip (seen on the H100: one token of 192 with a top-2 logit gap
     # of 0.006), which says nothing about the kernels.
@@ -35,17 +36,25 @@ def main():
                              num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
                              first_k_dense_replace=1, n_group=4, topk_group=2,
                              routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=1)
-    rows, opt_in = [], []
-    for name, c in (("gqa", cfg), ("mla", mla)):
-        rows += check(name, c)
-        opt_in += check_opt_in(name, c, attention_impl="pallas")
-    print("| model | method | K | generate pallas == reference | engine pallas == reference | of |")
-    for r in rows:
-        print("| " + " | ".join(map(str, r)) + " |")
-    print("\n| model | opt-in path | generate == reference | engine == reference | of |")
-    for r in opt_in:
-        print("| " + " | ".join(map(str, r)) + " |")
-
+    ap = argparse.ArgumentParser(description="GPU smoke check (see the module docstring)")
+    ap.add_argument("--tables", default="kernels,opt-in",
+                    help="comma-separated: kernels (Pallas vs reference), opt-in (opt-in paths)")
+    tables = set(ap.parse_args(argv).tables.split(","))
+    if not tables or tables - {"kernels", "opt-in"}:
+        raise SystemExit(f"--tables takes kernels and/or opt-in, got {sorted(tables)}")
+    # Rows are printed as each finishes (flushed), so a failure later keeps the earlier rows.
+    if "kernels" in tables:
+        print("| model | method | K | generate pallas == reference | engine pallas == reference "
+              "| of |", flush=True)
+        for name, c in (("gqa", cfg), ("mla", mla)):
+            for r in check(name, c):
+                print("| " + " | ".join(map(str, r)) + " |", flush=True)
+    if "opt-in" in tables:
+        print("\n| model | opt-in path | generate == reference | engine == reference | of |",
+              flush=True)
+        for name, c in (("gqa", cfg), ("mla", mla)):
+            for r in check_opt_in(name, c, attention_impl="pallas"):
+                print("| " + " | ".join(map(str, r)) + " |", flush=True)
 
 OPT_IN = {   # model -> (label, environment, generate/LLM keyword arguments)
     "gqa": [("fuse_projections=True", {}, {"fuse_projections": True})],
