@@ -57,3 +57,16 @@ def test_batch1_generate_has_no_one_row_projection(monkeypatch, spec):
     text = lowered_loop(monkeypatch, params, spec)
     assert text.count("stablehlo.dot_general") >= 7 * CFG.num_layers
     assert ONE_ROW_DOT.findall(text) == []
+
+
+ONE_ROW_PAD = re.compile(r"stablehlo\.pad .*: \(tensor<1x\d+x")
+
+
+@pytest.mark.parametrize("spec", [None, mtpjax.SpecConfig(num_speculative_tokens=2)],
+                         ids=["plain", "mtp"])
+def test_batch1_generate_needs_no_row_padding(monkeypatch, spec):
+    """generate runs one request as two rows (the second a padding request), so no projection
+    of its loop (target or draft pass) has one row for `linear` to pad: no pad kernels."""
+    params = mtpjax.init_params(CFG, jax.random.PRNGKey(0))
+    text = lowered_loop(monkeypatch, params, spec)
+    assert ONE_ROW_PAD.findall(text) == []
