@@ -45,8 +45,8 @@ def test_choice_env_and_moe_layer_through_both_paths(monkeypatch):
     from tests.test_deepseek import _ds_params, ds_config
     from mtpjax.model.kinds import ffn_kind
     one_gpu = jax.default_backend() == "gpu" and jax.device_count() == 1
-    assert gm.matmul_choice(10 ** 6, 8) == ("tiled" if one_gpu else "ragged")
-    assert gm.matmul_choice(8, 8) == "ragged"
+    assert gm.matmul_choice(10 ** 6, 8) == ("pallas" if one_gpu else "ragged")
+    assert gm.matmul_choice(15, 8) == "ragged"
     monkeypatch.setenv(gm.ENV, "fast")
     with pytest.raises(ValueError, match="MTPJAX_MOE_MATMUL='fast': expected auto, ragged, tiled or pallas"):
         gm.matmul_choice(8, 8)

@@ -1,4 +1,4 @@
-"""Grouped matmul of the MoE experts: `jax.lax.ragged_dot` for few rows, tiles for many.
+"""Grouped matmul of the MoE experts: `jax.lax.ragged_dot` for few rows, a Pallas kernel for more.
 
 `ragged_dot(x [M, E], w [G, E, I], sizes [G])` multiplies each group of consecutive rows by its
 own expert. XLA 0.11.2 lowers it on the GPU to one dense dot over *every* group (it writes the
@@ -7,14 +7,18 @@ HLO, docs/benchmarks.md): free at decode sizes, where reading the touched expert
 dominates (1.01x the bandwidth floor at one token), but G times the FLOPs at prefill sizes
 (80x its floor at 4096 tokens for DeepSeek-V2-Lite's 64 experts; out of memory at 128).
 
+`pallas_kernels.grouped_matmul` (a Pallas Triton kernel: each row tile reads its expert's weights
+in place) is what the GPU runs from `MIN_PALLAS_ROWS_PER_GROUP` rows per group on average: on
+the H100 it beat ragged_dot from 32 decode tokens (V2-Lite 463 vs 524 us, V3 slice 3573 vs 4412)
+and the tiled form everywhere; ragged_dot stays below (V2-Lite at 1 token: 50 vs 264 us;
+docs/benchmarks.md). Only on one GPU or per device inside the expert-parallel layer: with
+experts sharded over a mesh by XLA, a kernel would need the other devices' weights.
+
 `tiled_grouped_matmul` is exact and costs what the rows need: each group's rows are padded to
 a multiple of `tile` and laid out tile by tile, every tile takes its group's weight matrix
 (a gather of [tiles, E, I]), and one batched matmul does the rest. Its waste is bounded: at most
-G x (tile - 1) padding rows and G spare tiles. `grouped_matmul` picks between the two from the
-static number of rows per group: tiles only on one GPU (where ragged_dot is dense) or per device
-inside the expert-parallel layer, from 16 rows per group. `MTPJAX_MOE_MATMUL=ragged|tiled|
-pallas|auto` overrides; pallas is `pallas_kernels.grouped_matmul` (each tile reads its expert's
-weights in place, no gather), opt-in until its GPU numbers exist.
+G x (tile - 1) padding rows and G spare tiles. Used where forced:
+`MTPJAX_MOE_MATMUL=ragged|tiled|pallas|auto` overrides the choice.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul.grouped_matmul import tile_layout
 
-MIN_ROWS_PER_GROUP = 16         # auto: tiles from this many rows per group on average (GPU)
+MIN_PALLAS_ROWS_PER_GROUP = 2   # auto: the Pallas kernel from this many rows per group (GPU)
 ENV = "MTPJAX_MOE_MATMUL"
 
 
@@ -56,7 +60,7 @@ def tiled_grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array,
 
 
 def matmul_choice(rows: int, groups: int, per_device: bool = False) -> str:
-    """"ragged" or "tiled" for `rows` grouped rows over `groups` groups (static). per_device:
+    """"ragged" or "pallas" (or "tiled" when forced) for `rows` grouped rows over `groups` groups (static). per_device:
     called inside `shard_map` on one device's own experts (the expert-parallel MoE), where the
     tiles gather only local weights."""
     forced = os.environ.get(ENV, "auto").strip().lower()
@@ -64,17 +68,17 @@ def matmul_choice(rows: int, groups: int, per_device: bool = False) -> str:
         raise ValueError(f"{ENV}={forced!r}: expected auto, ragged, tiled or pallas")
     if forced != "auto":
         return forced
-    # one GPU only: with experts sharded over a mesh, the per-tile weight gather would pull
-    # other devices' experts (ragged_dot's partition keeps them local: docs/parallel.md)
+    # one GPU only: with experts sharded over a mesh, a kernel (or the tiled form's gather)
+    # would need other devices' experts (ragged_dot's partition keeps them local: docs/parallel.md)
     one_gpu = jax.default_backend() == "gpu" and (per_device or jax.device_count() == 1)
-    return "tiled" if one_gpu and rows >= MIN_ROWS_PER_GROUP * groups else "ragged"
+    return "pallas" if one_gpu and rows >= MIN_PALLAS_ROWS_PER_GROUP * groups else "ragged"
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array,
                    per_device: bool = False) -> jax.Array:
     """`ragged_dot(x, w, sizes)`, by the path `matmul_choice` picks for these shapes."""
     choice = matmul_choice(x.shape[0], w.shape[0], per_device)
-    if choice == "pallas":          # opt-in until measured on the GPU (interpreted elsewhere)
+    if choice == "pallas":          # interpreted off the GPU (only when forced there)
         from pallas_kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
         return pallas_grouped_matmul(x, w, sizes, interpret=jax.default_backend() != "gpu")
     if choice == "tiled":
