@@ -54,7 +54,7 @@ def _median_wall(multi, qs, rest, repeats):
     return float(np.median(ts))
 
 
-def timeit(fn, qs, rest, repeats=15):
+def timeit(fn, qs, rest, repeats=15, compiler_options=None):
     """Seconds per fn(q, *rest) call inside a long jitted program.
 
     With n = len(qs) >= 8 distinct inputs: one jit runs n calls, another n // 4
@@ -64,8 +64,11 @@ def timeit(fn, qs, rest, repeats=15):
     which is ~0.3 ms on the H100 machine and used to be spread over only 8 calls
     (the method before round 2: t(8) / 8). It keeps the gaps between consecutive
     kernels, which a real step pays too. With n < 8 (slow XLA references): t(n) / n.
+    compiler_options: XLA options of the jit (bench.moe passes the model's step options: its
+    calls share one weight, and XLA's dot merger would otherwise fuse them into one dot).
     """
-    multi = jax.jit(lambda qs, *rest: [fn(q, *rest) for q in qs])
+    multi = jax.jit(lambda qs, *rest: [fn(q, *rest) for q in qs],
+                    compiler_options=compiler_options)
     out = multi(qs, *rest)
     jax.block_until_ready(out)
     t_n = _median_wall(multi, qs, rest, repeats)
