@@ -43,7 +43,28 @@ def test_no_gpu_trace_says_so(tmp_path, capsys):
 
 
 def test_cli_runs_on_cpu(tmp_path):
+    import importlib
+    gen = importlib.import_module("mtpjax.generate")
+    shipped = gen._loop
     assert step_profile.main(["--model-shape", "tiny", "--layers", "2", "--new-tokens", "4",
                               "--k", "2", "--out", str(tmp_path)]) == 0
     assert [r["name"] for r in json.loads((tmp_path / "step_profile.json").read_text())] == \
         ["generate", "engine"]
+    assert gen._loop is shipped               # the profiling loop is swapped back
+
+
+def test_profiled_loop_has_no_loop_command_buffers():
+    """The default profiling loop: the same function without the WHILE/CONDITIONAL command
+    buffers (a profiler cannot see into a CUDA graph); --loop-graph keeps the shipped one."""
+    import importlib
+    from mtpjax.step_jit import LOOP_COMPILER_OPTIONS, compiler_options_of
+    gen = importlib.import_module("mtpjax.generate")
+    shipped = gen._loop
+    restore = step_profile.profile_loop_kernel_by_kernel()
+    try:
+        assert gen._loop.__wrapped__ is shipped.__wrapped__
+        assert not set(LOOP_COMPILER_OPTIONS) & set(compiler_options_of(gen._loop))
+        assert set(LOOP_COMPILER_OPTIONS) <= set(compiler_options_of(shipped))
+    finally:
+        restore()
+    assert gen._loop is shipped

@@ -2,7 +2,7 @@
 engine's steps, kernel by kernel, from a `jax.profiler` trace.
 
     python -m mtpjax.bench.step_profile [--model-shape llama3-8b] [--layers 16] [--batch 1]
-                                        [--new-tokens 64] [--k 0] [--out DIR]
+                                        [--new-tokens 64] [--k 0] [--out DIR] [--loop-graph]
 
 For each path it traces one greedy run after a warm-up run and reports, over the decode part
 of the trace (the last 70% of its device time): steps (paged-attention kernels / layers),
@@ -79,6 +79,24 @@ def summarize(trace_dir: str, layers: int, name: str, top: int = 12) -> dict:
             "per_kernel_us": dict(per)}
 
 
+def profile_loop_kernel_by_kernel():
+    """Swap generate's loop for the same function compiled without LOOP_COMPILER_OPTIONS.
+
+    Shipped, the whole while loop is one CUDA graph (step_jit.LOOP_COMPILER_OPTIONS) and a
+    `jax.profiler` trace shows none of its kernels (seen on the H100: "2 steps in the window",
+    prefill kernels only). Without the loop's command buffers each iteration's body is its own
+    graph launch: the kernels are the same and visible; the gaps between steps are not the
+    shipped ones (session 7 measured those: docs/benchmarks.md)."""
+    import importlib
+
+    from mtpjax.step_jit import step_jit
+    gen = importlib.import_module("mtpjax.generate")
+    shipped = gen._loop
+    gen._loop = step_jit(shipped.__wrapped__, static_argnames=(
+        "cfg", "spec", "backend", "draft_source", "steps_per_check"), donate_argnames=("state",))
+    return lambda: setattr(gen, "_loop", shipped)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-shape", default="llama3-8b")
@@ -87,6 +105,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=0, help="MTP drafts per step (0: plain decoding)")
     ap.add_argument("--out", default=None, help="folder for step_profile.json")
+    ap.add_argument("--loop-graph", action="store_true",
+                    help="profile generate's loop as it ships (one CUDA graph: the profiler "
+                         "sees none of its kernels); default: compiled without the WHILE / "
+                         "CONDITIONAL command buffers, same kernels, visible one by one")
     a = ap.parse_args(argv)
 
     import jax
@@ -108,13 +130,17 @@ def main(argv=None) -> int:
                                             spec=spec, page_size=e2e.PAGE_SIZE),
         "engine": lambda: llm.generate(prompts, sp),
     }
+    restore = (lambda: None) if a.loop_graph else profile_loop_kernel_by_kernel()
     reports = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, run in paths.items():
-            run()                                           # compiles
-            with jax.profiler.trace(os.path.join(tmp, name)):
-                jax.block_until_ready(run() if name == "engine" else run().tokens)
-            reports.append(summarize(os.path.join(tmp, name), cfg.num_layers, name))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, run in paths.items():
+                run()                                           # compiles
+                with jax.profiler.trace(os.path.join(tmp, name)):
+                    jax.block_until_ready(run() if name == "engine" else run().tokens)
+                reports.append(summarize(os.path.join(tmp, name), cfg.num_layers, name))
+    finally:
+        restore()
     a_, b_ = (r["per_kernel_us"] for r in reports)
     if a_ or b_:
         print("kernels whose time per step differs most (generate vs engine, ms/step):")
