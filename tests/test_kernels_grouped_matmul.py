@@ -91,12 +91,56 @@ def test_lowers_to_triton_for_cuda():
     exp = export.export(jax.jit(grouped_matmul), platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     text = exp.mlir_module()
-    assert "__gpu$xla.gpu.triton" in text and 'name = "grouped_matmul"' in text
+    assert "__gpu$xla.gpu.triton" in text and 'name = "grouped_matmul' in text
 
 
-def test_default_column_blocks_fill_the_gpu_at_decode_and_stay_wide_at_prefill():
-    from pallas_kernels.grouped_matmul.grouped_matmul import default_block_n
-    assert default_block_n(6, 64, 1408, 16) == 32          # V2-Lite, one token: 7 tiles x 44
-    assert default_block_n(24576, 64, 1408, 128) == 128    # V2-Lite, 4096 tokens
-    assert default_block_n(8, 128, 2048, 16) == 64         # V3 slice, one token: 9 tiles x 32
-    assert 1408 % default_block_n(40, 64, 1408, 16) == 0
+def test_default_blocks_fill_the_gpu_at_decode_and_stay_wide_at_prefill():
+    """(block_n, num_splits): K is split before the weight tiles narrow."""
+    from pallas_kernels.grouped_matmul.grouped_matmul import TARGET_PROGRAMS, default_blocks
+    # V2-Lite gate/up at one token: 7 row tiles x 11 column blocks of 128 -> K split 4 ways
+    assert default_blocks(6, 64, 2048, 1408, 16, 64) == (128, 4)
+    assert default_blocks(24576, 64, 2048, 1408, 128, 64) == (128, 1)   # 4096 tokens
+    assert default_blocks(192, 64, 2048, 1408, 16, 64) == (128, 1)      # 32 tokens: 836 programs
+    # V3 slice down projection at one token: 9 tiles x 56 blocks of 128 >= 264: no split
+    assert default_blocks(8, 128, 2048, 7168, 16, 64) == (128, 1)
+    # K too short to split: the column blocks narrow instead
+    assert default_blocks(2, 4, 64, 256, 16, 64) == (16, 1)
+    for M, G, K, N in [(6, 64, 2048, 1408), (8, 128, 7168, 2048), (40, 64, 1408, 2048),
+                       (3, 8, 2048, 1408)]:
+        bn, splits = default_blocks(M, G, K, N, 16, 64)
+        assert N % bn == 0 and K % (64 * splits) == 0 and K // (64 * splits) >= 2
+        tiles = -(-M // 16) + min(G, M)
+        assert tiles * (N // bn) * splits >= TARGET_PROGRAMS or bn == 16
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("splits", [2, 4])
+def test_split_k_equals_ragged_dot(seed, splits):
+    """Split-K partials (float32, summed by the wrapper) == ragged_dot, with empty groups and
+    rows past the groups; bf16 too."""
+    x, w, sizes = random_case(seed, 30, 128, 32, 6, jnp.float32, fill=0.8, empty=2)
+    got = grouped_matmul(x, w, sizes, interpret=True, block_n=16, block_k=16, num_splits=splits)
+    want = jax.lax.ragged_dot(x, w, sizes, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got)[int(np.asarray(sizes).sum()):] == 0)
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    got = grouped_matmul(xb, wb, sizes, interpret=True, block_n=16, block_k=32, num_splits=splits)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=3e-2,
+                               atol=3e-2)
+
+
+def test_default_split_k_path_equals_ragged_dot():
+    """Few rows over many groups with a deep K: the defaults pick split-K."""
+    from pallas_kernels.grouped_matmul.grouped_matmul import default_blocks
+    x, w, sizes = random_case(3, 6, 256, 64, 16, jnp.float32, fill=1.0, empty=10)
+    assert default_blocks(6, 16, 256, 64, 16, 64)[1] > 1
+    got = grouped_matmul(x, w, sizes, interpret=True)
+    want = jax.lax.ragged_dot(x, w, sizes, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_num_splits_names_the_value():
+    x, w, sizes = random_case(0, 16, 64, 32, 2, jnp.float32)
+    with pytest.raises(ValueError, match="num_splits=3 must be >= 1 and divide K=64"):
+        grouped_matmul(x, w, sizes, block_k=16, num_splits=3, interpret=True)

@@ -65,8 +65,11 @@ CASES = {
     "draft_roll": (draft_roll, (
         S((64,), i32), S((64,), i32), S((64, 256), bf16), S((9,), i32), S((8, 4), i32),
         S((8, 4), i32), S((8, 4, 256), bf16), S((8,), i32))),
-    "grouped_matmul": (grouped_matmul, (S((256, 256), bf16), S((8, 256, 384), bf16),
-                                        S((8,), i32))),
+    "grouped_matmul": (functools.partial(grouped_matmul, num_splits=1), (
+        S((256, 256), bf16), S((8, 256, 384), bf16), S((8,), i32))),
+    # decode sizes: 6 rows over 64 experts, split-K partials in float32
+    "grouped_matmul_split_k": (functools.partial(grouped_matmul, num_splits=4), (
+        S((6, 2048), bf16), S((64, 2048, 1408), bf16), S((64,), i32))),
 }
 
 

@@ -3,7 +3,7 @@
 decode sizes (few tokens per expert: weight-read bound) and prefill sizes (compute bound).
 
     python -m mtpjax.bench.moe [--shapes v2-lite,v3-slice] [--tokens 1,32,256,4096] [--out DIR]
-                               [--variants ragged_dot,tiled,pallas,mgpu,gather]
+                               [--variants ragged_dot,tiled,pallas,pallas:BM/BN/BK[/S],mgpu,gather]
 
 Shapes (bf16 random weights, routing uniform random top-k without repeats per token):
   v2-lite   DeepSeek-V2-Lite: 64 routed experts, 6 per token, hidden 2048, expert width 1408
@@ -86,21 +86,23 @@ experts_tiled = _routed(tiled_grouped_matmul)
 
 
 def experts_pallas(x, p, ids, w, blocks=None):
-    """blocks: None (the kernel's defaults) or (block_m, block_n, block_k)."""
+    """blocks: None (the kernel's defaults) or (block_m, block_n, block_k[, num_splits])."""
     from pallas_kernels.grouped_matmul import grouped_matmul
-    tuning = {} if blocks is None else dict(zip(("block_m", "block_n", "block_k"), blocks))
+    tuning = {} if blocks is None else dict(zip(("block_m", "block_n", "block_k", "num_splits"),
+                                                blocks))
     mm = functools.partial(grouped_matmul, interpret=jax.default_backend() != "gpu", **tuning)
     return _routed(mm)(x, p, ids, w)
 
 
 def pallas_variants(use) -> list:
-    """("pallas", fn) and one ("pallas:BM/BN/BK", fn) per such entry of `use`."""
+    """("pallas", fn) and one ("pallas:BM/BN/BK[/S]", fn) per such entry of `use` (S: split-K)."""
     out = [("pallas", experts_pallas)] if "pallas" in use else []
     for v in use:
         if v.startswith("pallas:"):
             blocks = tuple(int(b) for b in v.split(":", 1)[1].split("/"))
-            if len(blocks) != 3:
-                raise ValueError(f"variant {v!r}: expected pallas:BLOCK_M/BLOCK_N/BLOCK_K")
+            if len(blocks) not in (3, 4):
+                raise ValueError(f"variant {v!r}: expected pallas:BLOCK_M/BLOCK_N/BLOCK_K"
+                                 "[/NUM_SPLITS]")
             out.append((v, functools.partial(experts_pallas, blocks=blocks)))
     return out
 

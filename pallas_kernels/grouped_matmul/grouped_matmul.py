@@ -9,9 +9,12 @@ the XLA tiled form (mtpjax/model/grouped_matmul.py) gathers one weight matrix pe
 this reads each touched expert's weights where they lie.
 
 Tuning: block_m (rows per tile; default the mean group size rounded up to a power of two in
-[16, 128]), block_n (default `default_block_n`: enough programs for every SM), block_k (must
-divide K; default 64), num_warps, num_stages. Defaults are a starting point, not yet tuned on
-a GPU (`python -m mtpjax.bench.moe --variants pallas,pallas:BM/BN/BK` sweeps them).
+[16, 128]), block_n and num_splits (split-K; default `default_blocks`: enough programs for
+every SM, K split before weight tiles narrow), block_k (must divide K; default 64),
+num_warps, num_stages. Measured on the H100 (docs/benchmarks.md, round 3 session 8, before
+split-K): 1.10-1.37x the touched experts' bytes at 32 decode tokens, 7.5x at one token (narrow
+tiles), 5.4x its FLOP floor at 4096 tokens; split-K is not yet measured
+(`python -m mtpjax.bench.moe --variants pallas,pallas:BM/BN/BK/S` sweeps blocks and splits).
 """
 from __future__ import annotations
 
@@ -43,16 +46,23 @@ def _largest_block(dim: int, cap: int) -> int:
 TARGET_PROGRAMS = 264           # ~2 programs per SM of an H100 (132 SMs)
 
 
-def default_block_n(M: int, G: int, N: int, block_m: int) -> int:
-    """Column block: 128, halved (down to 16) while the tiles that hold rows (at most
-    ceil(M / block_m) + min(G, M)) times the column blocks give fewer than TARGET_PROGRAMS
-    programs: at decode sizes a few expert tiles must still spread over every SM, since each
-    program's share of the weight read is what the step waits for."""
+def default_blocks(M: int, G: int, K: int, N: int, block_m: int, block_k: int) -> tuple[int, int]:
+    """(block_n, num_splits) so that the tiles that hold rows (at most ceil(M / block_m) +
+    min(G, M)) x column blocks x K splits give >= TARGET_PROGRAMS programs: at decode sizes a
+    few expert tiles must still spread over every SM, since each program's share of the weight
+    read is what the step waits for. K is split first (up to 8 ways, >= 2 K blocks per split),
+    keeping 128-wide weight tiles (bytes in flight per program); then block_n is halved, down
+    to 16 (the only lever before split-K: on the H100 at one V2-Lite token, 7 tiles x 44
+    column blocks of 32 ran at 0.4 TB/s, docs/benchmarks.md)."""
     tiles = -(-M // block_m) + min(G, M)
     b = _largest_block(N, 128) or 128
-    while b > 16 and tiles * (N // b) < TARGET_PROGRAMS and N % (b // 2) == 0:
+    splits = 1
+    while (tiles * (N // b) * splits < TARGET_PROGRAMS and splits < 8
+           and K % (block_k * splits * 2) == 0 and K // (block_k * splits * 2) >= 2):
+        splits *= 2
+    while b > 16 and tiles * (N // b) * splits < TARGET_PROGRAMS and N % (b // 2) == 0:
         b //= 2
-    return b
+    return b, splits
 
 
 def tile_layout(sizes: jax.Array, M: int, block_m: int):
@@ -98,33 +108,50 @@ def _check(x, w, sizes, block_m, block_n, block_k):
                          f"must divide K={x.shape[1]}")
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_splits",
+                                             "num_warps", "num_stages", "interpret"))
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, block_m: int | None = None,
-                   block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
-                   num_stages: int = 3, interpret: bool = False) -> jax.Array:
+                   block_n: int | None = None, block_k: int | None = None,
+                   num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                   interpret: bool = False) -> jax.Array:
     """`ragged_dot(x [M, K], w [G, K, N], sizes int32[G])` -> [M, N] in x's dtype (float32
-    accumulation). ValueError for shapes, dtypes or blocks the kernel cannot take."""
+    accumulation). num_splits: K split over that many programs per output tile (partials
+    summed in float32). Blocks not given come from `default_blocks`. ValueError for shapes,
+    dtypes or blocks the kernel cannot take."""
     M, K = x.shape
     G, _, N = w.shape if w.ndim == 3 else (0, 0, 0)
     block_m = block_m or default_block_m(M, G)
-    block_n = block_n or default_block_n(M, G, N, block_m)
     block_k = block_k or _largest_block(K, 64) or 64
+    auto_n, auto_splits = default_blocks(M, G, K, N, block_m, block_k)
+    block_n = block_n or auto_n
+    num_splits = num_splits or (auto_splits if K % (block_k * auto_splits) == 0 else 1)
     _check(x, w, sizes, block_m, block_n, block_k)
+    if num_splits < 1 or K % (block_k * num_splits):
+        raise ValueError(f"num_splits={num_splits} must be >= 1 and divide K={K} into whole "
+                         f"blocks of block_k={block_k}")
     dest, tile_group, Mp = tile_layout(sizes, M, block_m)
     xp = jnp.zeros((Mp, K), x.dtype).at[dest].set(x, mode="drop")
-    kernel = functools.partial(grouped_matmul_kernel, block_k=block_k, block_n=block_n)
+    kernel = functools.partial(grouped_matmul_kernel, block_k=block_k, block_n=block_n,
+                               num_splits=num_splits)
+    if num_splits == 1:
+        out_spec = pl.BlockSpec((block_m, block_n), lambda t, j, s: (t, j))
+        out_shape = jax.ShapeDtypeStruct((Mp, N), x.dtype)
+    else:
+        out_spec = pl.BlockSpec((None, block_m, block_n), lambda t, j, s: (s, t, j))
+        out_shape = jax.ShapeDtypeStruct((num_splits, Mp, N), jnp.float32)
     yp = pl.pallas_call(
         kernel,
-        grid=(Mp // block_m, N // block_n),
-        in_specs=[pl.BlockSpec((block_m, K), lambda t, j: (t, 0)),
+        grid=(Mp // block_m, N // block_n, num_splits),
+        in_specs=[pl.BlockSpec((block_m, K), lambda t, j, s: (t, 0)),
                   pl.BlockSpec(memory_space=pl.ANY),
                   pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=pl.BlockSpec((block_m, block_n), lambda t, j: (t, j)),
-        out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype),
+        out_specs=out_spec,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="grouped_matmul",
+        name="grouped_matmul" if num_splits == 1 else f"grouped_matmul_split{num_splits}",
     )(xp, w, tile_group)
+    if num_splits > 1:
+        yp = yp.sum(0)
     y = yp[jnp.minimum(dest, Mp - 1)]
     return jnp.where((dest < Mp)[:, None], y, 0).astype(x.dtype)
