@@ -43,7 +43,8 @@ negligible and not counted; with MTP add K draft passes, each reading the MTP mo
 eh_proj, norms) and the lm_head; plus the target's KV read once: B x ctx x layers x 2 x kv_heads
 x head_dim x 2 bytes at the mean decode context ctx = prompt + N/2 (the MTP modules' own KV, one
 layer per pass, is left out). Copy bandwidth: a jitted copy of `--copy-mib` MiB (default 1 GiB),
-read + written bytes / time, 10 chained copies per round, median of 5 rounds, in this process.
+read + written bytes / time, 10 chained copies per round, median of 5 rounds after 1 s of
+untimed copies (clock ramp-up), in this process.
 
 Several devices: `--tensor-parallel N` (and `--data-parallel M`) run every mtpjax row on a
 ("data", "model") mesh of M x N devices (`mtpjax.make_mesh`, docs/parallel.md); the floor
@@ -205,14 +206,24 @@ def step_bytes(w: dict, cfg, batch: int, ctx: float, K: int, draft_vocab: int = 
     return {"weights": target, "mtp_drafts": drafts, "kv": kv, "total": target + drafts + kv}
 
 
-def copy_bandwidth(mib: int, rounds: int = 5, chain: int = 10) -> float:
-    """Bytes/s of a jitted array copy (read + written), median of `rounds` of `chain` copies."""
+def copy_bandwidth(mib: int, rounds: int = 5, chain: int = 10, warmup_s: float = 1.0) -> float:
+    """Bytes/s of a jitted array copy (read + written), median of `rounds` of `chain` copies,
+    after `warmup_s` seconds of untimed copies. Without the warm-up the first process of a
+    device call once read 2.52 TB/s where every other reading of that lease was 2.86-2.97, and
+    its floors came out 14% too high (docs/benchmarks.md); a device that has not ramped its
+    clocks up is the likely cause, which the warm-up removes."""
     import jax
     import jax.numpy as jnp
     n = mib * 2 ** 20 // 2
     x = jnp.ones((n,), jnp.bfloat16)
     copy = jax.jit(lambda a: a.copy())
     jax.block_until_ready(copy(x))
+    t_end = time.perf_counter() + warmup_s
+    while time.perf_counter() < t_end:
+        y = x
+        for _ in range(chain):
+            y = copy(y)
+        jax.block_until_ready(y)
     times = []
     for _ in range(rounds):
         y = x
