@@ -62,6 +62,11 @@ CASES = {
     "mla_paged_attention": (functools.partial(mla_paged_attention, kv_lora_rank=512), (
         S((32, 16, 576), bf16), S((32, 64, 576), bf16), S((8, 8), i32), S((8,), i32),
         S((9,), i32), S((1,), i32))),
+    # its opt-in register savers: value columns split over 2 programs, QK in 128-wide chunks
+    "mla_paged_attention_split": (functools.partial(
+        mla_paged_attention, kv_lora_rank=512, value_split=2, qk_chunk=128), (
+        S((32, 64, 576), bf16), S((32, 64, 576), bf16), S((8, 8), i32), S((8,), i32),
+        S((9,), i32), S((1,), i32))),
     "draft_roll": (draft_roll, (
         S((64,), i32), S((64,), i32), S((64, 256), bf16), S((9,), i32), S((8, 4), i32),
         S((8, 4), i32), S((8, 4, 256), bf16), S((8,), i32))),

@@ -70,6 +70,12 @@ CASES = [
     ("bfloat16", 8, 16, [4, 1, 4, 7], [33, 64, 4, 40],
      dict(block_q=2, block_h=4, block_k=16, num_splits=3)),
     ("bfloat16", 2, 4, [1, 1, 5, 1], [1, 17, 11, 0], dict(num_splits=2)),
+    # opt-in register savers: output columns split over programs, QK in latent chunks
+    ("float32", 4, 8, [1, 4, 0, 13, 3], [9, 16, 5, 30, 2],
+     dict(block_q=4, block_k=16, value_split=2, qk_chunk=16)),
+    ("bfloat16", 8, 16, [4, 1, 4, 7], [33, 64, 4, 40],
+     dict(block_q=2, block_h=4, block_k=16, num_splits=3, value_split=2)),
+    ("float32", 2, 4, [1, 1, 5, 1], [1, 17, 11, 0], dict(num_splits=2, qk_chunk=16)),
 ]
 
 
@@ -131,6 +137,10 @@ def test_value_errors_name_the_bad_value():
   err("latent_pages dtype bfloat16 must equal q dtype float32", q, lat.astype(jnp.bfloat16),
       *ok[2:])
   err("kv_lora_rank must be a power of 2 >= 16, got 24", *ok, kv_lora_rank=24)
+  err("value_split must be a power of 2 leaving >= 16 of kv_lora_rank=32 columns per "
+      "program, got 4", *ok, value_split=4)
+  err("value_split must be a power of 2.*got 3", *ok, value_split=3)
+  err("qk_chunk must be None or a power of 2 in 16..kv_lora_rank=32, got 64", *ok, qk_chunk=64)
   err("rope_dim = width 40 - kv_lora_rank 32 = 8 must be a power of 2 >= 16",
       q[..., :40], lat[..., :40], *ok[2:], interpret=False)
   err("page_size must be a power of 2 in 4..256, got 6", q, jnp.zeros((6, 6, 48)), *ok[2:])

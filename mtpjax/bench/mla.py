@@ -1,7 +1,7 @@
 """MLA paged attention (absorbed form, DeepSeek-V3 dims) against its roofline floor and XLA.
 
     python -m mtpjax.bench.mla [--sections decode,verify,mixed] [--pages 64,16] [--heads 16,128]
-                               [--sweep] [--budget-s 240] [--out DIR]
+                               [--sweep] [--variants "k=v,k=v;..."] [--budget-s 240] [--out DIR]
 
 Shapes: B=64 requests at context 4096, latent 576 = kv_lora_rank 512 + rope 64, bf16, random
 inputs and randomly permuted block tables. Decode = q_len 1, verify = q_len 4 (causal inside
@@ -113,8 +113,22 @@ def run_case(name, q_lens, kv_lens, h, page, copy_bw, mm_rate, variants, budget,
     return best
 
 
-def variants_for(q_len, h, page, b, ctx, sweep):
-    out = [dict(block_q=q_len)]
+def parse_variants(text: str) -> list[dict]:
+    """"k=v,k=v;k=v" -> [{k: v, ...}, ...] with int values ("None" -> None)."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        d = {}
+        for kv in part.split(","):
+            k, _, v = kv.partition("=")
+            if not v:
+                raise ValueError(f"--variants entry {kv!r}: expected key=value")
+            d[k.strip()] = None if v.strip() == "None" else int(v)
+        out.append(d)
+    return out
+
+
+def variants_for(q_len, h, page, b, ctx, sweep, extra=()):
+    out = [dict(block_q=q_len)] + [dict(block_q=q_len, **e) for e in extra]
     if not sweep or (h > 16 and page != 64):
         return out
     if q_len == 1 and h <= 16:
@@ -142,10 +156,14 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--variants", default="",
+                    help='tuning variants timed in every decode/verify case beside the default, '
+                         'e.g. "value_split=2,qk_chunk=128;value_split=2,qk_chunk=128,num_stages=2"')
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="after this many seconds, time only each case's default variant")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
+    extra = parse_variants(a.variants)
     kb.log(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
     copy_bw, all_bw = kb.copy_bandwidth()
     mm = kb.matmul_rate()
@@ -161,7 +179,8 @@ def main(argv=None):
             for page in (int(x) for x in a.pages.split(",")):
                 peer = xla_peer(q_len, b) if page == 64 else None
                 r = run_case(f"{sec} q{q_len}", [q_len] * b, [ctx] * b, h, page, copy_bw, mm,
-                             variants_for(q_len, h, page, b, ctx, a.sweep), a.budget_s, peer)
+                             variants_for(q_len, h, page, b, ctx, a.sweep, extra),
+                             a.budget_s, peer)
                 if r:
                     best.append(r)
     if "mixed" in secs:

@@ -56,10 +56,21 @@ def _kernel(
     num_splits: int,
     sm_scale: float,
     exact_f32: bool,
+    value_split: int = 1,
+    qk_chunk: int | None = None,
 ):
     n_out = 1 if num_splits == 1 else 2
     out_refs = refs[-n_out:]
-    hb = pl.program_id(0)     # head block: fastest, so a sequence's head blocks share L2
+    # grid dim 0: head block x value part (the value part fastest, so the programs that read
+    # the same latent blocks for the two halves of the output columns run side by side)
+    hb = lax.div(pl.program_id(0), jnp.int32(value_split))
+    rv = rank // value_split                                  # output columns per program
+    v0 = lax.rem(pl.program_id(0), jnp.int32(value_split)) * rv
+    qk_chunk = qk_chunk or rank
+    # value_split == 1 and no QK chunking: q and each latent block are loaded once and the
+    # block serves both dots; otherwise the latent block is loaded in pieces (QK chunks, then
+    # this program's value columns: L1/L2 hits) so fewer registers stay live
+    whole = value_split == 1 and qk_chunk == rank
     split = pl.program_id(1)
     w = pl.program_id(2)
 
@@ -96,10 +107,8 @@ def _kernel(
         return plgpu.load(q_ref.at[pl.ds(start, block_q), pl.ds(h0, block_h),
                                    pl.ds(first, width)], mask=mask, other=0.0)
 
-    q_nope = load_q(0, rank)
-    q_rope = load_q(rank, rope)
-    q_nope = q_nope.reshape(rows, rank)
-    q_rope = q_rope.reshape(rows, rope)
+    q_rope = load_q(rank, rope).reshape(rows, rope)
+    q_nope = load_q(0, rank).reshape(rows, rank) if whole else None
 
     # A block of block_k tokens spans ppb pages of spb slots each (block_k >= S: whole pages;
     # block_k < S: part of one page).
@@ -128,18 +137,27 @@ def _kernel(
     def body(i, carry, masked):
         acc, m_prev, l_prev = carry
         base = lo + i * block_k
-        if masked:
-            ok = base + blk_tok < kv_hi                                     # [ppb, spb]
-            mask_c = jnp.broadcast_to(ok[:, :, None], (ppb, spb, rank))
-            mask_r = jnp.broadcast_to(ok[:, :, None], (ppb, spb, rope))
-            other = 0.0
+        ok = (base + blk_tok < kv_hi) if masked else None                  # [ppb, spb]
+
+        def latent(width, first):
+            """Latent columns [first, first + width) of this block: [block_k, width]."""
+            mask = None if ok is None else jnp.broadcast_to(ok[:, :, None], (ppb, spb, width))
+            return plgpu.load(lat_ref.at[tile_index(base, width, first)], mask=mask,
+                              other=None if ok is None else 0.0).reshape(block_k, width)
+
+        if whole:
+            c_kv = latent(rank, 0)
+            k_rope = latent(rope, rank)
+            s = plgpu.dot(q_nope, c_kv, trans_b=True, precision=precision).astype(jnp.float32)
+            values = c_kv
         else:
-            mask_c = mask_r = other = None
-        c_kv = plgpu.load(lat_ref.at[tile_index(base, rank, 0)], mask=mask_c, other=other)
-        k_rope = plgpu.load(lat_ref.at[tile_index(base, rope, rank)], mask=mask_r, other=other)
-        c_kv = c_kv.reshape(block_k, rank)
-        k_rope = k_rope.reshape(block_k, rope)
-        s = plgpu.dot(q_nope, c_kv, trans_b=True, precision=precision).astype(jnp.float32)
+            k_rope = latent(rope, rank)
+            s = jnp.zeros((rows, block_k), jnp.float32)
+            for c in range(0, rank, qk_chunk):
+                q_c = load_q(c, qk_chunk).reshape(rows, qk_chunk)
+                s += plgpu.dot(q_c, latent(qk_chunk, c), trans_b=True,
+                               precision=precision).astype(jnp.float32)
+            values = latent(rv, v0)
         s += plgpu.dot(q_rope, k_rope, trans_b=True, precision=precision).astype(jnp.float32)
         s = s * scale                                                     # log2 domain
         if masked:
@@ -151,10 +169,10 @@ def _kernel(
         alpha = jnp.exp2(m_prev - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
         l_next = l_prev * alpha + jnp.sum(p, axis=1)
-        pv = plgpu.dot(p.astype(c_kv.dtype), c_kv, precision=precision).astype(jnp.float32)
+        pv = plgpu.dot(p.astype(values.dtype), values, precision=precision).astype(jnp.float32)
         return acc * alpha[:, None] + pv, m_next, l_next
 
-    carry = (jnp.zeros((rows, rank), jnp.float32),
+    carry = (jnp.zeros((rows, rv), jnp.float32),
              jnp.full((rows,), -jnp.inf, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
@@ -162,18 +180,18 @@ def _kernel(
 
     nonempty = l_i > 0.0
     inv_l = jnp.where(nonempty, 1.0 / jnp.where(nonempty, l_i, 1.0), 0.0)
-    out = (acc * inv_l[:, None]).reshape(block_q, block_h, rank)
-    out_mask = jnp.broadcast_to(tok_valid[:, None, None], (block_q, block_h, rank))
+    out = (acc * inv_l[:, None]).reshape(block_q, block_h, rv)
+    out_mask = jnp.broadcast_to(tok_valid[:, None, None], (block_q, block_h, rv))
     if num_splits == 1:
         (o_ref,) = out_refs
-        plgpu.store(o_ref.at[pl.ds(start, block_q), pl.ds(h0, block_h), :],
+        plgpu.store(o_ref.at[pl.ds(start, block_q), pl.ds(h0, block_h), pl.ds(v0, rv)],
                     out.astype(o_ref.dtype), mask=out_mask)
     else:
         o_ref, lse_ref = out_refs
         # log2-domain log-sum-exp of this split's logits; -inf when it saw nothing.
         lse = jnp.where(nonempty, m_i + jnp.log2(jnp.where(nonempty, l_i, 1.0)), -jnp.inf)
-        plgpu.store(o_ref.at[split, pl.ds(start, block_q), pl.ds(h0, block_h), :], out,
-                    mask=out_mask)
+        plgpu.store(o_ref.at[split, pl.ds(start, block_q), pl.ds(h0, block_h), pl.ds(v0, rv)],
+                    out, mask=out_mask)
         plgpu.store(lse_ref.at[split, pl.ds(start, block_q), pl.ds(h0, block_h)],
                     lse.reshape(block_q, block_h),
                     mask=jnp.broadcast_to(tok_valid[:, None], (block_q, block_h)))
@@ -198,6 +216,8 @@ def mla_core(
     num_warps: int,
     num_stages: int,
     interpret: bool,
+    value_split: int = 1,
+    qk_chunk: int | None = None,
 ):
     """Runs the kernel over the work list -> (out [T, H, R] in q's dtype, covered [T] bool for
     num_splits > 1 (None otherwise)).
@@ -220,7 +240,7 @@ def mla_core(
     kernel = functools.partial(
         _kernel, block_q=block_q, block_h=block_h, rank=rank, block_k=block_k,
         tokens_per_split=tokens_per_split, num_splits=num_splits, sm_scale=float(sm_scale),
-        exact_f32=q.dtype == jnp.float32)
+        exact_f32=q.dtype == jnp.float32, value_split=value_split, qk_chunk=qk_chunk)
 
     def full(shape):
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
@@ -236,14 +256,16 @@ def mla_core(
         inits = []
     outs = pl.pallas_call(
         kernel,
-        grid=(h // block_h, num_splits, num_items),
+        grid=(h // block_h * value_split, num_splits, num_items),
         in_specs=in_specs + [full(s.shape) for s in out_shape[:len(inits)]],
         out_specs=[full(s.shape) for s in out_shape],
         out_shape=out_shape,
         input_output_aliases={len(args) + i: i for i in range(len(inits))},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"mla_paged_attn_bq{block_q}_bh{block_h}_bk{block_k}_ns{num_splits}",
+        name=f"mla_paged_attn_bq{block_q}_bh{block_h}_bk{block_k}_ns{num_splits}"
+             + (f"_vs{value_split}" if value_split > 1 else "")
+             + (f"_qc{qk_chunk}" if qk_chunk and qk_chunk != rank else ""),
     )(*args, *inits)
     if num_splits == 1:
         return outs[0]

@@ -23,7 +23,8 @@ from pallas_kernels import _checks
 from pallas_kernels.paged_reference import paged_attention_tokens, ragged_token_rows
 from pallas_kernels.mla_paged_attention.kernel import mla_core
 
-_TUNING_KEYS = ("block_q", "block_h", "block_k", "num_splits", "num_warps", "num_stages")
+_TUNING_KEYS = ("block_q", "block_h", "block_k", "num_splits", "num_warps", "num_stages",
+                "value_split", "qk_chunk")
 _NUM_SMS = 132  # H100 / H200
 MAX_ROWS = 64   # default tile rows (block_q * block_h): a [64, 512] f32 accumulator
 
@@ -77,7 +78,8 @@ def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_
            and splits * 2 * block_k * 4 <= max_pages * page_size):
         splits *= 2
     return dict(block_q=block_q, block_h=block_h, block_k=block_k, num_splits=splits,
-                num_warps=4 if small else 8, num_stages=1 if small else 2)
+                num_warps=4 if small else 8, num_stages=1 if small else 2, value_split=1,
+                qk_chunk=None)
 
 
 def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
@@ -104,6 +106,10 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         dispatch passes the q_len of a uniform batch), block_h (heads per tile, default
         min(64 // block_q, largest power of 2 dividing H)), block_k (KV tokens per inner step),
         num_splits (KV splits), num_warps, num_stages: defaults in `default_tuning`.
+        value_split (programs per tile, each owning R / value_split output columns and
+        recomputing the logits; default 1) and qk_chunk (latent columns per QK dot, loaded
+        piecewise; default R): opt-in ways to cut live registers (docs/kernels.md: the
+        64-row tiles spill), not yet measured on a GPU.
     Returns:
       [T, H, R] in q's dtype (softmax and accumulation in f32).
     """
@@ -126,6 +132,13 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         raise ValueError(f"block_h {full['block_h']} must divide num_heads {h}")
     if full["block_k"] < 16 and not interpret:
         raise ValueError(f"block_k must be >= 16 compiled (Triton dot), got {full['block_k']}")
+    vs, qc = full["value_split"], full["qk_chunk"]
+    if not (_pow2(vs) and kv_lora_rank % vs == 0 and kv_lora_rank // vs >= 16):
+        raise ValueError(f"value_split must be a power of 2 leaving >= 16 of kv_lora_rank="
+                         f"{kv_lora_rank} columns per program, got {vs}")
+    if qc is not None and not (_pow2(qc) and 16 <= qc <= kv_lora_rank):
+        raise ValueError(f"qk_chunk must be None or a power of 2 in 16..kv_lora_rank="
+                         f"{kv_lora_rank}, got {qc}")
     if not 1 <= full["num_splits"] <= 256:
         raise ValueError(f"num_splits must be in 1..256, got {full['num_splits']}")
     if sm_scale is not None and not sm_scale > 0:
@@ -153,7 +166,8 @@ def _mla(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, sm_scal
                     rank=rank, block_q=bq, block_h=tuning["block_h"],
                     block_k=tuning["block_k"], num_splits=tuning["num_splits"],
                     sm_scale=sm_scale, num_warps=tuning["num_warps"],
-                    num_stages=tuning["num_stages"], interpret=interpret)
+                    num_stages=tuning["num_stages"], interpret=interpret,
+                    value_split=tuning["value_split"], qk_chunk=tuning["qk_chunk"])
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "sm_scale", "token_chunk"))

@@ -1,0 +1,167 @@
+"""Registers, spills and matrix instructions of the Pallas kernels on an H100, without a GPU.
+
+    python -m mtpjax.bench.register_report --triton-python PY [--cases a,b] [--configs 8/2,4/1]
+
+1. On this machine, each case (a kernel, its shapes and tuning) is lowered for CUDA
+   (`jax.export(..., platforms=["cuda"])`) and the Triton IR of its Pallas call is kept.
+2. In the Python `PY`, which must have the `triton` wheel (kept apart from the project's
+   environment: `python3 -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.5.0`), that IR is
+   compiled for sm_90 at each num_warps/num_stages, and the wheel's `ptxas -v` reports the
+   registers per thread and the spill bytes; the PTX is searched for `wgmma.mma_async` (Hopper
+   warpgroup MMA) and `mma.sync` (the older per-warp MMA).
+
+A proxy: XLA compiles the same IR with its own Triton pin, so numbers can differ, but what this
+found first (round 3, session 8: the MLA kernel's 64-row tiles use wgmma and spill 1.2-1.5 KB
+per thread at 255 registers; the grouped matmul's 128 x 128 tiles spill at 4 warps and not at 8)
+is where the GPU time goes next. Without `--triton-python` only step 1 runs (the IR files).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CASES = {
+    # name: (kernel, arguments as (shape, dtype name), tuning)
+    "gmm_prefill": ("grouped_matmul", [((24576, 2048), "bfloat16"), ((64, 2048, 1408), "bfloat16"),
+                                       ((64,), "int32")],
+                    dict(block_m=128, block_n=128, block_k=64, num_splits=1)),
+    "gmm_decode": ("grouped_matmul", [((6, 2048), "bfloat16"), ((64, 2048, 1408), "bfloat16"),
+                                      ((64,), "int32")], {}),
+    "mla_decode_h16": ("mla", [((64, 16, 576), "bfloat16")], {}),
+    "mla_decode_h128": ("mla", [((64, 128, 576), "bfloat16")], {}),
+    "mla_verify_h16": ("mla", [((256, 16, 576), "bfloat16")], dict(block_q=4)),
+    "mla_decode_h128_vs2_qc128": ("mla", [((64, 128, 576), "bfloat16")],
+                                  dict(value_split=2, qk_chunk=128)),
+    "mla_verify_h16_vs2_qc128": ("mla", [((256, 16, 576), "bfloat16")],
+                                 dict(block_q=4, value_split=2, qk_chunk=128)),
+    "mla_decode_h128_vs2_qc128_bk32": ("mla", [((64, 128, 576), "bfloat16")],
+                                       dict(value_split=2, qk_chunk=128, block_k=32)),
+    "mla_verify_h16_vs2_qc128_bk32": ("mla", [((256, 16, 576), "bfloat16")],
+                                      dict(block_q=4, value_split=2, qk_chunk=128, block_k=32)),
+    "mla_decode_h16_vs2": ("mla", [((64, 16, 576), "bfloat16")], dict(value_split=2)),
+}
+
+# Runs in the Python that has `triton`: argv = jobs.json, prints one JSON result per job.
+_WORKER = r'''
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+for job in json.load(open(sys.argv[1])):
+    res = dict(job)
+    try:
+        k = triton.compile(job["ir"], target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": job["warps"], "num_stages": job["stages"]})
+        ptx = k.asm["ptx"]
+        res.update(wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+                   mma_sync=len(re.findall(r"mma\.sync", ptx)), shared=k.metadata.shared)
+        with tempfile.TemporaryDirectory() as d:
+            open(os.path.join(d, "k.ptx"), "w").write(ptx)
+            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o",
+                                  os.path.join(d, "k.cubin")], capture_output=True, text=True)
+        info = out.stdout + out.stderr
+        regs = re.search(r"Used (\d+) registers", info)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+        res.update(registers=int(regs.group(1)) if regs else None,
+                   spill_stores=int(spill.group(1)) if spill else None,
+                   spill_loads=int(spill.group(2)) if spill else None)
+    except Exception as e:  # noqa: BLE001
+        res["error"] = repr(e)[:300]
+    print(json.dumps(res), flush=True)
+'''
+
+
+def lower_to_triton_ir(name: str, out_dir: str) -> list[str]:
+    """Lowers case `name` for CUDA; writes and returns the Triton IR file(s) of its Pallas
+    call(s)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    from pallas_kernels.grouped_matmul import grouped_matmul
+    from pallas_kernels.mla_paged_attention import mla_paged_attention
+
+    kernel, args, tuning = CASES[name]
+    if kernel == "grouped_matmul":
+        fn = functools.partial(grouped_matmul, **tuning)
+        specs = [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in args]
+    else:                                   # MLA: B=64 sequences, context 4096, page 64
+        (q_shape, q_dtype), = args
+        fn = functools.partial(mla_paged_attention, kv_lora_rank=512, **tuning)
+        S, i32 = jax.ShapeDtypeStruct, jnp.int32
+        specs = [S(q_shape, jnp.dtype(q_dtype)), S((4096 + 64, 64, 576), jnp.dtype(q_dtype)),
+                 S((64, 64), i32), S((64,), i32), S((65,), i32), S((1,), i32)]
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+    paths = []
+
+    def keep(*a, **k):
+        result = lower(*a, **k)
+        path = os.path.join(out_dir, f"{name}_{len(paths)}.ttir")
+        with open(path, "w") as f:
+            f.write(result.module.operation.get_asm(enable_debug_info=False))
+        paths.append(path)
+        return result
+
+    registration.lowering.lower_jaxpr_to_triton_module = keep
+    try:
+        export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*specs)
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = lower
+    return paths
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {list(CASES)}")
+    ap.add_argument("--configs", default="4/1,8/1,8/2", help="num_warps/num_stages, comma-separated")
+    ap.add_argument("--triton-python", default=os.environ.get("MTPJAX_TRITON_PYTHON"),
+                    help="a Python with the triton wheel (or $MTPJAX_TRITON_PYTHON)")
+    ap.add_argument("--out", default=None, help="folder for the IR files and report.json")
+    a = ap.parse_args(argv)
+    cases = [c for c in a.cases.split(",") if c]
+    bad = [c for c in cases if c not in CASES]
+    if bad:
+        raise SystemExit(f"unknown cases {bad}; expected some of {list(CASES)}")
+    configs = [tuple(int(x) for x in c.split("/")) for c in a.configs.split(",") if c]
+    out = a.out or tempfile.mkdtemp(prefix="register_report_")
+    os.makedirs(out, exist_ok=True)
+    jobs = [dict(case=c, ir=path, warps=w, stages=s)
+            for c in cases for path in lower_to_triton_ir(c, out) for w, s in configs]
+    print(f"Triton IR of {len(cases)} case(s) in {out}", flush=True)
+    if not a.triton_python:
+        print("no --triton-python: lowering only (see the module docstring)")
+        return 0
+    with open(os.path.join(out, "jobs.json"), "w") as f:
+        json.dump(jobs, f)
+    with open(os.path.join(out, "worker.py"), "w") as f:
+        f.write(_WORKER)
+    proc = subprocess.run([a.triton_python, os.path.join(out, "worker.py"),
+                           os.path.join(out, "jobs.json")], capture_output=True, text=True)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not results:
+        print(proc.stderr[-2000:], file=sys.stderr)
+        return 1
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print("| case | warps | stages | registers | spill stores B | spill loads B | wgmma | "
+          "mma.sync | shared B |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['case']} | {r['warps']} | {r['stages']} | error: {r['error']} |")
+            continue
+        print(f"| {r['case']} | {r['warps']} | {r['stages']} | {r['registers']} | "
+              f"{r['spill_stores']} | {r['spill_loads']} | {r['wgmma']} | {r['mma_sync']} | "
+              f"{r['shared']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,16 @@
+"""bench.mla's --variants parsing (the benchmark itself needs a GPU)."""
+
+import pytest
+
+from mtpjax.bench import mla
+
+
+def test_variants_parse_and_join_every_case():
+    extra = mla.parse_variants("value_split=2,qk_chunk=128; value_split=4,qk_chunk=None")
+    assert extra == [dict(value_split=2, qk_chunk=128), dict(value_split=4, qk_chunk=None)]
+    got = mla.variants_for(4, 128, 16, 64, 4096, sweep=False, extra=extra)
+    assert got == [dict(block_q=4), dict(block_q=4, value_split=2, qk_chunk=128),
+                   dict(block_q=4, value_split=4, qk_chunk=None)]
+    assert mla.parse_variants("") == []
+    with pytest.raises(ValueError, match="'qk_chunk': expected key=value"):
+        mla.parse_variants("value_split=2,qk_chunk")
