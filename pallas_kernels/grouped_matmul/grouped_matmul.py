@@ -11,7 +11,7 @@ this reads each touched expert's weights where they lie.
 Tuning: block_m (rows per tile; default the mean group size rounded up to a power of two in
 [16, 128]), block_n and num_splits (split-K; default `default_blocks`: enough programs for
 every SM, K split before weight tiles narrow), block_k (must divide K; default 64),
-num_warps, num_stages. Measured on the H100 (docs/benchmarks.md, round 3 session 8, before
+num_warps (default 8 from 128 x 128 tiles, else 4), num_stages (3). Measured on the H100 (docs/benchmarks.md, round 3 session 8, before
 split-K): 1.10-1.37x the touched experts' bytes at 32 decode tokens, 7.5x at one token (narrow
 tiles), 5.4x its FLOP floor at 4096 tokens; split-K is not yet measured
 (`python -m mtpjax.bench.moe --variants pallas,pallas:BM/BN/BK/S` sweeps blocks and splits).
@@ -112,8 +112,8 @@ def _check(x, w, sizes, block_m, block_n, block_k):
                                              "num_warps", "num_stages", "interpret"))
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, block_m: int | None = None,
                    block_n: int | None = None, block_k: int | None = None,
-                   num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                   interpret: bool = False) -> jax.Array:
+                   num_splits: int | None = None, num_warps: int | None = None,
+                   num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """`ragged_dot(x [M, K], w [G, K, N], sizes int32[G])` -> [M, N] in x's dtype (float32
     accumulation). num_splits: K split over that many programs per output tile (partials
     summed in float32). Blocks not given come from `default_blocks`. ValueError for shapes,
@@ -125,6 +125,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, block_m: int
     auto_n, auto_splits = default_blocks(M, G, K, N, block_m, block_k)
     block_n = block_n or auto_n
     num_splits = num_splits or (auto_splits if K % (block_k * auto_splits) == 0 else 1)
+    # 8 warps from 128 x 128 output tiles: at 4 warps the float32 accumulator alone is 128
+    # registers per thread and the tile spilled (255 registers, 300 B spills; 151 and none at
+    # 8 warps: bench.register_report, round 3 session 8)
+    num_warps = num_warps or (8 if block_m * block_n >= 128 * 128 else 4)
     _check(x, w, sizes, block_m, block_n, block_k)
     if num_splits < 1 or K % (block_k * num_splits):
         raise ValueError(f"num_splits={num_splits} must be >= 1 and divide K={K} into whole "
