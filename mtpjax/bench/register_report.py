@@ -44,6 +44,10 @@ CASES = {
     "mla_verify_h16_vs2_qc128_bk32": ("mla", [((256, 16, 576), "bfloat16")],
                                       dict(block_q=4, value_split=2, qk_chunk=128, block_k=32)),
     "mla_decode_h16_vs2": ("mla", [((64, 16, 576), "bfloat16")], dict(value_split=2)),
+    # GQA paged attention at the Llama-3-8B layer shape (32 heads over 8 KV heads, d 128,
+    # page 16): decode at batch 1 and verify (q_len 4) at batch 32
+    "paged_decode_b1": ("paged", [((1, 1, 32, 128), "bfloat16")], {}),
+    "paged_verify_b32_q4": ("paged", [((32, 4, 32, 128), "bfloat16")], {}),
 }
 
 # Runs in the Python that has `triton`: argv = jobs.json, prints one JSON result per job.
@@ -86,15 +90,22 @@ def lower_to_triton_ir(name: str, out_dir: str) -> list[str]:
 
     from pallas_kernels.grouped_matmul import grouped_matmul
     from pallas_kernels.mla_paged_attention import mla_paged_attention
+    from pallas_kernels.paged_attention import paged_attention
 
     kernel, args, tuning = CASES[name]
+    S, i32 = jax.ShapeDtypeStruct, jnp.int32
     if kernel == "grouped_matmul":
         fn = functools.partial(grouped_matmul, **tuning)
-        specs = [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in args]
+        specs = [S(s, jnp.dtype(d)) for s, d in args]
+    elif kernel == "paged":                 # context up to 4096 tokens in pages of 16
+        (q_shape, q_dtype), = args
+        b, dt = q_shape[0], jnp.dtype(q_dtype)
+        fn = functools.partial(paged_attention, **tuning)
+        kv = S((8, b * 256 + 8, 16, 128), dt)
+        specs = [S(q_shape, dt), kv, kv, S((b, 256), i32), S((b,), i32)]
     else:                                   # MLA: B=64 sequences, context 4096, page 64
         (q_shape, q_dtype), = args
         fn = functools.partial(mla_paged_attention, kv_lora_rank=512, **tuning)
-        S, i32 = jax.ShapeDtypeStruct, jnp.int32
         specs = [S(q_shape, jnp.dtype(q_dtype)), S((4096 + 64, 64, 576), jnp.dtype(q_dtype)),
                  S((64, 64), i32), S((64,), i32), S((65,), i32), S((1,), i32)]
     lower = registration.lowering.lower_jaxpr_to_triton_module
