@@ -29,3 +29,12 @@ def test_report_with_triton(tmp_path, capsys):
     assert register_report.main(["--cases", "gmm_decode", "--configs", "4/1",
                                  "--out", str(tmp_path)]) == 0
     assert "| gmm_decode | 4 | 1 |" in capsys.readouterr().out
+
+
+def test_ctas_per_sm_counts_registers_and_shared_memory():
+    ctas = register_report.ctas_per_sm
+    assert ctas(255, 8, 155648) == 1          # the MLA 64-row tile: one CTA per SM
+    assert ctas(128, 4, 20480) == 4           # 128 registers x 128 threads: 4 by registers
+    assert ctas(163, 4, 51200) == 3
+    assert ctas(64, 4, 20480) == 8            # 8 by registers, 10 by shared memory
+    assert ctas(100, 8, 286720) == 0          # over 227 KB: cannot launch

@@ -80,6 +80,21 @@ for job in json.load(open(sys.argv[1])):
 '''
 
 
+H100_REGISTERS = 65536            # per SM
+H100_SHARED = 227 * 1024          # bytes per block (opt-in maximum); 228 KB per SM
+
+
+def ctas_per_sm(registers, warps: int, shared: int) -> int:
+    """CTAs of this kernel one H100 SM can hold, by registers (allocated per warp in units of
+    256) and shared memory; 0: the block cannot launch (shared memory over the limit)."""
+    if shared > H100_SHARED:
+        return 0
+    per_warp = -(-(registers or 0) * 32 // 256) * 256
+    by_regs = H100_REGISTERS // max(per_warp * warps, 1)
+    by_shared = (228 * 1024) // max(shared + 1024, 1)      # + 1 KB reserved per CTA
+    return min(by_regs, by_shared, 64 // warps)
+
+
 def lower_to_triton_ir(name: str, out_dir: str) -> list[str]:
     """Lowers case `name` for CUDA; writes and returns the Triton IR file(s) of its Pallas
     call(s)."""
@@ -162,15 +177,15 @@ def main(argv=None) -> int:
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(results, f, indent=1)
     print("| case | warps | stages | registers | spill stores B | spill loads B | wgmma | "
-          "mma.sync | shared B |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "mma.sync | shared B | CTAs/SM |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['case']} | {r['warps']} | {r['stages']} | error: {r['error']} |")
             continue
         print(f"| {r['case']} | {r['warps']} | {r['stages']} | {r['registers']} | "
               f"{r['spill_stores']} | {r['spill_loads']} | {r['wgmma']} | {r['mma_sync']} | "
-              f"{r['shared']} |")
+              f"{r['shared']} | {ctas_per_sm(r['registers'], r['warps'], r['shared'])} |")
     return 0
 
 
