@@ -10,6 +10,10 @@
                                         Hugging Face, engine start-up (python -m mtpjax.bench.e2e)
     mtpjax bench profile [options]      generate's loop vs the engine's steps, kernel by kernel
                                         (python -m mtpjax.bench.step_profile)
+    mtpjax bench moe | mla [options]    the MoE expert layer / MLA attention against their floors
+    mtpjax bench registers [options]    the kernels' registers and spills for sm_90, offline
+                                        (python -m mtpjax.bench.register_report)
+    mtpjax bench gpu-check [options]    Pallas vs reference tokens on the GPU (smoke check)
 """
 
 from __future__ import annotations
@@ -181,18 +185,16 @@ def cmd_convert(args):
     print(summary.line())
 
 
+BENCHES = {            # `mtpjax bench NAME` -> the module whose main(argv) it runs
+    "engine": "mtpjax.bench.engine", "kernels": "mtpjax.bench.kernels", "e2e": "mtpjax.bench.e2e",
+    "profile": "mtpjax.bench.step_profile", "moe": "mtpjax.bench.moe", "mla": "mtpjax.bench.mla",
+    "registers": "mtpjax.bench.register_report", "gpu-check": "mtpjax.bench.gpu_check",
+}
+
+
 def cmd_bench(args):
-    if args.what == "kernels":
-        from mtpjax.bench import kernels as bench
-        return bench.main(args.rest)
-    if args.what == "e2e":
-        from mtpjax.bench import e2e
-        return e2e.main(args.rest)
-    if args.what == "profile":
-        from mtpjax.bench import step_profile
-        return step_profile.main(args.rest)
-    from mtpjax.bench.engine import main as engine_bench
-    return engine_bench(args.rest)
+    import importlib
+    return importlib.import_module(BENCHES[args.what]).main(args.rest)
 
 
 def main(argv=None):
@@ -230,7 +232,7 @@ def main(argv=None):
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_convert)
     b = sub.add_parser("bench", help="benchmarks (GPU machine)")
-    b.add_argument("what", choices=["engine", "kernels", "e2e", "profile"])
+    b.add_argument("what", choices=sorted(BENCHES))
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     b.set_defaults(fn=cmd_bench)
     args = ap.parse_args(argv)

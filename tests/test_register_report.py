@@ -38,3 +38,12 @@ def test_ctas_per_sm_counts_registers_and_shared_memory():
     assert ctas(163, 4, 51200) == 3
     assert ctas(64, 4, 20480) == 8            # 8 by registers, 10 by shared memory
     assert ctas(100, 8, 286720) == 0          # over 227 KB: cannot launch
+
+
+def test_cli_runs_it(tmp_path):
+    from mtpjax.cli import BENCHES, main
+    assert main(["bench", "registers", "--cases", "gmm_decode", "--out", str(tmp_path)]) == 0
+    assert glob.glob(str(tmp_path / "gmm_decode_*.ttir"))
+    import importlib
+    for module in BENCHES.values():                  # every bench the CLI names has a main
+        assert callable(importlib.import_module(module).main), module
