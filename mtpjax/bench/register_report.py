@@ -44,6 +44,10 @@ CASES = {
     "mla_verify_h16_vs2_qc128_bk32": ("mla", [((256, 16, 576), "bfloat16")],
                                       dict(block_q=4, value_split=2, qk_chunk=128, block_k=32)),
     "mla_decode_h16_vs2": ("mla", [((64, 16, 576), "bfloat16")], dict(value_split=2)),
+    "mla_decode_h16_vs2_qc128": ("mla", [((64, 16, 576), "bfloat16")],
+                                 dict(value_split=2, qk_chunk=128)),
+    "mla_decode_h16_vs4_qc128": ("mla", [((64, 16, 576), "bfloat16")],
+                                 dict(value_split=4, qk_chunk=128)),
     # GQA paged attention at the Llama-3-8B layer shape (32 heads over 8 KV heads, d 128,
     # page 16): decode at batch 1 and verify (q_len 4) at batch 32
     "paged_decode_b1": ("paged", [((1, 1, 32, 128), "bfloat16")], {}),
