@@ -56,6 +56,7 @@ def main(argv=None):
             for r in check_opt_in(name, c, attention_impl="pallas"):
                 print("| " + " | ".join(map(str, r)) + " |", flush=True)
 
+
 OPT_IN = {   # model -> (label, environment, generate/LLM keyword arguments)
     "gqa": [("fuse_projections=True", {}, {"fuse_projections": True})],
     "mla": [("MoE on the Pallas grouped matmul", {"MTPJAX_MOE_MATMUL": "pallas"}, {}),

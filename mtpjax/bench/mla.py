@@ -158,7 +158,7 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--variants", default="",
                     help='tuning variants timed in every decode/verify case beside the default, '
-                         'e.g. "value_split=2,qk_chunk=128;value_split=2,qk_chunk=128,num_stages=2"')
+                         'e.g. "value_split=2,qk_chunk=128;value_split=2,num_stages=2"')
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="after this many seconds, time only each case's default variant")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))

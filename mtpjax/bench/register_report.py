@@ -150,7 +150,8 @@ def lower_to_triton_ir(name: str, out_dir: str) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {list(CASES)}")
-    ap.add_argument("--configs", default="4/1,8/1,8/2", help="num_warps/num_stages, comma-separated")
+    ap.add_argument("--configs", default="4/1,8/1,8/2",
+                    help="num_warps/num_stages, comma-separated")
     ap.add_argument("--triton-python", default=os.environ.get("MTPJAX_TRITON_PYTHON"),
                     help="a Python with the triton wheel (or $MTPJAX_TRITON_PYTHON)")
     ap.add_argument("--out", default=None, help="folder for the IR files and report.json")

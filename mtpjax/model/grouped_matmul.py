@@ -60,9 +60,9 @@ def tiled_grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array,
 
 
 def matmul_choice(rows: int, groups: int, per_device: bool = False) -> str:
-    """"ragged" or "pallas" (or "tiled" when forced) for `rows` grouped rows over `groups` groups (static). per_device:
-    called inside `shard_map` on one device's own experts (the expert-parallel MoE), where the
-    tiles gather only local weights."""
+    """"ragged" or "pallas" ("tiled" only when forced) for `rows` grouped rows over `groups`
+    groups (static). per_device: called inside `shard_map` on one device's own experts (the
+    expert-parallel MoE), where a kernel reads only local weights."""
     forced = os.environ.get(ENV, "auto").strip().lower()
     if forced not in ("auto", "ragged", "tiled", "pallas"):
         raise ValueError(f"{ENV}={forced!r}: expected auto, ragged, tiled or pallas")
