@@ -52,6 +52,8 @@ CASES = {
     # page 16): decode at batch 1 and verify (q_len 4) at batch 32
     "paged_decode_b1": ("paged", [((1, 1, 32, 128), "bfloat16")], {}),
     "paged_verify_b32_q4": ("paged", [((32, 4, 32, 128), "bfloat16")], {}),
+    # the engine's mixed step: 512 tokens over 8 sequences (prefill chunks + decode rows)
+    "ragged_mixed_512": ("ragged", [((512, 32, 128), "bfloat16")], {}),
 }
 
 # Runs in the Python that has `triton`: argv = jobs.json, prints one JSON result per job.
@@ -110,6 +112,7 @@ def lower_to_triton_ir(name: str, out_dir: str) -> list[str]:
     from pallas_kernels.grouped_matmul import grouped_matmul
     from pallas_kernels.mla_paged_attention import mla_paged_attention
     from pallas_kernels.paged_attention import paged_attention
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     kernel, args, tuning = CASES[name]
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
@@ -122,6 +125,13 @@ def lower_to_triton_ir(name: str, out_dir: str) -> list[str]:
         fn = functools.partial(paged_attention, **tuning)
         kv = S((8, b * 256 + 8, 16, 128), dt)
         specs = [S(q_shape, dt), kv, kv, S((b, 256), i32), S((b,), i32)]
+    elif kernel == "ragged":                # 8 sequences, context up to 4096 in pages of 16
+        (q_shape, q_dtype), = args
+        dt = jnp.dtype(q_dtype)
+        fn = functools.partial(ragged_paged_attention, **tuning)
+        kv = S((8, 8 * 256 + 8, 16, 128), dt)
+        specs = [S(q_shape, dt), kv, kv, S((8, 256), i32), S((8,), i32), S((9,), i32),
+                 S((1,), i32)]
     else:                                   # MLA: B=64 sequences, context 4096, page 64
         (q_shape, q_dtype), = args
         fn = functools.partial(mla_paged_attention, kv_lora_rank=512, **tuning)
@@ -163,8 +173,12 @@ def main(argv=None) -> int:
     configs = [tuple(int(x) for x in c.split("/")) for c in a.configs.split(",") if c]
     out = a.out or tempfile.mkdtemp(prefix="register_report_")
     os.makedirs(out, exist_ok=True)
-    jobs = [dict(case=c, ir=path, warps=w, stages=s)
-            for c in cases for path in lower_to_triton_ir(c, out) for w, s in configs]
+    jobs = []
+    for c in cases:
+        paths = lower_to_triton_ir(c, out)
+        for k, path in enumerate(paths):        # a case may make several Pallas calls
+            name = c if len(paths) == 1 else f"{c} #{k}"
+            jobs += [dict(case=name, ir=path, warps=w, stages=s) for w, s in configs]
     print(f"Triton IR of {len(cases)} case(s) in {out}", flush=True)
     if not a.triton_python:
         print("no --triton-python: lowering only (see the module docstring)")
