@@ -57,8 +57,10 @@ def _model_args(p: argparse.ArgumentParser):
     g.add_argument("--replicas", type=int, default=1,
                    help="independent engines (mtpjax.DataParallelLLM), each on --tensor-parallel "
                         "devices")
-    g.add_argument("--fuse-projections", action="store_true",
-                   help="q/k/v and gate/up weights concatenated once at load (one device)")
+    g.add_argument("--fuse-projections", nargs="?", const="all", default=False,
+                   choices=["all", "qkv"],
+                   help="q/k/v and gate/up weights concatenated once at load (one device); "
+                        "'qkv': only q/k/v")
 
 
 def _build(args):

@@ -20,7 +20,7 @@ from mtpjax.cache import init_cache
 from mtpjax.compilation_cache import enable_compilation_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.model.backend import resolve_backend
-from mtpjax.model.fused import check_fusable, fuse_projections as fuse
+from mtpjax.model.fused import check_fusable, fuse_projections as fuse, fusion_groups
 from mtpjax.parallel import check_mesh, sharded_inputs, to_host
 from mtpjax.parallel.sharding import pin
 from mtpjax.sampling import Limits, SamplingArrays, as_sampling_list, is_stop, stop_id_array
@@ -238,7 +238,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
              num_pages: int | None = None, attention_impl="auto",
              cache_dtype=None, draft_source: str = "model",
              forced_drafts=None, mesh=None, steps_per_check: int = 4,
-             draft_vocab=None, fuse_projections: bool = False) -> GenerateOutput:
+             draft_vocab=None, fuse_projections: bool | str = False) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt (fewer when `SamplingParams.max_tokens` is
     smaller or a stop token is produced; the stop token is included in the output).
 
@@ -260,7 +260,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     draft_vocab: with `SpecConfig(draft_vocab_size=N)`, the token ids drafts come from (N ids,
     or ranked ids of which the first N are taken; speculative/draft_vocab.py).
     fuse_projections: run with q/k/v and gate/up weights concatenated once (model/fused.py;
-    one device only).
+    one device only): True / "all" both groups, "qkv" only q/k/v (less memory), False none.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -268,9 +268,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
             or steps_per_check <= 0:
         raise ValueError(f"steps_per_check must be a positive int, got {steps_per_check!r}")
     mesh = check_mesh(mesh)
-    if not isinstance(fuse_projections, (bool, np.bool_)):
-        raise ValueError(f"fuse_projections must be a bool, got {fuse_projections!r}")
-    if fuse_projections:
+    fused_groups = fusion_groups(fuse_projections)
+    if fused_groups:
         check_fusable(mesh)
     enable_compilation_cache()
     prompts = validate_prompts(prompts, cfg)
@@ -318,8 +317,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
             mesh, cfg, params, lambda: SlotState.create(
                 cfg, spec, init_cache(cfg, num_pages, page_size, dtype), B, dtype),
             (batch, sp_arrays, limits, forced))
-    if fuse_projections:            # after placement: the table describes the unfused tree
-        params = fuse(params, cfg)
+    if fused_groups:                # after placement: the table describes the unfused tree
+        params = fuse(params, cfg, fused_groups)
     params = attach_draft_vocab(params, vocab_ids, mesh)
     state = _prefill(params, cfg, spec, slots, batch, limits, forced,
                      first_pass_len=F, max_new=max(max_new), backend=backend,

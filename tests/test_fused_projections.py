@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mtpjax
-from mtpjax.model.fused import check_fusable, fuse_projections, is_fused
+from mtpjax.model.fused import check_fusable, fuse_projections, fusion_groups, is_fused
 from tests.conftest import random_params, tiny_config
 
 gen = importlib.import_module("mtpjax.generate")
@@ -96,7 +96,32 @@ def test_bad_inputs():
     two = types.SimpleNamespace(size=2, shape={"data": 1, "model": 2})
     with pytest.raises(ValueError, match="needs one device; got a mesh of 2 devices"):
         check_fusable(two)
-    with pytest.raises(ValueError, match="fuse_projections must be a bool, got 'yes'"):
+    with pytest.raises(ValueError, match="fuse_projections must be True, False, 'all' or 'qkv', "
+                                         "got 'yes'"):
         mtpjax.generate(params, cfg, [[1, 2]], max_new_tokens=2, fuse_projections="yes")
-    with pytest.raises(ValueError, match="fuse_projections must be a bool"):
+    with pytest.raises(ValueError, match="fuse_projections must be True.*got 1"):
         mtpjax.LLM(params, cfg, num_pages=8, fuse_projections=1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_qkv_mode_fuses_only_qkv_and_keeps_tokens(seed):
+    """fuse_projections="qkv": wqkv but separate w_gate / w_up; same forward and tokens."""
+    cfg, params = model("qwen2", seed)
+    fused = fuse_projections(params, cfg, fusion_groups("qkv"))
+    layer = fused["layers"][0]
+    assert "wqkv" in layer and "bqkv" in layer and "w_gate" in layer and "w_gate_up" not in layer
+    assert fusion_groups(True) == fusion_groups("all") == ("qkv", "gate_up")
+    assert fusion_groups(False) == ()
+    tokens = jax.random.randint(jax.random.PRNGKey(seed), (2, 7), 0, cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(mtpjax.forward(fused, cfg, tokens)),
+                               np.asarray(mtpjax.forward(params, cfg, tokens)),
+                               rtol=1e-5, atol=1e-5)
+    spec = mtpjax.SpecConfig(num_speculative_tokens=2)
+    want = mtpjax.generate(params, cfg, PROMPTS, max_new_tokens=6, spec=spec).tokens
+    assert mtpjax.generate(params, cfg, PROMPTS, max_new_tokens=6, spec=spec,
+                           fuse_projections="qkv").tokens == want
+    llm = mtpjax.LLM(params, cfg, spec, num_pages=32, page_size=4, max_num_seqs=3,
+                     max_num_batched_tokens=16, fuse_projections="qkv")
+    assert "w_gate" in llm.runner.params["layers"][0]
+    got = [o.token_ids for o in llm.generate(PROMPTS, mtpjax.SamplingParams(max_tokens=6))]
+    assert got == want

@@ -474,7 +474,7 @@ def run_child(args, role: str, batch: int, env_extra: dict | None = None) -> dic
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.fuse_projections:
-        cmd += ["--fuse-projections"]
+        cmd += ["--fuse-projections", args.fuse_projections]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=args.child_timeout)
@@ -536,9 +536,10 @@ def parse_args(argv):
     ap.add_argument("--replicas", type=int, default=1,
                     help="engine rows: that many independent engines (mtpjax.DataParallelLLM, "
                          "each on --tensor-parallel devices), the batch split between them")
-    ap.add_argument("--fuse-projections", action="store_true",
+    ap.add_argument("--fuse-projections", nargs="?", const="all", default=False,
+                    choices=["all", "qkv"],
                     help="generate and engine rows with q/k/v and gate/up fused at load "
-                         "(model/fused.py; one device)")
+                         "(model/fused.py; one device); 'qkv': only q/k/v")
     ap.add_argument("--steps-per-check", type=int, default=4,
                     help="generate rows: steps between two 'all done' checks of the device loop")
     ap.add_argument("--rows", default=",".join(ROWS),
@@ -733,7 +734,7 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
     print(f"\nE2E {args.model_shape} on {dev.device_kind}: prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, K={K}, synthetic acceptance {args.accept_rate}, "
           f"copy {bw / 1e12:.3f} TB/s, floor ctx {ctx:g}"
-          + (", fused projections" if args.fuse_projections else ""))
+          + (f", fused projections ({args.fuse_projections})" if args.fuse_projections else ""))
     print(table(rows), flush=True)
     return 0
 

@@ -210,7 +210,8 @@ class LLM:
     draft_vocab: with `SpecConfig(draft_vocab_size=N)`, the token ids drafts come from (N ids,
     or ranked ids of which the first N are taken; speculative/draft_vocab.py).
     fuse_projections: serve with q/k/v and gate/up weights concatenated once (one GEMM each;
-    `model/fused.py`; one device only; the fused matrices are new arrays beside the caller's).
+    `model/fused.py`; one device only; the fused matrices are new arrays beside the caller's):
+    True / "all" both groups, "qkv" only q/k/v.
 
     Thread-safe: one lock serializes engine operations; several threads may call generate at once
     and share the batch. Errors and interrupts: see the module docstring and docs/engine.md.
@@ -224,7 +225,7 @@ class LLM:
                  max_waiting_requests: int | None = 1024, warmup: bool | None = None,
                  max_logprobs: int = 0, adaptive_k: AdaptiveK | None = None, mesh=None,
                  draft_vocab=None, executable_cache: str | bool | None = None,
-                 fuse_projections: bool = False):
+                 fuse_projections: bool | str = False):
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         if spec is not None:
@@ -246,8 +247,7 @@ class LLM:
             raise ValueError(f"adaptive_k must be an AdaptiveK or None, got "
                              f"{type(adaptive_k).__name__}")
         for name, flag in (("enable_prefix_caching", enable_prefix_caching),
-                           ("async_scheduling", async_scheduling), ("warmup", warmup),
-                           ("fuse_projections", fuse_projections)):
+                           ("async_scheduling", async_scheduling), ("warmup", warmup)):
             if not isinstance(flag, (bool, np.bool_)) and not (name == "warmup" and flag is None):
                 raise ValueError(f"{name} must be a bool, got {name}={flag!r}")
         if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
@@ -259,8 +259,8 @@ class LLM:
             raise ValueError(f"executable_cache must be None, False or a folder, got "
                              f"executable_cache={executable_cache!r}")
         check_params(params, cfg)
-        if fuse_projections:
-            from mtpjax.model.fused import check_fusable
+        from mtpjax.model.fused import check_fusable, fusion_groups
+        if fusion_groups(fuse_projections):
             from mtpjax.parallel import check_mesh
             check_fusable(check_mesh(mesh))
         vocab_ids = draft_vocab_ids(cfg, spec, draft_vocab)

@@ -22,7 +22,7 @@ from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.engine.scheduler import SchedulerOutput
 from mtpjax.generate import bucket_size
 from mtpjax.model.backend import resolve_backend
-from mtpjax.model.fused import fuse_projections as fuse
+from mtpjax.model.fused import fuse_projections as fuse, fusion_groups
 from mtpjax.parallel import check_mesh, create_sharded, replicate, shard_params
 from mtpjax.parallel.sharding import pin, pin_replicated
 from mtpjax.sampling import SAMPLING_MODES, SamplingArrays, request_key, sampling_mode
@@ -101,7 +101,7 @@ class ModelRunner:
     def __init__(self, params, cfg: ModelConfig, spec: SpecConfig | None, *, num_pages: int,
                  page_size: int, max_num_seqs: int, max_blocks_per_seq: int, seed: int = 0,
                  attention_impl="auto", cache_dtype=None, max_logprobs: int = 0, mesh=None,
-                 draft_vocab=None, executable_store=None, fuse_projections: bool = False):
+                 draft_vocab=None, executable_store=None, fuse_projections: bool | str = False):
         self.params, self.cfg, self.spec = params, cfg, spec
         self.max_logprobs = max_logprobs              # n compiled into the step (0: no logprobs)
         self.K, self.W = draft_shape(spec)
@@ -112,8 +112,9 @@ class ModelRunner:
         self.backend = resolve_backend(attention_impl, mesh=self.mesh)
         if self.mesh is not None:
             self.params = params = shard_params(params, cfg, self.mesh)
-        if fuse_projections:        # after placement: the table describes the unfused tree
-            self.params = params = fuse(params, cfg)
+        groups = fusion_groups(fuse_projections)
+        if groups:                  # after placement: the table describes the unfused tree
+            self.params = params = fuse(params, cfg, groups)
         # draft_vocab: checked host ids int32[N] (draft_vocab.resolve_ids) or None
         self.params = params = attach_draft_vocab(params, draft_vocab, self.mesh)
         self.seed = seed

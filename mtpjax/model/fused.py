@@ -8,6 +8,10 @@ one `w_gate_up [E, 2I]` makes each group one GEMM that reads the same bytes. XLA
 would do the same merge *per call* (a copy of the weights every step: why `step_jit` turns it
 off); here it happens once.
 
+Modes (`fusion_groups`): `True` / "all" fuses both groups, "qkv" only q/k/v (the small k/v
+GEMMs were the slow ones; gate/up already ran at copy bandwidth, and their concatenation is
+most of the extra memory: ~9 GB of ~11 at the 8B shape), `False` none.
+
 `fuse_projections(params, cfg)` returns a new tree: every GQA layer (target and MTP blocks) gets
 `wqkv` (and `bqkv` with biases) in place of wq/wk/wv (bq/bk/bv), every dense SwiGLU `w_gate_up`
 in place of w_gate/w_up; everything else is shared with the input. The model's projections read
@@ -22,30 +26,42 @@ the caller holds them (`LLM.from_pretrained` holds nothing else).
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 QKV = ("wq", "wk", "wv")
+GROUPS = ("qkv", "gate_up")
+MODES = {"all": GROUPS, "qkv": ("qkv",)}
 BQKV = ("bq", "bk", "bv")
 GATE_UP = ("w_gate", "w_up")
 
 
-def _fuse_block(block: dict, kinds: tuple[str, str]) -> dict:
+def fusion_groups(value) -> tuple[str, ...]:
+    """The projection groups a `fuse_projections=` value fuses; ValueError naming a bad one."""
+    if isinstance(value, (bool, np.bool_)):
+        return GROUPS if value else ()
+    if isinstance(value, str) and value in MODES:
+        return MODES[value]
+    raise ValueError(f"fuse_projections must be True, False, 'all' or 'qkv', got {value!r}")
+
+
+def _fuse_block(block: dict, kinds: tuple[str, str], groups=GROUPS) -> dict:
     out = dict(block)
-    if kinds[0] == "gqa" and all(k in out for k in QKV):
+    if "qkv" in groups and kinds[0] == "gqa" and all(k in out for k in QKV):
         out["wqkv"] = jnp.concatenate([out.pop(k) for k in QKV], axis=-1)
         if all(k in out for k in BQKV):
             out["bqkv"] = jnp.concatenate([out.pop(k) for k in BQKV], axis=-1)
-    if kinds[1] == "dense" and all(k in out for k in GATE_UP):
+    if "gate_up" in groups and kinds[1] == "dense" and all(k in out for k in GATE_UP):
         out["w_gate_up"] = jnp.concatenate([out.pop(k) for k in GATE_UP], axis=-1)
     return out
 
 
-def fuse_projections(params: dict, cfg) -> dict:
-    """The params with fused q/k/v and gate/up matrices (see above); idempotent."""
+def fuse_projections(params: dict, cfg, groups=GROUPS) -> dict:
+    """The params with the `groups` ("qkv", "gate_up") fused (see above); idempotent."""
     out = dict(params)
-    out["layers"] = tuple(_fuse_block(p, k) for p, k in zip(params["layers"],
-                                                            cfg.layer_kinds()))
+    out["layers"] = tuple(_fuse_block(p, k, groups) for p, k in zip(params["layers"],
+                                                                    cfg.layer_kinds()))
     if "mtp" in params:
-        out["mtp"] = tuple(dict(m, block=_fuse_block(m["block"], cfg.mtp_layer_kind()))
+        out["mtp"] = tuple(dict(m, block=_fuse_block(m["block"], cfg.mtp_layer_kind(), groups))
                            for m in params["mtp"])
     return out
 
@@ -56,5 +72,5 @@ def is_fused(params: dict) -> bool:
 
 def check_fusable(mesh) -> None:
     if mesh is not None and mesh.size > 1:
-        raise ValueError(f"fuse_projections=True needs one device; got a mesh of {mesh.size} "
+        raise ValueError(f"fuse_projections needs one device; got a mesh of {mesh.size} "
                          f"devices {dict(mesh.shape)} (the sharding table splits q/k/v by head)")
