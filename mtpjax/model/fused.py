@@ -10,7 +10,7 @@ off); here it happens once.
 
 Modes (`fusion_groups`): `True` / "all" fuses both groups, "qkv" only q/k/v (the small k/v
 GEMMs were the slow ones; gate/up already ran at copy bandwidth, and their concatenation is
-most of the extra memory: ~9 GB of ~11 at the 8B shape), `False` none.
+most of the extra memory: 7.5 of 9.1 GB at the 8B shape), `False` none.
 
 `fuse_projections(params, cfg)` returns a new tree: every GQA layer (target and MTP blocks) gets
 `wqkv` (and `bqkv` with biases) in place of wq/wk/wv (bq/bk/bv), every dense SwiGLU `w_gate_up`
