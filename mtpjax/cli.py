@@ -25,6 +25,8 @@ import time
 import jax
 import numpy as np
 
+from mtpjax.model.fused import MODES as FUSION_MODES
+
 
 def _model_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("model")
@@ -58,7 +60,7 @@ def _model_args(p: argparse.ArgumentParser):
                    help="independent engines (mtpjax.DataParallelLLM), each on --tensor-parallel "
                         "devices")
     g.add_argument("--fuse-projections", nargs="?", const="all", default=False,
-                   choices=["all", "qkv"],
+                   choices=sorted(FUSION_MODES),
                    help="q/k/v and gate/up weights concatenated once at load (one device); "
                         "'qkv': only q/k/v")
 

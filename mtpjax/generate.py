@@ -282,6 +282,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     # chain drafting writes module KV up to position N + 2K - 1 (docs/spec_decoding.md)
     lookahead = 0 if spec is None else 2 * spec.num_speculative_tokens + 1
     num_requests = len(prompts)
+    max_new = [min(max_new_tokens, s.max_tokens or max_new_tokens) for s in sps]
     if num_requests == 1:
         # One request runs as two rows, the second a one-token request that finishes at
         # prefill and is a padding row from then on. With one row every projection is a
@@ -289,15 +290,13 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
         # before each of the step's ~7 projections per layer); two rows need none. The engine
         # pads its batches the same way (>= 8 tokens). Row 0's pages, key and tokens are
         # unchanged (tests/test_generate_padding_row.py).
-        prompts, sps = prompts + [[0]], sps + [SamplingParams(max_tokens=1)]
+        if num_pages is not None:   # checked for the real request first (its own error)
+            plan_pages([len(prompts[0]) + max_new[0] + lookahead], page_size, num_pages, seed)
+            num_pages += math.ceil((2 + lookahead) / page_size)
+        prompts, sps, max_new = prompts + [[0]], sps + [SamplingParams(max_tokens=1)], max_new + [1]
         if forced_drafts is not None:
             forced_drafts = np.asarray(forced_drafts)
             forced_drafts = np.concatenate([forced_drafts, np.zeros_like(forced_drafts)])
-        if num_pages is not None:   # checked for the real request first (its own error)
-            plan_pages([len(prompts[0]) + min(max_new_tokens, sps[0].max_tokens or max_new_tokens)
-                        + lookahead], page_size, num_pages, seed)
-            num_pages += math.ceil((2 + lookahead) / page_size)
-    max_new = [min(max_new_tokens, s.max_tokens or max_new_tokens) for s in sps]
     lens = [len(p) for p in prompts]
     tables, num_pages = plan_pages([n + m + lookahead for n, m in zip(lens, max_new)],
                                    page_size, num_pages, seed)

@@ -77,6 +77,8 @@ import tempfile
 import time
 import traceback
 
+from mtpjax.model.fused import MODES as FUSION_MODES
+
 SHAPES = {
     # Llama 3 8B: untied lm_head, plus one MTP module of the same layer shape
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -537,7 +539,7 @@ def parse_args(argv):
                     help="engine rows: that many independent engines (mtpjax.DataParallelLLM, "
                          "each on --tensor-parallel devices), the batch split between them")
     ap.add_argument("--fuse-projections", nargs="?", const="all", default=False,
-                    choices=["all", "qkv"],
+                    choices=sorted(FUSION_MODES),
                     help="generate and engine rows with q/k/v and gate/up fused at load "
                          "(model/fused.py; one device); 'qkv': only q/k/v")
     ap.add_argument("--steps-per-check", type=int, default=4,

@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 QKV = ("wq", "wk", "wv")
-GROUPS = ("qkv", "gate_up")
-MODES = {"all": GROUPS, "qkv": ("qkv",)}
 BQKV = ("bq", "bk", "bv")
 GATE_UP = ("w_gate", "w_up")
+GROUPS = ("qkv", "gate_up")
+MODES = {"all": GROUPS, "qkv": ("qkv",)}     # the string values of fuse_projections=
 
 
 def fusion_groups(value) -> tuple[str, ...]:
