@@ -45,8 +45,16 @@ def test_choice_env_and_moe_layer_through_both_paths(monkeypatch):
     from tests.test_deepseek import _ds_params, ds_config
     from mtpjax.model.kinds import ffn_kind
     one_gpu = jax.default_backend() == "gpu" and jax.device_count() == 1
-    assert gm.matmul_choice(10 ** 6, 8) == ("pallas" if one_gpu else "ragged")
-    assert gm.matmul_choice(15, 8) == "ragged"
+    for rows, groups in ((10 ** 6, 8), (15, 8), (1, 64)):
+        assert gm.matmul_choice(rows, groups) == ("pallas" if one_gpu else "ragged")
+    # on one GPU the kernel at every size: ragged_dot there reads every expert's weights
+    with monkeypatch.context() as m:
+        m.setattr(jax, "default_backend", lambda: "gpu")
+        m.setattr(jax, "device_count", lambda: 1)
+        assert {gm.matmul_choice(r, 64) for r in (1, 6, 127, 10 ** 5)} == {"pallas"}
+        m.setattr(jax, "device_count", lambda: 2)
+        assert gm.matmul_choice(6, 64) == "ragged"
+        assert gm.matmul_choice(6, 64, per_device=True) == "pallas"
     monkeypatch.setenv(gm.ENV, "fast")
     with pytest.raises(ValueError, match="MTPJAX_MOE_MATMUL='fast': expected auto, ragged, tiled or pallas"):
         gm.matmul_choice(8, 8)

@@ -1,17 +1,16 @@
-"""Grouped matmul of the MoE experts: `jax.lax.ragged_dot` for few rows, a Pallas kernel for more.
+"""Grouped matmul of the MoE experts: a Pallas kernel on one GPU, `jax.lax.ragged_dot` elsewhere.
 
 `ragged_dot(x [M, E], w [G, E, I], sizes [G])` multiplies each group of consecutive rows by its
 own expert. XLA 0.11.2 lowers it on the GPU to one dense dot over *every* group (it writes the
 rows masked per group, [M, G, E], and contracts over groups x hidden: read from the optimized
-HLO, docs/benchmarks.md): free at decode sizes, where reading the touched experts' weights
-dominates (1.01x the bandwidth floor at one token), but G times the FLOPs at prefill sizes
-(80x its floor at 4096 tokens for DeepSeek-V2-Lite's 64 experts; out of memory at 128).
+HLO, docs/benchmarks.md): it reads every expert's weights whatever the routing — 12x the
+touched experts' bytes at one DeepSeek-V2-Lite token (421 vs 35 us on the H100, compiled as
+the model's steps are; an earlier 50 us was XLA's dot merger sharing one read between the
+benchmark's calls) — and G times the FLOPs at prefill sizes (62x its floor at 4096 tokens).
 
 `pallas_kernels.grouped_matmul` (a Pallas Triton kernel: each row tile reads its expert's weights
-in place) is what the GPU runs from `MIN_PALLAS_ROWS_PER_GROUP` rows per group on average: on
-the H100 it beat ragged_dot from 32 decode tokens (V2-Lite 463 vs 524 us, V3 slice 3573 vs 4412)
-and the tiled form everywhere; ragged_dot stays below (V2-Lite at 1 token: 50 vs 264 us;
-docs/benchmarks.md). Only on one GPU or per device inside the expert-parallel layer: with
+in place) is therefore what one GPU runs at every size (`matmul_choice`); measured in
+docs/benchmarks.md. Only on one GPU or per device inside the expert-parallel layer: with
 experts sharded over a mesh by XLA, a kernel would need the other devices' weights.
 
 `tiled_grouped_matmul` is exact and costs what the rows need: each group's rows are padded to
@@ -30,7 +29,6 @@ import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul.grouped_matmul import tile_layout
 
-MIN_PALLAS_ROWS_PER_GROUP = 2   # auto: the Pallas kernel from this many rows per group (GPU)
 ENV = "MTPJAX_MOE_MATMUL"
 
 
@@ -71,7 +69,7 @@ def matmul_choice(rows: int, groups: int, per_device: bool = False) -> str:
     # one GPU only: with experts sharded over a mesh, a kernel (or the tiled form's gather)
     # would need other devices' experts (ragged_dot's partition keeps them local: docs/parallel.md)
     one_gpu = jax.default_backend() == "gpu" and (per_device or jax.device_count() == 1)
-    return "pallas" if one_gpu and rows >= MIN_PALLAS_ROWS_PER_GROUP * groups else "ragged"
+    return "pallas" if one_gpu else "ragged"
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array,

@@ -11,8 +11,8 @@ Routing (float32, per token; transformers' `DeepseekV3TopkRouter` / `DeepseekV2T
 - weights = their unbiased scores, normalized to sum 1 when `norm_topk_prob`, times
   `routed_scaling_factor`.
 
-Experts run as grouped matmuls (`grouped_matmul`: `jax.lax.ragged_dot` at decode sizes, exact
-tiles at prefill sizes on GPU) over the N*k (token, expert) pairs sorted by expert, so each expert's weights multiply only its own tokens: never all experts on all tokens,
+Experts run as grouped matmuls (`grouped_matmul`: a Pallas kernel on one GPU, `jax.lax.ragged_dot`
+elsewhere) over the N*k (token, expert) pairs sorted by expert, so each expert's weights multiply only its own tokens: never all experts on all tokens,
 never an [N, n_experts, hidden] activation. Padding tokens (valid False) are routed nowhere:
 they sort behind every expert's group, take no part in any matmul group and add nothing.
 """

@@ -188,7 +188,10 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         L = jnp.where(is_dec, W, jnp.where(is_chunk, jnp.maximum(W, q_len), 0))
         cu_f = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(L).astype(jnp.int32)])
         f = jnp.arange(F)
-        r_of = jnp.clip(jnp.searchsorted(cu_f, f, side="right") - 1, 0, R - 1)
+        # compare_all: searchsorted's default is a while loop (a host round trip per
+        # iteration on the GPU)
+        r_of = jnp.clip(jnp.searchsorted(cu_f, f, side="right", method="compare_all") - 1,
+                        0, R - 1)
         in_batch = f < cu_f[R]
         pos = new_len[r_of] - L[r_of] + (f - cu_f[r_of])
         valid = in_batch & (pos >= 0) & (pos >= batch.hist_from[r_of])

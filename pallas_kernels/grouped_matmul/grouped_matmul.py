@@ -79,10 +79,15 @@ def tile_layout(sizes: jax.Array, M: int, block_m: int):
     padded = -(-sizes // block_m) * block_m
     pends = jnp.cumsum(padded)                                # [G] end of each padded group
     row = jnp.arange(M, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(ends, row, side="right"), G).astype(jnp.int32)
+    # compare_all, not searchsorted's default "scan": that is a while loop, and a while loop on
+    # the GPU costs a device-to-host round trip per iteration; the three matmuls of an MoE
+    # layer spent ~300 us per layer in them on the H100 (docs/benchmarks.md, session 9)
+    g = jnp.minimum(jnp.searchsorted(ends, row, side="right", method="compare_all"),
+                    G).astype(jnp.int32)
     gc = jnp.minimum(g, G - 1)
     dest = jnp.where(g < G, pends[gc] - padded[gc] + row - (ends[gc] - sizes[gc]), Mp)
-    tg = jnp.searchsorted(pends, jnp.arange(n_tiles, dtype=jnp.int32) * block_m, side="right")
+    tg = jnp.searchsorted(pends, jnp.arange(n_tiles, dtype=jnp.int32) * block_m, side="right",
+                          method="compare_all")
     tile_group = jnp.where(tg < G, tg, -1).astype(jnp.int32)
     return dest.astype(jnp.int32), tile_group, Mp
 

@@ -1,0 +1,58 @@
+"""Guards the jitted steps against XLA while loops that nobody asked for.
+
+On the GPU every iteration of an XLA while loop copies its predicate to the host (outside a
+CUDA graph's while command), so a loop hidden in a helper costs a host round trip per
+iteration, per call. `jnp.searchsorted`'s default method is such a loop (log2(n) iterations):
+in the grouped matmul's tile layout it cost the H100 ~300 us per MoE layer, and the engine's
+speculative step ran one per step to map draft-input rows to requests (docs/benchmarks.md,
+round 3 session 9). The only loops a step may hold are the ones the design names: the K-step
+draft loop (`lax.fori_loop`) and generate's outer loop. Speed stays in benchmarks.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import mtpjax
+from tests.test_kernels_lower_for_cuda import CASES, lower_for_cuda
+from tests.test_no_weight_copies import capture_and_compile
+
+CFG = mtpjax.ModelConfig(vocab_size=200, hidden_size=48, intermediate_size=80, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=16, num_mtp_layers=2)
+_WHILE = re.compile(r" while\(")
+
+
+def hlo_whiles(hlo_text: str) -> int:
+    return sum(1 for line in hlo_text.splitlines() if _WHILE.search(line))
+
+
+@pytest.mark.parametrize("K,expected", [(0, 0), (3, 1)])
+def test_engine_step_holds_only_the_draft_loop(monkeypatch, K, expected):
+    """Plain step: no loop; a chain K=3 step: the draft loop alone (XLA:CPU keeps it as a
+    while; a searchsorted of the draft-input rows added a second one)."""
+    runner = __import__("mtpjax.engine.runner", fromlist=["_step"])
+    params = mtpjax.init_params(CFG, jax.random.PRNGKey(0))
+    spec = mtpjax.SpecConfig(num_speculative_tokens=K) if K else None
+    llm = mtpjax.LLM(params, CFG, spec, num_pages=32, page_size=8, max_num_seqs=2,
+                     max_num_batched_tokens=32)
+    hlo = capture_and_compile(monkeypatch, runner, "_step", lambda: llm.generate(
+        [[1, 2, 3], [4, 5]], mtpjax.SamplingParams(max_tokens=3)))
+    assert hlo_whiles(hlo) == expected
+
+
+@pytest.mark.parametrize("name", ["grouped_matmul", "grouped_matmul_split_k"])
+def test_grouped_matmul_wrapper_has_no_loop(name):
+    """The kernel's wrapper (tile layout, padding, gathers) is loop-free in the CUDA export;
+    the kernel's own K loop lives inside the Triton call, not in the StableHLO."""
+    fn, args = CASES[name]
+    text, _ = lower_for_cuda(fn, *args)
+    assert "stablehlo.while" not in text
+
+
+def test_tile_layout_has_no_loop():
+    from pallas_kernels.grouped_matmul.grouped_matmul import tile_layout
+    sizes = jnp.array([3, 0, 5, 1], jnp.int32)
+    text = jax.jit(lambda s: tile_layout(s, 16, 4)[:2]).lower(sizes).as_text()
+    assert "stablehlo.while" not in text
