@@ -70,3 +70,16 @@ def test_mla_moe_shape_bytes_and_rows(capsys, tmp_path):
     assert len(timed) == 4 and all(math.isfinite(r["pct_floor"]) and r["pct_floor"] > 0
                                    for r in timed)
     assert any("llama shapes only" in r.get("skipped", "") for r in saved["rows"])
+
+
+def test_engine_timing_skips_passes_that_compiled():
+    """A timed pass that built a program is replaced; the median is of compile-free passes."""
+    from mtpjax.bench.e2e import compile_free_median
+    seq = iter([dict(ms_per_step=300.0, compiled=2), dict(ms_per_step=5.0, compiled=0),
+                dict(ms_per_step=250.0, compiled=1), dict(ms_per_step=7.0, compiled=0),
+                dict(ms_per_step=6.0, compiled=0)])
+    best = compile_free_median(lambda: next(seq), repeats=3)
+    assert best["runs_ms_per_step"] == [5.0, 7.0, 6.0]
+    assert best["ms_per_step"] == 6.0 and best["passes_that_compiled"] == 2
+    always = compile_free_median(lambda: dict(ms_per_step=100.0, compiled=1), repeats=2)
+    assert always["ms_per_step"] == 100.0 and "every timed pass compiled (4" in always["note"]
