@@ -199,6 +199,7 @@ def main(argv=None):
             d = by.get(("decode q1", r["H"], r["page"]))
             if d:
                 r["t_over_q1"] = r["us"] / d["us"]
+    os.makedirs(a.out, exist_ok=True)            # a missing --out folder lost a whole run's table
     with open(os.path.join(a.out, "mla.json"), "w") as f:
         json.dump(dict(copy_bw=copy_bw, mm_rate=mm, rows=ROWS, best=best), f, indent=1)
     with open(os.path.join(a.out, "mla.log"), "w") as f:

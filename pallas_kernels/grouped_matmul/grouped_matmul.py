@@ -11,10 +11,11 @@ this reads each touched expert's weights where they lie.
 Tuning: block_m (rows per tile; default the mean group size rounded up to a power of two in
 [16, 128]), block_n and num_splits (split-K; default `default_blocks`: enough programs for
 every SM, K split before weight tiles narrow), block_k (must divide K; default 64),
-num_warps (default 8 from 128 x 128 tiles, else 4), num_stages (3). Measured on the H100 (docs/benchmarks.md, round 3 session 8, before
-split-K): 1.10-1.37x the touched experts' bytes at 32 decode tokens, 7.5x at one token (narrow
-tiles), 5.4x its FLOP floor at 4096 tokens; split-K is not yet measured
-(`python -m mtpjax.bench.moe --variants pallas,pallas:BM/BN/BK/S` sweeps blocks and splits).
+num_warps (default 8 from 128 x 128 tiles, else 4), num_stages (3). Measured on the H100
+(docs/benchmarks.md, round 3 session 9, with split-K): 2.93x / 1.38x / 1.81x the touched
+experts' bytes at 1 / 32 / 256 DeepSeek-V2-Lite tokens, 1.41x / 1.12x / 1.31x on the V3 slice;
+5.2x its FLOP floor at 4096 tokens (before the loop fix). `python -m mtpjax.bench.moe --variants
+pallas,pallas:BM/BN/BK/S` sweeps blocks and splits.
 """
 from __future__ import annotations
 
