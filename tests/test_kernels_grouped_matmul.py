@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped_matmul import grouped_matmul, tile_layout
+from pallas_kernels.grouped_matmul import grouped_matmul, grouped_swiglu, tile_layout
 
 
 def random_case(seed, M, K, N, G, dtype, fill=1.0, empty=0):
@@ -144,3 +144,71 @@ def test_bad_num_splits_names_the_value():
     x, w, sizes = random_case(0, 16, 64, 32, 2, jnp.float32)
     with pytest.raises(ValueError, match="num_splits=3 must be >= 1 and divide K=64"):
         grouped_matmul(x, w, sizes, block_k=16, num_splits=3, interpret=True)
+
+
+def swiglu_reference(x, wg, wu, wd, sizes):
+    """The three-ragged_dot SwiGLU in float32."""
+    hi = jax.lax.Precision.HIGHEST
+    f = lambda a: a.astype(jnp.float32)                                      # noqa: E731
+    h = jax.nn.silu(jax.lax.ragged_dot(f(x), f(wg), sizes, precision=hi)) \
+        * jax.lax.ragged_dot(f(x), f(wu), sizes, precision=hi)
+    return jax.lax.ragged_dot(h, f(wd), sizes, precision=hi)
+
+
+def swiglu_case(seed, M, E, I, G, dtype, fill=1.0, empty=0):
+    x, wg, sizes = random_case(seed, M, E, I, G, dtype, fill, empty)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed + 100))
+    wu = (jax.random.normal(k1, (G, E, I), jnp.float32) / np.sqrt(E)).astype(dtype)
+    wd = (jax.random.normal(k2, (G, I, E), jnp.float32) / np.sqrt(I)).astype(dtype)
+    return x, wg, wu, wd, sizes
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("M,E,I,G,fill,empty,gu,down", [
+    (50, 64, 32, 5, 1.0, 1, (16, 16, 1, None), (16, 16, 1, None)),   # an empty group
+    (37, 32, 48, 4, 0.7, 0, (16, 32, 1, None), (32, 16, 1, None)),   # rows past the groups
+    (8, 64, 64, 16, 1.0, 8, (32, 16, 2, None), (16, 16, 2, None)),   # decode: split-K both
+    (30, 128, 32, 6, 0.8, 2, (16, 16, 4, None), (16, 16, 1, None)),  # gate/up split 4 ways
+    (6, 256, 64, 16, 1.0, 10, None, None),                           # the defaults (split-K)
+])
+def test_grouped_swiglu_equals_three_ragged_dots(seed, M, E, I, G, fill, empty, gu, down):
+    x, wg, wu, wd, sizes = swiglu_case(seed, M, E, I, G, jnp.float32, fill, empty)
+    got = grouped_swiglu(x, wg, wu, wd, sizes, gate_up_blocks=gu, down_blocks=down,
+                         interpret=True)
+    want = swiglu_reference(x, wg, wu, wd, sizes)
+    assert got.shape == (M, E) and got.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got)[int(np.asarray(sizes).sum()):] == 0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_grouped_swiglu_bf16_and_other_activation(seed, splits):
+    x, wg, wu, wd, sizes = swiglu_case(seed, 40, 64, 32, 4, jnp.bfloat16)
+    got = grouped_swiglu(x, wg, wu, wd, sizes, gate_up_blocks=(16, 32, splits, None),
+                         interpret=True)
+    want = swiglu_reference(x, wg, wu, wd, sizes)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=3e-2,
+                               atol=3e-2)
+    gelu = grouped_swiglu(x.astype(jnp.float32), wg.astype(jnp.float32), wu.astype(jnp.float32),
+                          wd.astype(jnp.float32), sizes, activation=jax.nn.gelu,
+                          gate_up_blocks=(16, 32, splits, None), interpret=True)
+    f = lambda a: a.astype(jnp.float32)                                      # noqa: E731
+    hi = jax.lax.Precision.HIGHEST
+    h = jax.nn.gelu(jax.lax.ragged_dot(f(x), f(wg), sizes, precision=hi)) \
+        * jax.lax.ragged_dot(f(x), f(wu), sizes, precision=hi)
+    np.testing.assert_allclose(np.asarray(gelu), np.asarray(
+        jax.lax.ragged_dot(h, f(wd), sizes, precision=hi)), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_swiglu_bad_inputs_name_the_value():
+    x, wg, wu, wd, sizes = swiglu_case(0, 16, 32, 32, 2, jnp.float32)
+    with pytest.raises(ValueError, match="w_gate and w_up must be .* got \\(2, 32, 32\\) and "
+                                         "\\(2, 32, 16\\)"):
+        grouped_swiglu(x, wg, wu[..., :16], wd, sizes, interpret=True)
+    with pytest.raises(ValueError, match="w_down must be \\[experts=2, I=32, E=32\\], got "
+                                         "\\(2, 16, 32\\)"):
+        grouped_swiglu(x, wg, wu, wd[:, :16], sizes, interpret=True)
+    with pytest.raises(ValueError, match="num_splits=3 must be >= 1 and divide K=32"):
+        grouped_swiglu(x, wg, wu, wd, sizes, gate_up_blocks=(16, 16, 3, None), interpret=True)

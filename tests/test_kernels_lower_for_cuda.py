@@ -15,7 +15,7 @@ import pytest
 from jax import export
 
 from pallas_kernels.draft_roll import draft_roll
-from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul import grouped_matmul, grouped_swiglu
 from pallas_kernels.mla_paged_attention import mla_paged_attention
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -75,6 +75,14 @@ CASES = {
     # decode sizes: 6 rows over 64 experts, split-K partials in float32
     "grouped_matmul_split_k": (functools.partial(grouped_matmul, num_splits=4), (
         S((6, 2048), bf16), S((64, 2048, 1408), bf16), S((64,), i32))),
+    # the routed experts' SwiGLU: gate + up in one kernel (activation inside), then down
+    "grouped_swiglu": (functools.partial(grouped_swiglu, gate_up_blocks=(None, None, 1, None)), (
+        S((48, 2048), bf16), S((64, 2048, 1408), bf16), S((64, 2048, 1408), bf16),
+        S((64, 1408, 2048), bf16), S((64,), i32))),
+    # decode sizes: gate / up as float32 split-K partials, the activation after their sums
+    "grouped_swiglu_split_k": (grouped_swiglu, (
+        S((6, 2048), bf16), S((64, 2048, 1408), bf16), S((64, 2048, 1408), bf16),
+        S((64, 1408, 2048), bf16), S((64,), i32))),
 }
 
 

@@ -42,7 +42,8 @@ def test_engine_step_holds_only_the_draft_loop(monkeypatch, K, expected):
     assert hlo_whiles(hlo) == expected
 
 
-@pytest.mark.parametrize("name", ["grouped_matmul", "grouped_matmul_split_k"])
+@pytest.mark.parametrize("name", ["grouped_matmul", "grouped_matmul_split_k", "grouped_swiglu",
+                                  "grouped_swiglu_split_k"])
 def test_grouped_matmul_wrapper_has_no_loop(name):
     """The kernel's wrapper (tile layout, padding, gathers) is loop-free in the CUDA export;
     the kernel's own K loop lives inside the Triton call, not in the StableHLO."""

@@ -3,7 +3,8 @@
 decode sizes (few tokens per expert: weight-read bound) and prefill sizes (compute bound).
 
     python -m mtpjax.bench.moe [--shapes v2-lite,v3-slice] [--tokens 1,32,256,4096] [--out DIR]
-                               [--variants ragged_dot,tiled,pallas,pallas:BM/BN/BK[/S],mgpu,gather]
+                               [--variants ragged_dot,tiled,pallas,pallas:BM/BN/BK[/S],pallas_ffn,
+                                           mgpu,gather]
 
 Shapes (bf16 random weights, routing uniform random top-k without repeats per token):
   v2-lite   DeepSeek-V2-Lite: 64 routed experts, 6 per token, hidden 2048, expert width 1408
@@ -16,6 +17,8 @@ Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pai
   pallas      the same with mtpjax's Pallas (Triton) grouped-matmul kernel
               (`pallas_kernels.grouped_matmul`: each tile reads its expert's weights in place;
               interpreted off the GPU)
+  pallas_ffn  the model's own path on one GPU: `routed_experts` with `grouped_swiglu` forced to
+              the Pallas kernels (one row layout; gate and up in one kernel)
   mgpu        the same sort/scatter with ragged_dot_mgpu (Hopper WGMMA + TMA) for the matmuls
   gather      w[ids] per (token, slot) and batched matvecs: reads each chosen expert once per
               token (duplicates at larger N); decode sizes only
@@ -94,9 +97,26 @@ def experts_pallas(x, p, ids, w, blocks=None):
     return _routed(mm)(x, p, ids, w)
 
 
+def experts_pallas_ffn(x, p, ids, w):
+    """The model's MoE path with the Pallas kernels forced (`MTPJAX_MOE_MATMUL=pallas` while
+    tracing): one row layout, gate and up in one kernel (`grouped_swiglu`)."""
+    from mtpjax.model.grouped_matmul import ENV
+    before = os.environ.get(ENV)
+    os.environ[ENV] = "pallas"
+    try:
+        return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu)
+    finally:
+        if before is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = before
+
+
 def pallas_variants(use) -> list:
     """("pallas", fn) and one ("pallas:BM/BN/BK[/S]", fn) per such entry of `use` (S: split-K)."""
     out = [("pallas", experts_pallas)] if "pallas" in use else []
+    if "pallas_ffn" in use:
+        out.append(("pallas_ffn", experts_pallas_ffn))
     for v in use:
         if v.startswith("pallas:"):
             blocks = tuple(int(b) for b in v.split(":", 1)[1].split("/"))
@@ -150,7 +170,7 @@ def floor_s(shape: dict, ids, n: int, copy_bw: float, flops: float) -> tuple[flo
 
 
 def run(shape_names, token_counts, out_dir=None,
-        use=("ragged_dot", "tiled", "pallas", "mgpu", "gather")):
+        use=("ragged_dot", "tiled", "pallas", "pallas_ffn", "mgpu", "gather")):
     on_gpu = jax.default_backend() == "gpu"
     copy_bw, _ = copy_bandwidth() if on_gpu else (1e11, {})
     flops = matmul_rate(8192 if on_gpu else 256, reps=2 if on_gpu else 1)
@@ -236,7 +256,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="v2-lite,v3-slice")
     ap.add_argument("--tokens", default="1,32,256,4096")
-    ap.add_argument("--variants", default="ragged_dot,tiled,pallas,mgpu,gather")
+    ap.add_argument("--variants", default="ragged_dot,tiled,pallas,pallas_ffn,mgpu,gather")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.out:

@@ -32,6 +32,17 @@ CASES = {
                     dict(block_m=128, block_n=128, block_k=64, num_splits=1)),
     "gmm_decode": ("grouped_matmul", [((6, 2048), "bfloat16"), ((64, 2048, 1408), "bfloat16"),
                                       ((64,), "int32")], {}),
+    # the routed experts' SwiGLU (V2-Lite): gate + up in one kernel (two accumulators), then down;
+    # prefill tiles of 128 rows (the default halves gate/up's column blocks to 64) and decode
+    "swiglu_prefill": ("grouped_swiglu", [((24576, 2048), "bfloat16"),
+                                          ((64, 2048, 1408), "bfloat16"),
+                                          ((64, 2048, 1408), "bfloat16"),
+                                          ((64, 1408, 2048), "bfloat16"), ((64,), "int32")],
+                       dict(block_m=128, gate_up_blocks=(None, 64, 1, None),
+                            down_blocks=(128, 64, 1, None))),
+    "swiglu_decode": ("grouped_swiglu", [((6, 2048), "bfloat16"), ((64, 2048, 1408), "bfloat16"),
+                                         ((64, 2048, 1408), "bfloat16"),
+                                         ((64, 1408, 2048), "bfloat16"), ((64,), "int32")], {}),
     "mla_decode_h16": ("mla", [((64, 16, 576), "bfloat16")], {}),
     "mla_decode_h128": ("mla", [((64, 128, 576), "bfloat16")], {}),
     "mla_verify_h16": ("mla", [((256, 16, 576), "bfloat16")], dict(block_q=4)),
@@ -109,15 +120,16 @@ def lower_to_triton_ir(name: str, out_dir: str) -> list[str]:
     from jax import export
     from jax._src.pallas.triton import pallas_call_registration as registration
 
-    from pallas_kernels.grouped_matmul import grouped_matmul
+    from pallas_kernels.grouped_matmul import grouped_matmul, grouped_swiglu
     from pallas_kernels.mla_paged_attention import mla_paged_attention
     from pallas_kernels.paged_attention import paged_attention
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     kernel, args, tuning = CASES[name]
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
-    if kernel == "grouped_matmul":
-        fn = functools.partial(grouped_matmul, **tuning)
+    if kernel in ("grouped_matmul", "grouped_swiglu"):
+        fn = functools.partial(grouped_matmul if kernel == "grouped_matmul" else grouped_swiglu,
+                               **tuning)
         specs = [S(s, jnp.dtype(d)) for s, d in args]
     elif kernel == "paged":                 # context up to 4096 tokens in pages of 16
         (q_shape, q_dtype), = args

@@ -10,7 +10,8 @@ benchmark's calls) — and G times the FLOPs at prefill sizes (62x its floor at 
 
 `pallas_kernels.grouped_matmul` (a Pallas Triton kernel: each row tile reads its expert's weights
 in place) is therefore what one GPU runs at every size (`matmul_choice`); measured in
-docs/benchmarks.md. Only on one GPU or per device inside the expert-parallel layer: with
+docs/benchmarks.md. The MoE layer calls `grouped_swiglu`, which on that path lays the rows out
+once for all three projections and computes gate and up in one kernel. Only on one GPU or per device inside the expert-parallel layer: with
 experts sharded over a mesh by XLA, a kernel would need the other devices' weights.
 
 `tiled_grouped_matmul` is exact and costs what the rows need: each group's rows are padded to
@@ -82,3 +83,17 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array,
     if choice == "tiled":
         return tiled_grouped_matmul(x, w, sizes)
     return jax.lax.ragged_dot(x, w, sizes)
+
+
+def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                   sizes: jax.Array, activation, per_device: bool = False) -> jax.Array:
+    """The routed experts' FFN over rows sorted by expert: ragged_dot(activation(ragged_dot(x,
+    w_gate)) * ragged_dot(x, w_up), w_down) -> [M, E] in x's dtype. On the Pallas path
+    (`matmul_choice`) one row layout and two kernels (`pallas_kernels.grouped_matmul.
+    grouped_swiglu`: gate and up in one launch); elsewhere three `grouped_matmul`s."""
+    if matmul_choice(x.shape[0], w_gate.shape[0], per_device) == "pallas":
+        from pallas_kernels.grouped_matmul import grouped_swiglu as pallas_grouped_swiglu
+        return pallas_grouped_swiglu(x, w_gate, w_up, w_down, sizes, activation=activation,
+                                     interpret=jax.default_backend() != "gpu")
+    mm = lambda a, w: grouped_matmul(a, w, sizes, per_device)              # noqa: E731
+    return mm(activation(mm(x, w_gate)) * mm(x, w_up), w_down)

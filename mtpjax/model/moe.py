@@ -11,21 +11,19 @@ Routing (float32, per token; transformers' `DeepseekV3TopkRouter` / `DeepseekV2T
 - weights = their unbiased scores, normalized to sum 1 when `norm_topk_prob`, times
   `routed_scaling_factor`.
 
-Experts run as grouped matmuls (`grouped_matmul`: a Pallas kernel on one GPU, `jax.lax.ragged_dot`
-elsewhere) over the N*k (token, expert) pairs sorted by expert, so each expert's weights multiply only its own tokens: never all experts on all tokens,
+Experts run as grouped matmuls (`grouped_swiglu`: Pallas kernels on one GPU, gate and up in one
+launch; `jax.lax.ragged_dot` elsewhere) over the N*k (token, expert) pairs sorted by expert, so each expert's weights multiply only its own tokens: never all experts on all tokens,
 never an [N, n_experts, hidden] activation. Padding tokens (valid False) are routed nowhere:
 they sort behind every expert's group, take no part in any matmul group and add nothing.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from mtpjax.model.dense_ffn import swiglu
-from mtpjax.model.grouped_matmul import grouped_matmul
+from mtpjax.model.grouped_matmul import grouped_swiglu
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
 
 
@@ -59,13 +57,15 @@ def route(p: dict, x: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
 
 
 def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
-                   valid: jax.Array, activation, matmul=grouped_matmul,
-                   out_dtype=None) -> jax.Array:
+                   valid: jax.Array, activation, matmul=None, out_dtype=None,
+                   per_device: bool = False) -> jax.Array:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for valid tokens, grouped by expert.
 
     x [N, E], ids int32[N, k] (an id >= the number of experts in p: routed nowhere), weights
-    f32[N, k], valid bool[N] -> [N, E] in out_dtype (default x's). matmul(rows, w, sizes): the
-    grouped matmul (`grouped_matmul` picks by shape; the MoE bench passes one)."""
+    f32[N, k], valid bool[N] -> [N, E] in out_dtype (default x's). matmul: None for the
+    model's path (`grouped_swiglu`: the Pallas kernels on one GPU, ragged_dot elsewhere), or a
+    grouped matmul(rows, w, sizes) for each of the three projections (the MoE bench passes
+    one). per_device: inside the expert-parallel `shard_map` (this device's experts only)."""
     N, k = ids.shape
     X = p["w_gate"].shape[0]
     expert = jnp.where(valid[:, None] & (ids < X), ids, X).reshape(-1)   # -> past every group
@@ -73,8 +73,12 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     token = order // k
     sizes = jnp.zeros(X + 1, jnp.int32).at[expert].add(1)[:X]    # tokens per expert
     xs = x[token]                                                 # [N*k, E]
-    h = activation(matmul(xs, p["w_gate"], sizes)) * matmul(xs, p["w_up"], sizes)  # [N*k, I]
-    y = matmul(h, p["w_down"], sizes)                             # [N*k, E]
+    if matmul is None:
+        y = grouped_swiglu(xs, p["w_gate"], p["w_up"], p["w_down"], sizes, activation,
+                           per_device)                            # [N*k, E]
+    else:
+        h = activation(matmul(xs, p["w_gate"], sizes)) * matmul(xs, p["w_up"], sizes)
+        y = matmul(h, p["w_down"], sizes)                         # [N*k, E]
     real = expert[order] < X
     y = jnp.where(real[:, None], y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
     out = jnp.zeros((N, x.shape[-1]), jnp.float32).at[token].add(y)
@@ -108,9 +112,7 @@ def expert_parallel(p: dict, x: jax.Array, cfg, valid: jax.Array, mesh, activati
         first = jax.lax.axis_index("model") * X_local
         mine = (ids >= first) & (ids < first + X_local)
         out = routed_experts(q, x, jnp.where(mine, ids - first, X_local), weights, valid,
-                             activation, matmul=functools.partial(grouped_matmul,
-                                                                  per_device=True),
-                             out_dtype=jnp.float32)
+                             activation, out_dtype=jnp.float32, per_device=True)
         if shared_split:                       # this device's columns of the shared experts
             out = out + swiglu(x, q["shared_gate"], q["shared_up"], q["shared_down"],
                                activation).astype(jnp.float32)

@@ -114,38 +114,45 @@ def _check(x, w, sizes, block_m, block_n, block_k):
                          f"must divide K={x.shape[1]}")
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_splits",
-                                             "num_warps", "num_stages", "interpret"))
-def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, block_m: int | None = None,
-                   block_n: int | None = None, block_k: int | None = None,
-                   num_splits: int | None = None, num_warps: int | None = None,
-                   num_stages: int = 3, interpret: bool = False) -> jax.Array:
-    """`ragged_dot(x [M, K], w [G, K, N], sizes int32[G])` -> [M, N] in x's dtype (float32
-    accumulation). num_splits: K split over that many programs per output tile (partials
-    summed in float32). Blocks not given come from `default_blocks`. ValueError for shapes,
-    dtypes or blocks the kernel cannot take."""
-    M, K = x.shape
-    G, _, N = w.shape if w.ndim == 3 else (0, 0, 0)
+def resolve_blocks(M: int, G: int, K: int, N: int, block_m, block_n, block_k, num_splits,
+                   num_warps, accumulators: int = 1) -> tuple[int, int, int, int, int]:
+    """(block_m, block_n, block_k, num_splits, num_warps): the given ones, the defaults for the
+    rest. accumulators: float32 output tiles per program (2 for the gate/up kernel, whose
+    default column blocks halve from 64 x 128 rows x columns so its two tiles hold what one
+    128 x 128 tile does)."""
     block_m = block_m or default_block_m(M, G)
     block_k = block_k or _largest_block(K, 64) or 64
     auto_n, auto_splits = default_blocks(M, G, K, N, block_m, block_k)
+    if accumulators > 1 and not block_n:
+        while auto_n > 16 and block_m * auto_n * accumulators > 128 * 128 and N % (auto_n // 2) == 0:
+            auto_n //= 2
     block_n = block_n or auto_n
     num_splits = num_splits or (auto_splits if K % (block_k * auto_splits) == 0 else 1)
     # 8 warps from 128 x 128 output tiles: at 4 warps the float32 accumulator alone is 128
     # registers per thread and the tile spilled (255 registers, 300 B spills; 151 and none at
     # 8 warps: bench.register_report, round 3 session 8)
-    num_warps = num_warps or (8 if block_m * block_n >= 128 * 128 else 4)
-    _check(x, w, sizes, block_m, block_n, block_k)
+    num_warps = num_warps or (8 if block_m * block_n * accumulators >= 128 * 128 else 4)
+    return block_m, block_n, block_k, num_splits, num_warps
+
+
+def check_splits(K: int, block_k: int, num_splits: int) -> None:
     if num_splits < 1 or K % (block_k * num_splits):
         raise ValueError(f"num_splits={num_splits} must be >= 1 and divide K={K} into whole "
                          f"blocks of block_k={block_k}")
-    dest, tile_group, Mp = tile_layout(sizes, M, block_m)
-    xp = jnp.zeros((Mp, K), x.dtype).at[dest].set(x, mode="drop")
+
+
+def padded_grouped_matmul(xp: jax.Array, w: jax.Array, tile_group: jax.Array, *, block_m: int,
+                          block_n: int, block_k: int, num_splits: int, num_warps: int,
+                          num_stages: int, interpret: bool) -> jax.Array:
+    """The kernel on rows already laid out by `tile_layout`: xp [Mp, K] -> [Mp, N] in xp's
+    dtype (split-K partials summed in float32)."""
+    Mp, K = xp.shape
+    N = w.shape[2]
     kernel = functools.partial(grouped_matmul_kernel, block_k=block_k, block_n=block_n,
                                num_splits=num_splits)
     if num_splits == 1:
         out_spec = pl.BlockSpec((block_m, block_n), lambda t, j, s: (t, j))
-        out_shape = jax.ShapeDtypeStruct((Mp, N), x.dtype)
+        out_shape = jax.ShapeDtypeStruct((Mp, N), xp.dtype)
     else:
         out_spec = pl.BlockSpec((None, block_m, block_n), lambda t, j, s: (s, t, j))
         out_shape = jax.ShapeDtypeStruct((num_splits, Mp, N), jnp.float32)
@@ -161,7 +168,35 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, block_m: int
         interpret=interpret,
         name="grouped_matmul" if num_splits == 1 else f"grouped_matmul_split{num_splits}",
     )(xp, w, tile_group)
-    if num_splits > 1:
-        yp = yp.sum(0)
+    return yp.sum(0).astype(xp.dtype) if num_splits > 1 else yp
+
+
+def unpad_rows(yp: jax.Array, dest: jax.Array, dtype) -> jax.Array:
+    """Rows back from the tile layout; rows in no group come out zero (as ragged_dot's)."""
+    Mp = yp.shape[0]
     y = yp[jnp.minimum(dest, Mp - 1)]
-    return jnp.where((dest < Mp)[:, None], y, 0).astype(x.dtype)
+    return jnp.where((dest < Mp)[:, None], y, 0).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_splits",
+                                             "num_warps", "num_stages", "interpret"))
+def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, block_m: int | None = None,
+                   block_n: int | None = None, block_k: int | None = None,
+                   num_splits: int | None = None, num_warps: int | None = None,
+                   num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """`ragged_dot(x [M, K], w [G, K, N], sizes int32[G])` -> [M, N] in x's dtype (float32
+    accumulation). num_splits: K split over that many programs per output tile (partials
+    summed in float32). Blocks not given come from `default_blocks`. ValueError for shapes,
+    dtypes or blocks the kernel cannot take."""
+    M, K = x.shape
+    G, _, N = w.shape if w.ndim == 3 else (0, 0, 0)
+    block_m, block_n, block_k, num_splits, num_warps = resolve_blocks(
+        M, G, K, N, block_m, block_n, block_k, num_splits, num_warps)
+    _check(x, w, sizes, block_m, block_n, block_k)
+    check_splits(K, block_k, num_splits)
+    dest, tile_group, Mp = tile_layout(sizes, M, block_m)
+    xp = jnp.zeros((Mp, K), x.dtype).at[dest].set(x, mode="drop")
+    yp = padded_grouped_matmul(xp, w, tile_group, block_m=block_m, block_n=block_n,
+                               block_k=block_k, num_splits=num_splits, num_warps=num_warps,
+                               num_stages=num_stages, interpret=interpret)
+    return unpad_rows(yp, dest, x.dtype)

@@ -1,5 +1,5 @@
-"""The Pallas (Triton backend) kernel of the grouped matmul: one program per (row tile, column
-block); the tile's group picks the expert weight *inside* the kernel.
+"""The Pallas (Triton backend) kernels of the grouped matmul: one program per (row tile, column
+block[, K split]); the tile's group picks the expert weight *inside* the kernel.
 
     xp          [Mp, K]      rows sorted by group, each group padded to a multiple of block_m
     w           [G, K, N]    expert weights, read in place (never gathered or copied)
@@ -12,6 +12,11 @@ A tile past the last group runs zero K blocks (a dynamic trip count) and writes 
 no weight. Each expert's weight columns are therefore read once per row tile of that expert —
 once in total at decode sizes (one tile per touched expert), which is the bandwidth floor, and
 ceil(rows / block_m) times at prefill sizes, where the matmul is compute bound.
+
+`grouped_gate_up_kernel` is the same program over two weights of one shape (an MoE expert's
+gate and up projections): each x block is loaded once for both dots, and without split-K the
+program writes activation(gate) * up directly (the SwiGLU hidden row), so one launch replaces
+two and the gate / up outputs never reach memory.
 """
 from __future__ import annotations
 
@@ -21,8 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def grouped_matmul_kernel(x_ref, w_ref, tile_group_ref, o_ref, *, block_k: int, block_n: int,
-                          num_splits: int = 1):
+def _accumulate(x_ref, w_refs, tile_group_ref, *, block_k: int, block_n: int, num_splits: int):
+    """float32 [block_m, block_n] accumulators, one per weight, of this program's K blocks."""
     # float32 inputs: full-precision dots (Triton would use TF32), as the f32 tests compare
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
     t, j = pl.program_id(0), pl.program_id(1)
@@ -36,10 +41,32 @@ def grouped_matmul_kernel(x_ref, w_ref, tile_group_ref, o_ref, *, block_k: int, 
     last = jnp.where(g >= 0, first + jnp.int32(per_split), first)
     g = jnp.maximum(g, 0)
 
-    def body(i, acc):
+    def body(i, accs):
         x = x_ref[:, pl.ds(i * block_k, block_k)]                       # [block_m, block_k]
-        w = w_ref[g, pl.ds(i * block_k, block_k), pl.ds(j * block_n, block_n)]
-        return acc + plgpu.dot(x, w, precision=precision).astype(jnp.float32)
+        return tuple(
+            acc + plgpu.dot(x, w_ref[g, pl.ds(i * block_k, block_k), pl.ds(j * block_n, block_n)],
+                            precision=precision).astype(jnp.float32)
+            for acc, w_ref in zip(accs, w_refs))
 
-    acc = lax.fori_loop(first, last, body, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
+    zero = jnp.zeros((x_ref.shape[0], block_n), jnp.float32)
+    return lax.fori_loop(first, last, body, tuple(zero for _ in w_refs))
+
+
+def grouped_matmul_kernel(x_ref, w_ref, tile_group_ref, o_ref, *, block_k: int, block_n: int,
+                          num_splits: int = 1):
+    acc, = _accumulate(x_ref, (w_ref,), tile_group_ref, block_k=block_k, block_n=block_n,
+                       num_splits=num_splits)
     o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def grouped_gate_up_kernel(x_ref, wg_ref, wu_ref, tile_group_ref, *o_refs, block_k: int,
+                           block_n: int, num_splits: int = 1, activation=None):
+    """num_splits == 1: one output, activation(gate) * up (float32 math, stored in its dtype);
+    else two float32 partials (gate, up) for the wrapper to sum before the activation."""
+    gate, up = _accumulate(x_ref, (wg_ref, wu_ref), tile_group_ref, block_k=block_k,
+                           block_n=block_n, num_splits=num_splits)
+    if num_splits == 1:
+        o_refs[0][...] = (activation(gate) * up).astype(o_refs[0].dtype)
+    else:
+        o_refs[0][...] = gate
+        o_refs[1][...] = up

@@ -1,0 +1,102 @@
+"""The routed experts' whole SwiGLU FFN on the grouped-matmul kernels, in one row layout:
+
+    y = ragged_dot(activation(ragged_dot(x, w_gate)) * ragged_dot(x, w_up), w_down)
+
+x [M, E] holds (token, expert) rows sorted by expert, `sizes[g]` rows for expert g; w_gate and
+w_up [G, E, I], w_down [G, I, E]. Three `grouped_matmul` calls would lay the rows out and
+gather them back three times and launch three kernels; here the rows are laid out once
+(`tile_layout`), one kernel computes gate and up together (x loaded once for both, and without
+split-K the hidden row activation(gate) * up is written directly: kernel.py), the down
+projection reads the hidden rows in the same layout, and the output rows are gathered once.
+At decode sizes, where each matmul is a few microseconds of weight reads, the launches and
+layout ops saved are a large part of the layer (docs/benchmarks.md, round 3 session 9: the
+three-call layer at one DeepSeek-V2-Lite token took 102 us for 35 us of weight bytes).
+The activation runs in float32 on the float32 sums (the three-call form rounds gate and up to
+x's dtype first): outputs agree to that rounding.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.grouped_matmul.grouped_matmul import (_check, check_splits,
+                                                          padded_grouped_matmul, resolve_blocks,
+                                                          tile_layout, unpad_rows)
+from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel
+
+
+def _gate_up(xp, w_gate, w_up, tile_group, *, block_m, block_n, block_k, num_splits, num_warps,
+             num_stages, activation, interpret):
+    """xp [Mp, E] -> hidden rows [Mp, I] in xp's dtype."""
+    Mp, E = xp.shape
+    I = w_gate.shape[2]
+    kernel = functools.partial(grouped_gate_up_kernel, block_k=block_k, block_n=block_n,
+                               num_splits=num_splits, activation=activation)
+    if num_splits == 1:
+        out_specs = pl.BlockSpec((block_m, block_n), lambda t, j, s: (t, j))
+        out_shape = jax.ShapeDtypeStruct((Mp, I), xp.dtype)
+    else:
+        spec = pl.BlockSpec((None, block_m, block_n), lambda t, j, s: (s, t, j))
+        part = jax.ShapeDtypeStruct((num_splits, Mp, I), jnp.float32)
+        out_specs, out_shape = (spec, spec), (part, part)
+    out = pl.pallas_call(
+        kernel,
+        grid=(Mp // block_m, I // block_n, num_splits),
+        in_specs=[pl.BlockSpec((block_m, E), lambda t, j, s: (t, 0)),
+                  pl.BlockSpec(memory_space=pl.ANY),
+                  pl.BlockSpec(memory_space=pl.ANY),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="grouped_gate_up" if num_splits == 1 else f"grouped_gate_up_split{num_splits}",
+    )(xp, w_gate, w_up, tile_group)
+    if num_splits == 1:
+        return out
+    gate, up = out[0].sum(0), out[1].sum(0)
+    return (activation(gate) * up).astype(xp.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "block_m", "gate_up_blocks",
+                                             "down_blocks", "num_stages", "interpret"))
+def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                   sizes: jax.Array, *, activation=jax.nn.silu, block_m: int | None = None,
+                   gate_up_blocks: tuple | None = None, down_blocks: tuple | None = None,
+                   num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """x [M, E] rows sorted by expert, w_gate / w_up [G, E, I], w_down [G, I, E], sizes
+    int32[G] (sum <= M) -> [M, E] in x's dtype; rows past sum(sizes) come out zero.
+    gate_up_blocks / down_blocks: (block_n, block_k, num_splits, num_warps), any entry None
+    for its default (`resolve_blocks`). ValueError for shapes, dtypes or blocks the kernels
+    cannot take."""
+    if w_gate.ndim != 3 or w_up.shape != w_gate.shape:
+        raise ValueError(f"w_gate and w_up must be [experts, E, I] of one shape, got "
+                         f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+    G, E, I = w_gate.shape
+    if w_down.shape != (G, I, E):
+        raise ValueError(f"w_down must be [experts={G}, I={I}, E={E}], got {tuple(w_down.shape)}")
+    M = x.shape[0]
+    bn, bk, splits, warps = gate_up_blocks or (None,) * 4
+    block_m, bn, bk, splits, warps = resolve_blocks(M, G, E, I, block_m, bn, bk, splits, warps,
+                                                    accumulators=2)
+    _check(x, w_gate, sizes, block_m, bn, bk)
+    _check(x, w_up, sizes, block_m, bn, bk)
+    check_splits(E, bk, splits)
+    dbn, dbk, dsplits, dwarps = down_blocks or (None,) * 4
+    _, dbn, dbk, dsplits, dwarps = resolve_blocks(M, G, I, E, block_m, dbn, dbk, dsplits, dwarps)
+    _check(jax.ShapeDtypeStruct((1, I), x.dtype), w_down, sizes, block_m, dbn, dbk)
+    check_splits(I, dbk, dsplits)
+
+    dest, tile_group, Mp = tile_layout(sizes, M, block_m)
+    xp = jnp.zeros((Mp, E), x.dtype).at[dest].set(x, mode="drop")
+    hp = _gate_up(xp, w_gate, w_up, tile_group, block_m=block_m, block_n=bn, block_k=bk,
+                  num_splits=splits, num_warps=warps, num_stages=num_stages,
+                  activation=activation, interpret=interpret)
+    yp = padded_grouped_matmul(hp, w_down, tile_group, block_m=block_m, block_n=dbn,
+                               block_k=dbk, num_splits=dsplits, num_warps=dwarps,
+                               num_stages=num_stages, interpret=interpret)
+    return unpad_rows(yp, dest, x.dtype)
