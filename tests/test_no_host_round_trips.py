@@ -28,13 +28,16 @@ def hlo_whiles(hlo_text: str) -> int:
     return sum(1 for line in hlo_text.splitlines() if _WHILE.search(line))
 
 
-@pytest.mark.parametrize("K,expected", [(0, 0), (3, 1)])
-def test_engine_step_holds_only_the_draft_loop(monkeypatch, K, expected):
+@pytest.mark.parametrize("K,acceptance,expected", [(0, None, 0), (3, "rejection", 1),
+                                                    (3, "relaxed", 1)])
+def test_engine_step_holds_only_the_draft_loop(monkeypatch, K, acceptance, expected):
     """Plain step: no loop; a chain K=3 step: the draft loop alone (XLA:CPU keeps it as a
-    while; a searchsorted of the draft-input rows added a second one)."""
+    while; a searchsorted of the draft-input rows added a second one, relaxed acceptance's
+    scans over the drafts two more)."""
     runner = __import__("mtpjax.engine.runner", fromlist=["_step"])
     params = mtpjax.init_params(CFG, jax.random.PRNGKey(0))
-    spec = mtpjax.SpecConfig(num_speculative_tokens=K) if K else None
+    spec = mtpjax.SpecConfig(num_speculative_tokens=K, acceptance=acceptance,
+                             think_start_token_id=7, think_end_token_id=8) if K else None
     llm = mtpjax.LLM(params, CFG, spec, num_pages=32, page_size=8, max_num_seqs=2,
                      max_num_batched_tokens=32)
     hlo = capture_and_compile(monkeypatch, runner, "_step", lambda: llm.generate(

@@ -131,7 +131,9 @@ def accept_relaxed(target_logits: jax.Array, draft_tokens: jax.Array, num_drafts
         ok = jnp.where(phase & ~marker, in_top, d == target[:, i])
         return phase_after(phase, d), ok
 
-    _, ok = jax.lax.scan(per_position, in_thinking, jnp.arange(K))
+    # unrolled: K is small and a rolled scan is an XLA while loop (a host round trip per
+    # iteration on the GPU; tests/test_no_host_round_trips.py)
+    _, ok = jax.lax.scan(per_position, in_thinking, jnp.arange(K), unroll=True)
     n = _prefix_len(ok.T, num_drafts)
     drafts_pad = jnp.concatenate([draft_tokens, jnp.zeros_like(draft_tokens[:, :1])], axis=1)
     pos = jnp.arange(K1)[None, :]
@@ -141,7 +143,7 @@ def accept_relaxed(target_logits: jax.Array, draft_tokens: jax.Array, num_drafts
     def commit_phase(phase, j):
         return jnp.where(j < num, phase_after(phase, tokens[:, j]), phase), None
 
-    phase, _ = jax.lax.scan(commit_phase, in_thinking, jnp.arange(K1))
+    phase, _ = jax.lax.scan(commit_phase, in_thinking, jnp.arange(K1), unroll=True)
     return tokens, num, phase
 
 
