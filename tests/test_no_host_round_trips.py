@@ -60,3 +60,16 @@ def test_tile_layout_has_no_loop():
     sizes = jnp.array([3, 0, 5, 1], jnp.int32)
     text = jax.jit(lambda s: tile_layout(s, 16, 4)[:2]).lower(sizes).as_text()
     assert "stablehlo.while" not in text
+
+
+@pytest.mark.parametrize("K,expected", [(0, 2), (3, 3)])
+def test_generate_loop_holds_only_its_named_loops(monkeypatch, K, expected):
+    """generate's program: its outer while_loop and the fori_loop of steps between done-checks,
+    plus the draft loop with MTP (these run as CUDA-graph while commands: step_jit)."""
+    import importlib
+    gen = importlib.import_module("mtpjax.generate")
+    params = mtpjax.init_params(CFG, jax.random.PRNGKey(0))
+    spec = mtpjax.SpecConfig(num_speculative_tokens=K) if K else None
+    hlo = capture_and_compile(monkeypatch, gen, "_loop", lambda: mtpjax.generate(
+        params, CFG, [[1, 2, 3], [4, 5]], max_new_tokens=4, spec=spec))
+    assert hlo_whiles(hlo) == expected
