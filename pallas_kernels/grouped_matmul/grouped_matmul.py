@@ -141,33 +141,44 @@ def check_splits(K: int, block_k: int, num_splits: int) -> None:
                          f"blocks of block_k={block_k}")
 
 
+def grouped_pallas_call(kernel, xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
+                        N: int, n_outputs: int, block_m: int, block_n: int, num_splits: int,
+                        num_warps: int, num_stages: int, interpret: bool, name: str) -> tuple:
+    """One grouped kernel over the grid (row tiles, N / block_n, num_splits): each program gets
+    its row tile of xp [Mp, K] and every weight in place (the kernel picks the tile's expert).
+    Returns n_outputs arrays [Mp, N] in xp's dtype, or float32 split-K partials
+    [num_splits, Mp, N]."""
+    Mp, K = xp.shape
+    if num_splits == 1:
+        spec = pl.BlockSpec((block_m, block_n), lambda t, j, s: (t, j))
+        shape = jax.ShapeDtypeStruct((Mp, N), xp.dtype)
+    else:
+        spec = pl.BlockSpec((None, block_m, block_n), lambda t, j, s: (s, t, j))
+        shape = jax.ShapeDtypeStruct((num_splits, Mp, N), jnp.float32)
+    return pl.pallas_call(
+        kernel,
+        grid=(Mp // block_m, N // block_n, num_splits),
+        in_specs=[pl.BlockSpec((block_m, K), lambda t, j, s: (t, 0))]
+        + [pl.BlockSpec(memory_space=pl.ANY)] * (len(weights) + 1),
+        out_specs=(spec,) * n_outputs,
+        out_shape=(shape,) * n_outputs,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=name if num_splits == 1 else f"{name}_split{num_splits}",
+    )(xp, *weights, tile_group)
+
+
 def padded_grouped_matmul(xp: jax.Array, w: jax.Array, tile_group: jax.Array, *, block_m: int,
                           block_n: int, block_k: int, num_splits: int, num_warps: int,
                           num_stages: int, interpret: bool) -> jax.Array:
     """The kernel on rows already laid out by `tile_layout`: xp [Mp, K] -> [Mp, N] in xp's
     dtype (split-K partials summed in float32)."""
-    Mp, K = xp.shape
-    N = w.shape[2]
     kernel = functools.partial(grouped_matmul_kernel, block_k=block_k, block_n=block_n,
                                num_splits=num_splits)
-    if num_splits == 1:
-        out_spec = pl.BlockSpec((block_m, block_n), lambda t, j, s: (t, j))
-        out_shape = jax.ShapeDtypeStruct((Mp, N), xp.dtype)
-    else:
-        out_spec = pl.BlockSpec((None, block_m, block_n), lambda t, j, s: (s, t, j))
-        out_shape = jax.ShapeDtypeStruct((num_splits, Mp, N), jnp.float32)
-    yp = pl.pallas_call(
-        kernel,
-        grid=(Mp // block_m, N // block_n, num_splits),
-        in_specs=[pl.BlockSpec((block_m, K), lambda t, j, s: (t, 0)),
-                  pl.BlockSpec(memory_space=pl.ANY),
-                  pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=out_spec,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="grouped_matmul" if num_splits == 1 else f"grouped_matmul_split{num_splits}",
-    )(xp, w, tile_group)
+    yp, = grouped_pallas_call(kernel, xp, (w,), tile_group, N=w.shape[2], n_outputs=1,
+                              block_m=block_m, block_n=block_n, num_splits=num_splits,
+                              num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                              name="grouped_matmul")
     return yp.sum(0).astype(xp.dtype) if num_splits > 1 else yp
 
 

@@ -20,10 +20,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.grouped_matmul.grouped_matmul import (_check, check_splits,
+                                                          grouped_pallas_call,
                                                           padded_grouped_matmul, resolve_blocks,
                                                           tile_layout, unpad_rows)
 from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel
@@ -32,32 +31,14 @@ from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel
 def _gate_up(xp, w_gate, w_up, tile_group, *, block_m, block_n, block_k, num_splits, num_warps,
              num_stages, activation, interpret):
     """xp [Mp, E] -> hidden rows [Mp, I] in xp's dtype."""
-    Mp, E = xp.shape
-    I = w_gate.shape[2]
     kernel = functools.partial(grouped_gate_up_kernel, block_k=block_k, block_n=block_n,
                                num_splits=num_splits, activation=activation)
+    out = grouped_pallas_call(kernel, xp, (w_gate, w_up), tile_group, N=w_gate.shape[2],
+                              n_outputs=1 if num_splits == 1 else 2, block_m=block_m,
+                              block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+                              num_stages=num_stages, interpret=interpret, name="grouped_gate_up")
     if num_splits == 1:
-        out_specs = pl.BlockSpec((block_m, block_n), lambda t, j, s: (t, j))
-        out_shape = jax.ShapeDtypeStruct((Mp, I), xp.dtype)
-    else:
-        spec = pl.BlockSpec((None, block_m, block_n), lambda t, j, s: (s, t, j))
-        part = jax.ShapeDtypeStruct((num_splits, Mp, I), jnp.float32)
-        out_specs, out_shape = (spec, spec), (part, part)
-    out = pl.pallas_call(
-        kernel,
-        grid=(Mp // block_m, I // block_n, num_splits),
-        in_specs=[pl.BlockSpec((block_m, E), lambda t, j, s: (t, 0)),
-                  pl.BlockSpec(memory_space=pl.ANY),
-                  pl.BlockSpec(memory_space=pl.ANY),
-                  pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="grouped_gate_up" if num_splits == 1 else f"grouped_gate_up_split{num_splits}",
-    )(xp, w_gate, w_up, tile_group)
-    if num_splits == 1:
-        return out
+        return out[0]
     gate, up = out[0].sum(0), out[1].sum(0)
     return (activation(gate) * up).astype(xp.dtype)
 
