@@ -11,8 +11,9 @@ benchmark's calls) — and G times the FLOPs at prefill sizes (62x its floor at 
 `pallas_kernels.grouped_matmul` (a Pallas Triton kernel: each row tile reads its expert's weights
 in place) is therefore what one GPU runs at every size (`matmul_choice`); measured in
 docs/benchmarks.md. The MoE layer calls `grouped_swiglu`, which on that path lays the rows out
-once for all three projections and computes gate and up in one kernel. Only on one GPU or per device inside the expert-parallel layer: with
-experts sharded over a mesh by XLA, a kernel would need the other devices' weights.
+once for all three projections and computes gate and up in one kernel. Only on one GPU or per
+device inside the expert-parallel layer: with experts sharded over a mesh by XLA, a kernel
+would need the other devices' weights.
 
 `tiled_grouped_matmul` is exact and costs what the rows need: each group's rows are padded to
 a multiple of `tile` and laid out tile by tile, every tile takes its group's weight matrix

@@ -12,8 +12,9 @@ Routing (float32, per token; transformers' `DeepseekV3TopkRouter` / `DeepseekV2T
   `routed_scaling_factor`.
 
 Experts run as grouped matmuls (`grouped_swiglu`: Pallas kernels on one GPU, gate and up in one
-launch; `jax.lax.ragged_dot` elsewhere) over the N*k (token, expert) pairs sorted by expert, so each expert's weights multiply only its own tokens: never all experts on all tokens,
-never an [N, n_experts, hidden] activation. Padding tokens (valid False) are routed nowhere:
+launch; `jax.lax.ragged_dot` elsewhere) over the N*k (token, expert) pairs sorted by expert, so
+each expert's weights multiply only its own tokens: never all experts on all tokens, never an
+[N, n_experts, hidden] activation. Padding tokens (valid False) are routed nowhere:
 they sort behind every expert's group, take no part in any matmul group and add nothing.
 """
 
