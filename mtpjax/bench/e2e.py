@@ -374,8 +374,9 @@ def compile_free_median(run_pass, repeats: int) -> dict:
     The engine is built without warm-up (every bucket would compile: minutes at real shapes),
     so a timed pass can meet a bucket the first pass did not (the synthetic acceptance differs
     per pass, and with it the draft-input rows) and compile inside the timing (seen on the CPU;
-    the likely cause of MTP rows at 214-377 ms per step on the H100). Up to `repeats` extra passes replace the ones that
-    compiled; when every pass compiled, the last is returned with a note saying so."""
+    the likely cause of MTP rows at 214-377 ms per step on the H100). Up to `repeats` extra
+    passes replace the ones that compiled; when every pass compiled, the last is returned with
+    a note saying so."""
     passes, compiled = [], []
     for _ in range(2 * repeats):
         p = run_pass()
