@@ -1,9 +1,10 @@
 """GPU smoke check (not a test): Pallas and reference attention give the same greedy tokens,
 through `generate` (uniform batches) and the engine (ragged batches), with float32 params, for a
 GQA model (the paged / ragged kernels) and a DeepSeek-style MLA + MoE model (the MLA kernel).
-A second table runs the opt-in paths against the same reference tokens: fused projections
-(GQA) and the MoE layer on the Pallas grouped-matmul kernel and on the XLA tiled form (MLA +
-MoE), each through `generate` and the engine.
+A second table runs other paths against reference tokens (reference attention, and for MoE
+`ragged_dot` experts): fused projections (GQA), the MoE layer's default GPU path (the routed
+experts' SwiGLU on the Pallas grouped-matmul kernels) and the XLA tiled form (MLA + MoE), each
+through `generate` and the engine.
 
     python -m mtpjax.bench.gpu_check [--tables kernels,opt-in]
 """
@@ -11,6 +12,7 @@ MoE), each through `generate` and the engine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import jax
@@ -59,9 +61,28 @@ def main(argv=None):
 
 OPT_IN = {   # model -> (label, environment, generate/LLM keyword arguments)
     "gqa": [("fuse_projections=True", {}, {"fuse_projections": True})],
-    "mla": [("MoE on the Pallas grouped matmul", {"MTPJAX_MOE_MATMUL": "pallas"}, {}),
+    "mla": [("MoE on the Pallas kernels (grouped SwiGLU; the GPU default)",
+             {"MTPJAX_MOE_MATMUL": "pallas"}, {}),
             ("MoE on the XLA tiled form", {"MTPJAX_MOE_MATMUL": "tiled"}, {})],
 }
+REFERENCE_ENV = {"MTPJAX_MOE_MATMUL": "ragged"}   # the reference tokens' MoE experts
+
+
+@contextlib.contextmanager
+def _environment(env: dict):
+    """os.environ updated by env inside (the MoE path is read at trace time: caches cleared)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        jax.clear_caches()
 
 
 def _model_inputs(cfg, num_prompts=8):
@@ -73,20 +94,18 @@ def _model_inputs(cfg, num_prompts=8):
 
 
 def check_opt_in(name, cfg, attention_impl="pallas", max_new=24, num_prompts=8):
-    """Each opt-in path of `OPT_IN[name]` against reference tokens (reference attention, default
-    paths), chain K=3, through generate and the engine. Rows (model, label, generate matches,
-    engine matches, prompts)."""
+    """Each path of `OPT_IN[name]` against reference tokens (reference attention, ragged_dot
+    experts, other paths default), chain K=3, through generate and the engine. Rows (model,
+    label, generate matches, engine matches, prompts)."""
     params, prompts = _model_inputs(cfg, num_prompts)
     spec = mtpjax.SpecConfig(num_speculative_tokens=3)
-    ref = mtpjax.generate(params, cfg, prompts, max_new_tokens=max_new, spec=spec,
-                          attention_impl="reference").tokens
+    with _environment(REFERENCE_ENV):
+        ref = mtpjax.generate(params, cfg, prompts, max_new_tokens=max_new, spec=spec,
+                              attention_impl="reference").tokens
     same = lambda a, b: sum(x == y for x, y in zip(a, b))  # noqa: E731
     rows = []
     for label, env, kw in OPT_IN[name]:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        jax.clear_caches()           # the MoE path is read at trace time: trace again
-        try:
+        with _environment(env):
             gen = mtpjax.generate(params, cfg, prompts, max_new_tokens=max_new, spec=spec,
                                   attention_impl=attention_impl, **kw).tokens
             llm = mtpjax.LLM(params, cfg, spec, num_pages=1024, page_size=16, max_num_seqs=8,
@@ -94,13 +113,6 @@ def check_opt_in(name, cfg, attention_impl="pallas", max_new=24, num_prompts=8):
                              warmup=False, **kw)
             eng = [o.token_ids for o in llm.generate(
                 prompts, mtpjax.SamplingParams(max_tokens=max_new))]
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            jax.clear_caches()
         rows.append((name, label, same(ref, gen), same(ref, eng), len(prompts)))
     return rows
 
