@@ -43,3 +43,14 @@ def test_bench_moe_tiny_prints_finite_rows(capsys, tmp_path):
         assert r["gather_err"] < 2e-2                       # bf16 weights, vs ragged_dot
         for v in ("tiled", "pallas", "pallas:16/32/16", "pallas:16/32/16/2", "pallas_ffn"):
             assert r[f"{v}_err"] < 2e-2, v
+
+
+def test_ncu_targets_of_the_moe_layer_run_and_bad_names_are_refused(capsys):
+    """kernel_sweep's Nsight Compute targets for the MoE layer (the model's grouped SwiGLU and
+    the three-call form) run one call each (interpreted here); an unknown target is named."""
+    from mtpjax.bench import kernel_sweep
+    assert kernel_sweep.ncu_target("moe:3:tiny,moe3:3:tiny") == 0
+    out = capsys.readouterr().out
+    assert "ncu target moe:3:tiny" in out and "ncu target moe3:3:tiny" in out
+    with pytest.raises(ValueError, match="unknown ncu target 'mlx:16'"):
+        kernel_sweep.ncu_target("mlx:16")

@@ -429,6 +429,11 @@ def ncu_target(spec):
       roll[:k=v..]  draft_roll T=4096 Hd=7168 bf16 (tuning as k=v, e.g. roll:block_t=2)
       roll_xla      draft_roll_reference (XLA's fusions) on the same inputs
       roll_multi, roll_xla_multi   the benchmark's jit: 32 calls on distinct hidden buffers
+      mla:H[:Q]     MLA paged attention (bench.mla's case): B=64, ctx 4096, page 64, H heads,
+                    Q query tokens per sequence (default 1: decode; 4: verify), default tuning
+      moe:N[:SHAPE] the MoE expert layer the model runs on one GPU (routing + grouped SwiGLU
+                    on the Pallas kernels; bench.moe) at N tokens, SHAPE v2-lite (default) or
+                    v3-slice; moe3:N[:SHAPE] the same with three grouped-matmul calls
     Each target is compiled and run twice outside the profiler range, then once
     inside it (cuProfilerStart/Stop), so `ncu --profile-from-start off` sees exactly
     the kernels of one call of each target, in this order.
@@ -442,6 +447,7 @@ def ncu_target(spec):
             jax.block_until_ready(f(qs[0], kp, vp, bt, kl))
         return 0
     from pallas_kernels.draft_roll import draft_roll, draft_roll_reference
+    from pallas_kernels.mla_paged_attention import mla_paged_attention
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
     rng = _profiler_range()
     for p in parts:
@@ -470,6 +476,24 @@ def ncu_target(spec):
             f = draft_roll_reference if name == "roll_xla_multi" else draft_roll
             fn = jax.jit(lambda hs, *r, f=f: [f(r[0], r[1], h, *r[2:]) for h in hs])
             args = (hs,) + base[:2] + base[3:]
+        elif name == "mla":
+            from mtpjax.bench import mla as mla_bench
+            h, _, q = arg.partition(":")
+            q_len = int(q or 1)
+            qs, rest = mla_bench.make_case(jax.random.key(3), [q_len] * 64, [4096] * 64,
+                                           int(h or 16), 64)
+            fn = jax.jit(functools.partial(mla_paged_attention, kv_lora_rank=mla_bench.RANK))
+            args = (qs[0],) + rest
+        elif name in ("moe", "moe3"):
+            from mtpjax.bench import moe as moe_bench
+            n, _, shape_name = arg.partition(":")
+            shape = moe_bench.SHAPES[shape_name or "v2-lite"]
+            ids, w = moe_bench.make_routing(shape, int(n or 1), seed=7)
+            x = 0.5 * jax.random.normal(jax.random.key(8), (int(n or 1), shape["hidden"]),
+                                        jnp.bfloat16)
+            layer = moe_bench.experts_pallas_ffn if name == "moe" else moe_bench.experts_pallas
+            fn = jax.jit(layer)
+            args = (x, moe_bench.make_weights(shape), ids, w)
         else:
             raise ValueError(f"unknown ncu target {p!r}")
         for _ in range(2):
@@ -485,7 +509,8 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sections", default="verify,prefill,roll")
     ap.add_argument("--ncu-target", default="",
-                    help="Q,H (decode) or prefill:H,cudnn:H,roll,roll_xla: see ncu_target")
+                    help="Q,H (decode) or prefill:H,cudnn:H,roll,roll_xla,mla:H[:Q],moe:N,"
+                         "moe3:N: see ncu_target")
     a = ap.parse_args(argv)
     if a.ncu_target:
         return ncu_target(a.ncu_target)
