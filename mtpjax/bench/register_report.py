@@ -54,6 +54,11 @@ CASES = {
                                        dict(value_split=2, qk_chunk=128, block_k=32)),
     "mla_verify_h16_vs2_qc128_bk32": ("mla", [((256, 16, 576), "bfloat16")],
                                       dict(block_q=4, value_split=2, qk_chunk=128, block_k=32)),
+    # 32-row tiles at H=128 (4 head tiles per sequence, 4 warps): can two CTAs share an SM?
+    "mla_decode_h128_bh32": ("mla", [((64, 128, 576), "bfloat16")],
+                             dict(block_h=32, num_warps=4, num_stages=2)),
+    "mla_decode_h128_bh32_bk32": ("mla", [((64, 128, 576), "bfloat16")],
+                                  dict(block_h=32, block_k=32, num_warps=4, num_stages=2)),
     "mla_decode_h16_vs2": ("mla", [((64, 16, 576), "bfloat16")], dict(value_split=2)),
     "mla_decode_h16_vs2_qc128": ("mla", [((64, 16, 576), "bfloat16")],
                                  dict(value_split=2, qk_chunk=128)),
