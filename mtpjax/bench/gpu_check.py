@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import mtpjax
+from mtpjax.model.grouped_matmul import forced_path
 
 
 def main(argv=None):
@@ -59,30 +59,24 @@ def main(argv=None):
                 print("| " + " | ".join(map(str, r)) + " |", flush=True)
 
 
-OPT_IN = {   # model -> (label, environment, generate/LLM keyword arguments)
-    "gqa": [("fuse_projections=True", {}, {"fuse_projections": True})],
-    "mla": [("MoE on the Pallas kernels (grouped SwiGLU; the GPU default)",
-             {"MTPJAX_MOE_MATMUL": "pallas"}, {}),
-            ("MoE on the XLA tiled form", {"MTPJAX_MOE_MATMUL": "tiled"}, {})],
+OPT_IN = {   # model -> (label, forced MoE path or None, generate/LLM keyword arguments)
+    "gqa": [("fuse_projections=True", None, {"fuse_projections": True})],
+    "mla": [("MoE on the Pallas kernels (grouped SwiGLU; the GPU default)", "pallas", {}),
+            ("MoE on the XLA tiled form", "tiled", {})],
 }
-REFERENCE_ENV = {"MTPJAX_MOE_MATMUL": "ragged"}   # the reference tokens' MoE experts
+REFERENCE_MOE = "ragged"          # the reference tokens' MoE experts: ragged_dot
 
 
 @contextlib.contextmanager
-def _environment(env: dict):
-    """os.environ updated by env inside (the MoE path is read at trace time: caches cleared)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _traced_with(moe_path: str | None):
+    """Programs traced inside run the MoE layer on `moe_path` (`forced_path`); the choice is
+    read at trace time, so JAX's caches are cleared on the way in and out."""
+    with forced_path(moe_path):
         jax.clear_caches()
+        try:
+            yield
+        finally:
+            jax.clear_caches()
 
 
 def _model_inputs(cfg, num_prompts=8):
@@ -99,13 +93,13 @@ def check_opt_in(name, cfg, attention_impl="pallas", max_new=24, num_prompts=8):
     label, generate matches, engine matches, prompts)."""
     params, prompts = _model_inputs(cfg, num_prompts)
     spec = mtpjax.SpecConfig(num_speculative_tokens=3)
-    with _environment(REFERENCE_ENV):
+    with _traced_with(REFERENCE_MOE):
         ref = mtpjax.generate(params, cfg, prompts, max_new_tokens=max_new, spec=spec,
                               attention_impl="reference").tokens
     same = lambda a, b: sum(x == y for x, y in zip(a, b))  # noqa: E731
     rows = []
-    for label, env, kw in OPT_IN[name]:
-        with _environment(env):
+    for label, moe_path, kw in OPT_IN[name]:
+        with _traced_with(moe_path):
             gen = mtpjax.generate(params, cfg, prompts, max_new_tokens=max_new, spec=spec,
                                   attention_impl=attention_impl, **kw).tokens
             llm = mtpjax.LLM(params, cfg, spec, num_pages=1024, page_size=16, max_num_seqs=8,

@@ -98,18 +98,11 @@ def experts_pallas(x, p, ids, w, blocks=None):
 
 
 def experts_pallas_ffn(x, p, ids, w):
-    """The model's MoE path with the Pallas kernels forced (`MTPJAX_MOE_MATMUL=pallas` while
-    tracing): one row layout, gate and up in one kernel (`grouped_swiglu`)."""
-    from mtpjax.model.grouped_matmul import ENV
-    before = os.environ.get(ENV)
-    os.environ[ENV] = "pallas"
-    try:
+    """The model's MoE path with the Pallas kernels forced while tracing: one row layout, gate
+    and up in one kernel (`grouped_swiglu`)."""
+    from mtpjax.model.grouped_matmul import forced_path
+    with forced_path("pallas"):
         return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu)
-    finally:
-        if before is None:
-            del os.environ[ENV]
-        else:
-            os.environ[ENV] = before
 
 
 def pallas_variants(use) -> list:

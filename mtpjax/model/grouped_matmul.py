@@ -24,6 +24,7 @@ G x (tile - 1) padding rows and G spare tiles. Used where forced:
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -57,6 +58,24 @@ def tiled_grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array,
                     preferred_element_type=jnp.float32).reshape(Mp, I)
     y = yp[jnp.minimum(dest, Mp - 1)]
     return jnp.where((dest < Mp)[:, None], y, 0.0).astype(x.dtype)
+
+
+@contextlib.contextmanager
+def forced_path(path: str | None):
+    """`MTPJAX_MOE_MATMUL=path` inside the block (None: left as it is). The choice is read when
+    the MoE layer is traced, so only programs traced inside see it."""
+    if path is None:
+        yield
+        return
+    before = os.environ.get(ENV)
+    os.environ[ENV] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
 
 
 def matmul_choice(rows: int, groups: int, per_device: bool = False) -> str:

@@ -81,8 +81,8 @@ def tile_layout(sizes: jax.Array, M: int, block_m: int):
     pends = jnp.cumsum(padded)                                # [G] end of each padded group
     row = jnp.arange(M, dtype=jnp.int32)
     # compare_all, not searchsorted's default "scan": that is a while loop, and a while loop on
-    # the GPU costs a device-to-host round trip per iteration; the three matmuls of an MoE
-    # layer spent ~300 us per layer in them on the H100 (docs/benchmarks.md, session 9)
+    # the GPU costs a device-to-host round trip per iteration; with it the H100's expert layer
+    # took 338 us at one V2-Lite token, 102 us without (docs/benchmarks.md, session 9)
     g = jnp.minimum(jnp.searchsorted(ends, row, side="right", method="compare_all"),
                     G).astype(jnp.int32)
     gc = jnp.minimum(g, G - 1)
@@ -93,7 +93,9 @@ def tile_layout(sizes: jax.Array, M: int, block_m: int):
     return dest.astype(jnp.int32), tile_group, Mp
 
 
-def _check(x, w, sizes, block_m, block_n, block_k):
+def check_operands(x, w, sizes, block_m, block_n, block_k):
+    """ValueError naming the bad value for operands or blocks the kernel cannot take (x may be
+    a ShapeDtypeStruct: only its shape and dtype are read)."""
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D [rows, K], got shape {tuple(x.shape)}")
     if w.ndim != 3:
@@ -124,7 +126,8 @@ def resolve_blocks(M: int, G: int, K: int, N: int, block_m, block_n, block_k, nu
     block_k = block_k or _largest_block(K, 64) or 64
     auto_n, auto_splits = default_blocks(M, G, K, N, block_m, block_k)
     if accumulators > 1 and not block_n:
-        while auto_n > 16 and block_m * auto_n * accumulators > 128 * 128 and N % (auto_n // 2) == 0:
+        while (auto_n > 16 and block_m * auto_n * accumulators > 128 * 128
+               and N % (auto_n // 2) == 0):
             auto_n //= 2
     block_n = block_n or auto_n
     num_splits = num_splits or (auto_splits if K % (block_k * auto_splits) == 0 else 1)
@@ -203,7 +206,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, block_m: int
     G, _, N = w.shape if w.ndim == 3 else (0, 0, 0)
     block_m, block_n, block_k, num_splits, num_warps = resolve_blocks(
         M, G, K, N, block_m, block_n, block_k, num_splits, num_warps)
-    _check(x, w, sizes, block_m, block_n, block_k)
+    check_operands(x, w, sizes, block_m, block_n, block_k)
     check_splits(K, block_k, num_splits)
     dest, tile_group, Mp = tile_layout(sizes, M, block_m)
     xp = jnp.zeros((Mp, K), x.dtype).at[dest].set(x, mode="drop")

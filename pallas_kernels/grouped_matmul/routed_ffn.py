@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul.grouped_matmul import (_check, check_splits,
+from pallas_kernels.grouped_matmul.grouped_matmul import (check_operands, check_splits,
                                                           grouped_pallas_call,
                                                           padded_grouped_matmul, resolve_blocks,
                                                           tile_layout, unpad_rows)
@@ -64,12 +64,12 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     bn, bk, splits, warps = gate_up_blocks or (None,) * 4
     block_m, bn, bk, splits, warps = resolve_blocks(M, G, E, I, block_m, bn, bk, splits, warps,
                                                     accumulators=2)
-    _check(x, w_gate, sizes, block_m, bn, bk)
-    _check(x, w_up, sizes, block_m, bn, bk)
+    check_operands(x, w_gate, sizes, block_m, bn, bk)
+    check_operands(x, w_up, sizes, block_m, bn, bk)
     check_splits(E, bk, splits)
     dbn, dbk, dsplits, dwarps = down_blocks or (None,) * 4
     _, dbn, dbk, dsplits, dwarps = resolve_blocks(M, G, I, E, block_m, dbn, dbk, dsplits, dwarps)
-    _check(jax.ShapeDtypeStruct((1, I), x.dtype), w_down, sizes, block_m, dbn, dbk)
+    check_operands(jax.ShapeDtypeStruct((1, I), x.dtype), w_down, sizes, block_m, dbn, dbk)
     check_splits(I, dbk, dsplits)
 
     dest, tile_group, Mp = tile_layout(sizes, M, block_m)
