@@ -30,18 +30,19 @@ def test_gather_experts_equal_the_models_ragged_dot_layer(seed):
 
 def test_bench_moe_tiny_prints_finite_rows(capsys, tmp_path):
     assert moe.main(["--shapes", "tiny", "--tokens", "1,16", "--out", str(tmp_path), "--variants",
-                     "ragged_dot,tiled,pallas,pallas:16/32/16,pallas:16/32/16/2,pallas_ffn,"
-                     "gather"]) == 0
+                     "ragged_dot,tiled,pallas,pallas:16/32/16/2,pallas_ffn,pallas_ffn_sorted,"
+                     "pallas_ffn:bm=16/bn=32/bk=32/s=2/st=2,gather"]) == 0
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1].startswith("| tiny | 16 |")
-    assert "| pallas:16/32/16 us (x floor) |" in out
+    assert "| pallas:16/32/16/2 us (x floor) |" in out
     rows = json.loads((tmp_path / "moe.json").read_text())["rows"]
     assert [r["tokens"] for r in rows] == [1, 16]
     for r in rows:
         assert 1 <= r["touched"] <= moe.SHAPES["tiny"]["experts"]
         assert math.isfinite(r["ragged_dot_us"]) and r["ragged_dot_us"] > 0
         assert r["gather_err"] < 2e-2                       # bf16 weights, vs ragged_dot
-        for v in ("tiled", "pallas", "pallas:16/32/16", "pallas:16/32/16/2", "pallas_ffn"):
+        for v in ("tiled", "pallas", "pallas:16/32/16/2", "pallas_ffn", "pallas_ffn_sorted",
+                  "pallas_ffn:bm=16/bn=32/bk=32/s=2/st=2"):
             assert r[f"{v}_err"] < 2e-2, v
 
 
@@ -54,3 +55,11 @@ def test_ncu_targets_of_the_moe_layer_run_and_bad_names_are_refused(capsys):
     assert "ncu target moe:3:tiny" in out and "ncu target moe3:3:tiny" in out
     with pytest.raises(ValueError, match="unknown ncu target 'mlx:16'"):
         kernel_sweep.ncu_target("mlx:16")
+
+
+def test_ffn_tuning_parses_and_names_a_bad_key():
+    assert moe.parse_ffn_tuning("bm=128/bn=64/w=8/dbn=128/ds=2/st=4") == dict(
+        block_m=128, num_stages=4, gate_up_blocks=(64, None, None, 8),
+        down_blocks=(128, None, 2, None))
+    with pytest.raises(ValueError, match="'warps=8': expected KEY=INT"):
+        moe.parse_ffn_tuning("bm=64/warps=8")

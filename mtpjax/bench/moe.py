@@ -4,7 +4,7 @@ decode sizes (few tokens per expert: weight-read bound) and prefill sizes (compu
 
     python -m mtpjax.bench.moe [--shapes v2-lite,v3-slice] [--tokens 1,32,256,4096] [--out DIR]
                                [--variants ragged_dot,tiled,pallas,pallas:BM/BN/BK[/S],pallas_ffn,
-                                           mgpu,gather]
+                                           pallas_ffn_sorted,pallas_ffn:KEY=V/...,mgpu,gather]
 
 Shapes (bf16 random weights, routing uniform random top-k without repeats per token):
   v2-lite   DeepSeek-V2-Lite: 64 routed experts, 6 per token, hidden 2048, expert width 1408
@@ -18,7 +18,11 @@ Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pai
               (`pallas_kernels.grouped_matmul`: each tile reads its expert's weights in place;
               interpreted off the GPU)
   pallas_ffn  the model's own path on one GPU: `routed_experts` with `grouped_swiglu` forced to
-              the Pallas kernels (one row layout; gate and up in one kernel)
+              the Pallas kernels (one row layout; gate and up in one kernel; up to 16 tokens
+              `expert_tile_swiglu`: one tile per touched expert, no sort)
+  pallas_ffn_sorted  the same with the sorted layout at every size
+  pallas_ffn:KEY=V/...  the sorted layout's kernels with explicit tuning, e.g.
+              pallas_ffn:bm=128/bn=64/w=8/dbn=128/dw=8/st=4 (keys: `parse_ffn_tuning`)
   mgpu        the same sort/scatter with ragged_dot_mgpu (Hopper WGMMA + TMA) for the matmuls
   gather      w[ids] per (token, slot) and batched matvecs: reads each chosen expert once per
               token (duplicates at larger N); decode sizes only
@@ -105,12 +109,66 @@ def experts_pallas_ffn(x, p, ids, w):
         return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu)
 
 
+def experts_pallas_ffn_sorted(x, p, ids, w):
+    """`pallas_ffn` without the expert-tile layout of up to 16 tokens (the sorted layout at
+    every size)."""
+    from mtpjax.model.grouped_matmul import forced_path
+    with forced_path("pallas"):
+        return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu,
+                              expert_tiles=False)
+
+
+FFN_TUNING_KEYS = {"bm": "block_m", "bn": 0, "bk": 1, "s": 2, "w": 3, "dbn": 0, "dbk": 1,
+                   "ds": 2, "dw": 3, "st": "num_stages"}
+
+
+def parse_ffn_tuning(spec: str) -> dict:
+    """"bm=128/bn=64/w=8/st=4" -> grouped_swiglu keyword arguments. Keys: bm (block_m), bn /
+    bk / s / w (gate-up block_n, block_k, splits, warps), dbn / dbk / ds / dw (the same for
+    down), st (num_stages)."""
+    kw, gu, down = {}, [None] * 4, [None] * 4
+    for item in filter(None, spec.split("/")):
+        key, _, val = item.partition("=")
+        if key not in FFN_TUNING_KEYS or not val.isdigit():
+            raise ValueError(f"pallas_ffn tuning {item!r}: expected KEY=INT with KEY in "
+                             f"{sorted(FFN_TUNING_KEYS)}")
+        slot = FFN_TUNING_KEYS[key]
+        if isinstance(slot, str):
+            kw[slot] = int(val)
+        else:
+            (down if key.startswith("d") else gu)[slot] = int(val)
+    return dict(kw, gate_up_blocks=tuple(gu), down_blocks=tuple(down))
+
+
+def experts_pallas_ffn_tuned(x, p, ids, w, tuning: dict):
+    """The sorted layout's `grouped_swiglu` with explicit tuning (a sweep of the prefill
+    tiles); the same sort, gather and combine as `routed_experts`."""
+    from pallas_kernels.grouped_matmul import grouped_swiglu
+    N, k = ids.shape
+    X = p["w_gate"].shape[0]
+    expert = ids.reshape(-1)
+    order = jnp.argsort(expert, stable=True)
+    sizes = jnp.zeros(X, jnp.int32).at[expert].add(1)
+    y = grouped_swiglu(x[order // k], p["w_gate"], p["w_up"], p["w_down"], sizes,
+                       interpret=jax.default_backend() != "gpu", **tuning)
+    slot = jnp.zeros(N * k, jnp.int32).at[order].set(jnp.arange(N * k, dtype=jnp.int32))
+    y = y[slot].reshape(N, k, -1).astype(jnp.float32) * w[..., None]
+    return y.sum(1).astype(x.dtype)
+
+
 def pallas_variants(use) -> list:
-    """("pallas", fn) and one ("pallas:BM/BN/BK[/S]", fn) per such entry of `use` (S: split-K)."""
+    """("pallas", fn) and one ("pallas:BM/BN/BK[/S]", fn) per such entry of `use` (S: split-K);
+    "pallas_ffn", "pallas_ffn_sorted", and one ("pallas_ffn:KEY=V/...", fn) per such entry
+    (`parse_ffn_tuning`)."""
     out = [("pallas", experts_pallas)] if "pallas" in use else []
     if "pallas_ffn" in use:
         out.append(("pallas_ffn", experts_pallas_ffn))
+    if "pallas_ffn_sorted" in use:
+        out.append(("pallas_ffn_sorted", experts_pallas_ffn_sorted))
     for v in use:
+        if v.startswith("pallas_ffn:"):
+            out.append((v, functools.partial(experts_pallas_ffn_tuned,
+                                              tuning=parse_ffn_tuning(v.split(":", 1)[1]))))
         if v.startswith("pallas:"):
             blocks = tuple(int(b) for b in v.split(":", 1)[1].split("/"))
             if len(blocks) not in (3, 4):
@@ -191,7 +249,7 @@ def run(shape_names, token_counts, out_dir=None,
                 variants.append(("mgpu", experts_mgpu))
             if n <= 32:
                 variants.append(("gather", experts_gather))
-            variants = [v for v in variants if v[0] in use or v[0].startswith("pallas:")]
+            variants = [v for v in variants if v[0] in use or ":" in v[0]]
             for vname, fn in variants:
                 try:
                     if vname == "mgpu" and not on_gpu:

@@ -117,3 +117,19 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
                                      interpret=jax.default_backend() != "gpu")
     mm = lambda a, w: grouped_matmul(a, w, sizes, per_device)              # noqa: E731
     return mm(activation(mm(x, w_gate)) * mm(x, w_up), w_down)
+
+
+def uses_expert_tiles(tokens: int, groups: int, per_device: bool = False) -> bool:
+    """Does the MoE layer run `expert_tile_swiglu` (one tile per touched expert, no sort) for
+    this many tokens (static)? On the Pallas path, up to its 16-token limit."""
+    from pallas_kernels.grouped_matmul.expert_tiles import TILE_ROWS
+    return tokens <= TILE_ROWS and matmul_choice(tokens, groups, per_device) == "pallas"
+
+
+def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                       w_down: jax.Array, activation) -> jax.Array:
+    """`pallas_kernels.grouped_matmul.expert_tile_swiglu`, interpreted off the GPU (there only
+    when forced): x [N, E], ids int32[N, k] (-1: none) -> float32 [N, k, E]."""
+    from pallas_kernels.grouped_matmul.expert_tiles import expert_tile_swiglu as kernel_ffn
+    return kernel_ffn(x, ids, w_gate, w_up, w_down, activation=activation,
+                      interpret=jax.default_backend() != "gpu")

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from mtpjax.model.dense_ffn import swiglu
-from mtpjax.model.grouped_matmul import grouped_swiglu
+from mtpjax.model.grouped_matmul import expert_tile_swiglu, grouped_swiglu, uses_expert_tiles
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
 
 
@@ -59,16 +59,23 @@ def route(p: dict, x: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
 
 def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
                    valid: jax.Array, activation, matmul=None, out_dtype=None,
-                   per_device: bool = False) -> jax.Array:
+                   per_device: bool = False, expert_tiles: bool = True) -> jax.Array:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for valid tokens, grouped by expert.
 
     x [N, E], ids int32[N, k] (an id >= the number of experts in p: routed nowhere), weights
     f32[N, k], valid bool[N] -> [N, E] in out_dtype (default x's). matmul: None for the
     model's path (`grouped_swiglu`: the Pallas kernels on one GPU, ragged_dot elsewhere), or a
     grouped matmul(rows, w, sizes) for each of the three projections (the MoE bench passes
-    one). per_device: inside the expert-parallel `shard_map` (this device's experts only)."""
+    one). per_device: inside the expert-parallel `shard_map` (this device's experts only).
+    expert_tiles: on the Pallas path, up to 16 tokens go through `expert_tile_swiglu` (one tile
+    per touched expert, no sort); False keeps the sorted layout (the MoE bench compares them)."""
     N, k = ids.shape
     X = p["w_gate"].shape[0]
+    if matmul is None and expert_tiles and uses_expert_tiles(N, X, per_device):
+        none = ~valid[:, None] | (ids >= X)
+        y = expert_tile_swiglu(x, jnp.where(none, -1, ids), p["w_gate"], p["w_up"],
+                               p["w_down"], activation)          # f32 [N, k, E], 0 for none
+        return _weighted_sum(y, weights).astype(out_dtype or x.dtype)
     expert = jnp.where(valid[:, None] & (ids < X), ids, X).reshape(-1)   # -> past every group
     order = jnp.argsort(expert, stable=True)                      # [N*k] pairs sorted by expert
     token = order // k
@@ -80,10 +87,22 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     else:
         h = activation(matmul(xs, p["w_gate"], sizes)) * matmul(xs, p["w_up"], sizes)
         y = matmul(h, p["w_down"], sizes)                         # [N*k, E]
-    real = expert[order] < X
-    y = jnp.where(real[:, None], y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
-    out = jnp.zeros((N, x.shape[-1]), jnp.float32).at[token].add(y)
-    return out.astype(out_dtype or x.dtype)
+    # Back to token order by a gather and a sum over each token's k rows in a fixed order. A
+    # scatter-add (`.at[token].add`) lowers to float atomics on the GPU: the sum's order, and so
+    # its rounding, changed from run to run, and greedy tokens with it.
+    slot = jnp.zeros(N * k, jnp.int32).at[order].set(jnp.arange(N * k, dtype=jnp.int32))
+    y = y[slot].reshape(N, k, -1).astype(jnp.float32)             # [N, k, E]
+    y = jnp.where((expert < X).reshape(N, k)[..., None], y, 0.0)
+    return _weighted_sum(y, weights).astype(out_dtype or x.dtype)
+
+
+def _weighted_sum(y: jax.Array, weights: jax.Array) -> jax.Array:
+    """sum_j weights[n, j] * y[n, j] in a fixed order (deterministic): y f32[N, k, E] -> [N, E]."""
+    y = y * weights[..., None]
+    out = y[:, 0]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j]
+    return out
 
 
 def expert_parallel(p: dict, x: jax.Array, cfg, valid: jax.Array, mesh, activation):

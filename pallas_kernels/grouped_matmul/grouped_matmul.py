@@ -47,15 +47,17 @@ def _largest_block(dim: int, cap: int) -> int:
 TARGET_PROGRAMS = 264           # ~2 programs per SM of an H100 (132 SMs)
 
 
-def default_blocks(M: int, G: int, K: int, N: int, block_m: int, block_k: int) -> tuple[int, int]:
+def default_blocks(M: int, G: int, K: int, N: int, block_m: int, block_k: int,
+                   tiles: int | None = None) -> tuple[int, int]:
     """(block_n, num_splits) so that the tiles that hold rows (at most ceil(M / block_m) +
     min(G, M)) x column blocks x K splits give >= TARGET_PROGRAMS programs: at decode sizes a
     few expert tiles must still spread over every SM, since each program's share of the weight
     read is what the step waits for. K is split first (up to 8 ways, >= 2 K blocks per split),
     keeping 128-wide weight tiles (bytes in flight per program); then block_n is halved, down
     to 16 (the only lever before split-K: on the H100 at one V2-Lite token, 7 tiles x 44
-    column blocks of 32 ran at 0.4 TB/s, docs/benchmarks.md)."""
-    tiles = -(-M // block_m) + min(G, M)
+    column blocks of 32 ran at 0.4 TB/s, docs/benchmarks.md). tiles: the row tiles expected to
+    hold rows, when the caller knows better than the bound."""
+    tiles = tiles or -(-M // block_m) + min(G, M)
     b = _largest_block(N, 128) or 128
     splits = 1
     while (tiles * (N // b) * splits < TARGET_PROGRAMS and splits < 8
@@ -117,14 +119,15 @@ def check_operands(x, w, sizes, block_m, block_n, block_k):
 
 
 def resolve_blocks(M: int, G: int, K: int, N: int, block_m, block_n, block_k, num_splits,
-                   num_warps, accumulators: int = 1) -> tuple[int, int, int, int, int]:
+                   num_warps, accumulators: int = 1,
+                   tiles: int | None = None) -> tuple[int, int, int, int, int]:
     """(block_m, block_n, block_k, num_splits, num_warps): the given ones, the defaults for the
     rest. accumulators: float32 output tiles per program (2 for the gate/up kernel, whose
     default column blocks halve from 64 x 128 rows x columns so its two tiles hold what one
     128 x 128 tile does)."""
     block_m = block_m or default_block_m(M, G)
     block_k = block_k or _largest_block(K, 64) or 64
-    auto_n, auto_splits = default_blocks(M, G, K, N, block_m, block_k)
+    auto_n, auto_splits = default_blocks(M, G, K, N, block_m, block_k, tiles)
     if accumulators > 1 and not block_n:
         while (auto_n > 16 and block_m * auto_n * accumulators > 128 * 128
                and N % (auto_n // 2) == 0):

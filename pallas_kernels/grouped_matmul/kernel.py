@@ -8,8 +8,8 @@ block[, K split]); the tile's group picks the expert weight *inside* the kernel.
 
 Program (t, j[, s]): acc[block_m, block_n] = sum over K blocks (those of split s) of
 xp[t rows, k] @ w[g, k, j cols]; with split-K each split writes a float32 partial.
-A tile past the last group runs zero K blocks (a dynamic trip count) and writes zeros: it reads
-no weight. Each expert's weight columns are therefore read once per row tile of that expert —
+A tile past the last group (group -1) runs zero K blocks (a dynamic trip count) and writes
+nothing: its output rows are left as they were (callers never read them), so it moves no bytes. Each expert's weight columns are therefore read once per row tile of that expert —
 once in total at decode sizes (one tile per touched expert), which is the bandwidth floor, and
 ceil(rows / block_m) times at prefill sizes, where the matmul is compute bound.
 
@@ -56,7 +56,10 @@ def grouped_matmul_kernel(x_ref, w_ref, tile_group_ref, o_ref, *, block_k: int, 
                           num_splits: int = 1):
     acc, = _accumulate(x_ref, (w_ref,), tile_group_ref, block_k=block_k, block_n=block_n,
                        num_splits=num_splits)
-    o_ref[...] = acc.astype(o_ref.dtype)
+
+    @pl.when(tile_group_ref[pl.program_id(0)] >= 0)     # an empty tile writes nothing
+    def _():
+        o_ref[...] = acc.astype(o_ref.dtype)
 
 
 def grouped_gate_up_kernel(x_ref, wg_ref, wu_ref, tile_group_ref, *o_refs, block_k: int,
@@ -65,8 +68,10 @@ def grouped_gate_up_kernel(x_ref, wg_ref, wu_ref, tile_group_ref, *o_refs, block
     else two float32 partials (gate, up) for the wrapper to sum before the activation."""
     gate, up = _accumulate(x_ref, (wg_ref, wu_ref), tile_group_ref, block_k=block_k,
                            block_n=block_n, num_splits=num_splits)
-    if num_splits == 1:
-        o_refs[0][...] = (activation(gate) * up).astype(o_refs[0].dtype)
-    else:
-        o_refs[0][...] = gate
-        o_refs[1][...] = up
+    @pl.when(tile_group_ref[pl.program_id(0)] >= 0)     # an empty tile writes nothing
+    def _():
+        if num_splits == 1:
+            o_refs[0][...] = (activation(gate) * up).astype(o_refs[0].dtype)
+        else:
+            o_refs[0][...] = gate
+            o_refs[1][...] = up

@@ -1,0 +1,130 @@
+"""The routed experts' SwiGLU FFN for a few tokens: one 16-row tile per touched expert, no sort.
+
+    y[n, j] = w_down[e](activation(x[n] @ w_gate[e]) * (x[n] @ w_up[e])),  e = ids[n, j]
+
+x [N, E] (N <= TILE_ROWS tokens), ids int32[N, k] (an id < 0 or >= the number of experts: the
+pair is routed nowhere and its row is zero), w_gate / w_up [G, E, I], w_down [G, I, E] ->
+y float32[N, k, E], each (token, slot) pair's expert output, unweighted.
+
+Why: at decode sizes the sorted layout of `grouped_swiglu` (argsort, group sizes, cumulative
+ends, a search per row, scatters and gathers) is a dozen small kernels around two short
+matmuls: on the H100 (round 3, session 10, Nsight Compute) ~60 us of layout kernels against
+~47 us of expert matmuls per DeepSeek-V2-Lite layer at one token. Here the layout is one
+[P, P] comparison of the P = N x k pairs' experts: pair p goes to the tile of its expert's
+first pair, at the row given by how many earlier pairs chose that expert (a token's k experts
+are distinct, so at most N <= 16 rows share a tile). Each touched expert's weights are read
+once, as in the sorted layout. The tile count is static, min(P, G); tiles past the touched
+experts have group -1 and do nothing (kernel.py).
+
+Split-K partials are summed only over the pairs' rows (gathered first): the partials of
+empty tiles are never written nor read.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.grouped_matmul.grouped_matmul import (check_operands, check_splits,
+                                                          grouped_pallas_call, resolve_blocks)
+from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel, grouped_matmul_kernel
+
+TILE_ROWS = 16          # Triton's smallest dot; also the most tokens this layout takes
+
+
+def expert_tile_layout(experts: jax.Array, num_experts: int):
+    """experts int32[P] (< 0 or >= num_experts: none) -> (slot int32[P]: each pair's row in the
+    [n_tiles * TILE_ROWS] layout, n_tiles * TILE_ROWS for none; tile_group int32[n_tiles]:
+    each tile's expert, -1 when unused), n_tiles = min(P, num_experts). Assumes no expert
+    appears more than TILE_ROWS times (true when P / k <= TILE_ROWS tokens chose distinct
+    experts each)."""
+    P = experts.shape[0]
+    n_tiles = min(P, num_experts)
+    idx = jnp.arange(P, dtype=jnp.int32)
+    real = (experts >= 0) & (experts < num_experts)
+    e = jnp.where(real, experts, -1 - idx)                    # none: a value no other pair has
+    same = e[:, None] == e[None, :]                           # [P, P]
+    rank = jnp.sum(same & (idx[None, :] < idx[:, None]), axis=1, dtype=jnp.int32)
+    first = jnp.argmax(same, axis=1).astype(jnp.int32)        # the expert's first pair
+    opens = real & (rank == 0)                                # this pair opens its expert's tile
+    tile_of = jnp.cumsum(opens.astype(jnp.int32)) - 1         # tiles numbered in pair order
+    tile = tile_of[first]
+    slot = jnp.where(real, tile * TILE_ROWS + rank, n_tiles * TILE_ROWS).astype(jnp.int32)
+    tile_group = jnp.full((n_tiles,), -1, jnp.int32).at[jnp.where(opens, tile_of, n_tiles)].set(
+        e, mode="drop")
+    return slot, tile_group
+
+
+def _pair_rows(out: jax.Array, slot: jax.Array, num_splits: int) -> jax.Array:
+    """The pairs' rows of a kernel output ([Mp, N], or [S, Mp, N] split-K partials, summed
+    after the gather) -> float32 [P, N]; a pair in no tile gets a clamped row (masked later)."""
+    Mp = out.shape[-2]
+    s = jnp.minimum(slot, Mp - 1)
+    if num_splits == 1:
+        return out[s].astype(jnp.float32)
+    return out[:, s].sum(0)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "gate_up_blocks", "down_blocks",
+                                             "num_stages", "interpret"))
+def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                       w_down: jax.Array, *, activation=jax.nn.silu,
+                       gate_up_blocks: tuple | None = None, down_blocks: tuple | None = None,
+                       num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """See the module docstring. gate_up_blocks / down_blocks: (block_n, block_k, num_splits,
+    num_warps), any entry None for its default: chosen for the k tiles one token touches (the
+    decode case at batch 1, where every SM must share the weight read); more touched experts
+    only add programs. ValueError for shapes, dtypes or blocks the kernels cannot take."""
+    if x.ndim != 2 or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"x must be [N, E] and ids [N, k] with the same N, got x "
+                         f"{tuple(x.shape)} and ids {tuple(ids.shape)}")
+    N, k = ids.shape
+    if N > TILE_ROWS:
+        raise ValueError(f"expert tiles take at most {TILE_ROWS} tokens, got {N}: use "
+                         "grouped_swiglu's sorted layout")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"ids must be integers, got {ids.dtype}")
+    if w_gate.ndim != 3 or w_up.shape != w_gate.shape:
+        raise ValueError(f"w_gate and w_up must be [experts, E, I] of one shape, got "
+                         f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+    G, E, I = w_gate.shape
+    if w_down.shape != (G, I, E):
+        raise ValueError(f"w_down must be [experts={G}, I={I}, E={E}], got {tuple(w_down.shape)}")
+    P = N * k
+    sizes = jnp.zeros((G,), jnp.int32)                        # only its shape is checked
+    tiles = min(k, G)
+    bn, bk, splits, warps = gate_up_blocks or (None,) * 4
+    _, bn, bk, splits, warps = resolve_blocks(P, G, E, I, TILE_ROWS, bn, bk, splits, warps,
+                                              accumulators=2, tiles=tiles)
+    check_operands(x, w_gate, sizes, TILE_ROWS, bn, bk)
+    check_operands(x, w_up, sizes, TILE_ROWS, bn, bk)
+    check_splits(E, bk, splits)
+    dbn, dbk, dsplits, dwarps = down_blocks or (None,) * 4
+    _, dbn, dbk, dsplits, dwarps = resolve_blocks(P, G, I, E, TILE_ROWS, dbn, dbk, dsplits,
+                                                  dwarps, tiles=tiles)
+    check_operands(jax.ShapeDtypeStruct((1, I), x.dtype), w_down, sizes, TILE_ROWS, dbn, dbk)
+    check_splits(I, dbk, dsplits)
+
+    experts = ids.reshape(P).astype(jnp.int32)
+    slot, tile_group = expert_tile_layout(experts, G)
+    Mp = tile_group.shape[0] * TILE_ROWS
+    token = jnp.arange(P, dtype=jnp.int32) // k
+    xp = jnp.zeros((Mp, E), x.dtype).at[slot].set(x[token], mode="drop")
+    call = functools.partial(grouped_pallas_call, num_stages=num_stages, interpret=interpret,
+                             block_m=TILE_ROWS)
+    gate_up = functools.partial(grouped_gate_up_kernel, block_k=bk, block_n=bn,
+                                num_splits=splits, activation=activation)
+    out = call(gate_up, xp, (w_gate, w_up), tile_group, N=I, n_outputs=1 if splits == 1 else 2,
+               block_n=bn, num_splits=splits, num_warps=warps, name="expert_tiles_gate_up")
+    if splits == 1:
+        hp = out[0]
+    else:                            # the pairs' rows only, summed, back into the layout
+        h = activation(_pair_rows(out[0], slot, splits)) * _pair_rows(out[1], slot, splits)
+        hp = jnp.zeros((Mp, I), x.dtype).at[slot].set(h.astype(x.dtype), mode="drop")
+    down = functools.partial(grouped_matmul_kernel, block_k=dbk, block_n=dbn, num_splits=dsplits)
+    yp, = call(down, hp, (w_down,), tile_group, N=E, n_outputs=1, block_n=dbn,
+               num_splits=dsplits, num_warps=dwarps, name="expert_tiles_down")
+    y = _pair_rows(yp, slot, dsplits)                         # [P, E]
+    real = (experts >= 0) & (experts < G)
+    return jnp.where(real[:, None], y, 0.0).reshape(N, k, E)
