@@ -30,7 +30,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul.grouped_matmul import tile_layout
+from pallas_kernels.grouped_matmul.grouped_matmul import pad_rows, tile_layout
 
 ENV = "MTPJAX_MOE_MATMUL"
 
@@ -52,7 +52,7 @@ def tiled_grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array,
     G, _, I = w.shape
     m = tile or tile_rows(M, G)
     dest, tile_group, Mp = tile_layout(sizes, M, m)          # shared with the Pallas kernel
-    xp = jnp.zeros((Mp, E), x.dtype).at[dest].set(x, mode="drop")
+    xp = pad_rows(x, dest, Mp)
     wt = w[jnp.maximum(tile_group, 0)]          # [n_tiles, E, I]; tiles past the groups: any
     yp = jnp.einsum("tme,tei->tmi", xp.reshape(Mp // m, m, E), wt,
                     preferred_element_type=jnp.float32).reshape(Mp, I)

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul.grouped_matmul import (check_operands, check_splits,
-                                                          grouped_pallas_call, resolve_blocks)
+                                                          grouped_pallas_call, pad_rows,
+                                                          resolve_blocks)
 from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel, grouped_matmul_kernel
 
 TILE_ROWS = 16          # Triton's smallest dot; also the most tokens this layout takes
@@ -110,7 +111,7 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
     slot, tile_group = expert_tile_layout(experts, G)
     Mp = tile_group.shape[0] * TILE_ROWS
     token = jnp.arange(P, dtype=jnp.int32) // k
-    xp = jnp.zeros((Mp, E), x.dtype).at[slot].set(x[token], mode="drop")
+    xp = pad_rows(x[token], slot, Mp)
     call = functools.partial(grouped_pallas_call, num_stages=num_stages, interpret=interpret,
                              block_m=TILE_ROWS)
     gate_up = functools.partial(grouped_gate_up_kernel, block_k=bk, block_n=bn,
@@ -121,7 +122,7 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
         hp = out[0]
     else:                            # the pairs' rows only, summed, back into the layout
         h = activation(_pair_rows(out[0], slot, splits)) * _pair_rows(out[1], slot, splits)
-        hp = jnp.zeros((Mp, I), x.dtype).at[slot].set(h.astype(x.dtype), mode="drop")
+        hp = pad_rows(h.astype(x.dtype), slot, Mp)
     down = functools.partial(grouped_matmul_kernel, block_k=dbk, block_n=dbn, num_splits=dsplits)
     yp, = call(down, hp, (w_down,), tile_group, N=E, n_outputs=1, block_n=dbn,
                num_splits=dsplits, num_warps=dwarps, name="expert_tiles_down")

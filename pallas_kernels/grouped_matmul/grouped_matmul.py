@@ -188,6 +188,17 @@ def padded_grouped_matmul(xp: jax.Array, w: jax.Array, tile_group: jax.Array, *,
     return yp.sum(0).astype(xp.dtype) if num_splits > 1 else yp
 
 
+def pad_rows(x: jax.Array, dest: jax.Array, Mp: int) -> jax.Array:
+    """x [M, K] -> [Mp, K]: row r at dest[r] (dest >= Mp: dropped), the other rows zero. A
+    gather with one source index per padded row: XLA's scatter of whole rows (`zeros.at[dest]
+    .set(x)`) took 220 us for the 100 MB of 4096 DeepSeek-V2-Lite tokens on the H100, besides
+    81 us writing the zeros (Nsight Compute, round 3 session 10)."""
+    M = x.shape[0]
+    src = jnp.full((Mp,), M, jnp.int32).at[dest].set(jnp.arange(M, dtype=jnp.int32),
+                                                        mode="drop")
+    return jnp.where((src < M)[:, None], x[jnp.minimum(src, M - 1)], jnp.zeros((), x.dtype))
+
+
 def unpad_rows(yp: jax.Array, dest: jax.Array, dtype) -> jax.Array:
     """Rows back from the tile layout; rows in no group come out zero (as ragged_dot's)."""
     Mp = yp.shape[0]
@@ -212,7 +223,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, block_m: int
     check_operands(x, w, sizes, block_m, block_n, block_k)
     check_splits(K, block_k, num_splits)
     dest, tile_group, Mp = tile_layout(sizes, M, block_m)
-    xp = jnp.zeros((Mp, K), x.dtype).at[dest].set(x, mode="drop")
+    xp = pad_rows(x, dest, Mp)
     yp = padded_grouped_matmul(xp, w, tile_group, block_m=block_m, block_n=block_n,
                                block_k=block_k, num_splits=num_splits, num_warps=num_warps,
                                num_stages=num_stages, interpret=interpret)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul.grouped_matmul import (check_operands, check_splits,
-                                                          grouped_pallas_call,
+                                                          grouped_pallas_call, pad_rows,
                                                           padded_grouped_matmul, resolve_blocks,
                                                           tile_layout, unpad_rows)
 from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel
@@ -73,7 +73,7 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     check_splits(I, dbk, dsplits)
 
     dest, tile_group, Mp = tile_layout(sizes, M, block_m)
-    xp = jnp.zeros((Mp, E), x.dtype).at[dest].set(x, mode="drop")
+    xp = pad_rows(x, dest, Mp)
     hp = _gate_up(xp, w_gate, w_up, tile_group, block_m=block_m, block_n=bn, block_k=bk,
                   num_splits=splits, num_warps=warps, num_stages=num_stages,
                   activation=activation, interpret=interpret)
