@@ -63,3 +63,17 @@ def test_ffn_tuning_parses_and_names_a_bad_key():
         down_blocks=(128, None, 2, None))
     with pytest.raises(ValueError, match="'warps=8': expected KEY=INT"):
         moe.parse_ffn_tuning("bm=64/warps=8")
+
+
+def test_padded_batch_gives_the_real_tokens_rows(capsys):
+    """--pad-to: the engine's padded step; padding rows routed nowhere change nothing for the
+    real tokens (each variant agrees with ragged_dot) and the table names the padding."""
+    rows = moe.run(["tiny"], [1, 3], use=("ragged_dot", "pallas_ffn", "gather"), pad_to=8)
+    assert "| tiny | 1 of 8 |" in capsys.readouterr().out
+    for r in rows:
+        assert r["padded_to"] == 8 and "gather_us" not in r
+        assert r["pallas_ffn_err"] < 2e-2
+    ids, w = moe.make_routing(moe.SHAPES["tiny"], 3, seed=0)
+    pids, pw = moe.pad_routing(moe.SHAPES["tiny"], ids, w, 8)
+    assert pids.shape == (8, 2) and np.all(np.asarray(pids[3:]) == moe.SHAPES["tiny"]["experts"])
+    assert np.all(np.asarray(pw[3:]) == 0)

@@ -67,6 +67,11 @@ CASES = {
         mla_paged_attention, kv_lora_rank=512, value_split=2, qk_chunk=128), (
         S((32, 64, 576), bf16), S((32, 64, 576), bf16), S((8, 8), i32), S((8,), i32),
         S((9,), i32), S((1,), i32))),
+    # opt-in transposed logits, at the 64-row tile of the H=128 decode
+    "mla_paged_attention_keys_first": (functools.partial(
+        mla_paged_attention, kv_lora_rank=512, keys_first=True), (
+        S((32, 64, 576), bf16), S((32, 64, 576), bf16), S((8, 8), i32), S((8,), i32),
+        S((9,), i32), S((1,), i32))),
     "draft_roll": (draft_roll, (
         S((64,), i32), S((64,), i32), S((64, 256), bf16), S((9,), i32), S((8, 4), i32),
         S((8, 4), i32), S((8, 4, 256), bf16), S((8,), i32))),

@@ -3,6 +3,7 @@
 decode sizes (few tokens per expert: weight-read bound) and prefill sizes (compute bound).
 
     python -m mtpjax.bench.moe [--shapes v2-lite,v3-slice] [--tokens 1,32,256,4096] [--out DIR]
+                               [--pad-to ROWS]
                                [--variants ragged_dot,tiled,pallas,pallas:BM/BN/BK[/S],pallas_ffn,
                                            pallas_ffn_sorted,pallas_ffn:KEY=V/...,mgpu,gather]
 
@@ -220,8 +221,20 @@ def floor_s(shape: dict, ids, n: int, copy_bw: float, flops: float) -> tuple[flo
     return max(bytes_ / copy_bw, fl / flops), bytes_, touched
 
 
+def pad_routing(shape: dict, ids, w, pad_to: int):
+    """The engine's padded step: rows past the n real tokens routed to no expert (id = the
+    expert count, which `routed_experts` treats as none) with weight 0."""
+    n, k = ids.shape
+    if pad_to <= n:
+        return ids, w
+    none = jnp.full((pad_to - n, k), shape["experts"], jnp.int32)
+    return jnp.concatenate([ids, none]), jnp.concatenate([w, jnp.zeros((pad_to - n, k))])
+
+
 def run(shape_names, token_counts, out_dir=None,
-        use=("ragged_dot", "tiled", "pallas", "pallas_ffn", "mgpu", "gather")):
+        use=("ragged_dot", "tiled", "pallas", "pallas_ffn", "mgpu", "gather"), pad_to: int = 0):
+    """pad_to: run each token count in a batch of this many rows, the rest padding (as the
+    engine's token buckets do; floors count the real tokens). `mgpu` and `gather` then skip."""
     on_gpu = jax.default_backend() == "gpu"
     copy_bw, _ = copy_bandwidth() if on_gpu else (1e11, {})
     flops = matmul_rate(8192 if on_gpu else 256, reps=2 if on_gpu else 1)
@@ -237,11 +250,13 @@ def run(shape_names, token_counts, out_dir=None,
             # computes routing-only work (the tiled path's weight gather) once for all calls
             routings = [make_routing(shape, n, seed=1000 * n + i) for i in range(calls)]
             ids, w = routings[0]
-            xs = [(0.5 * jax.random.normal(jax.random.key(100 + i), (n, shape["hidden"]),
-                                           jnp.bfloat16), *routings[i]) for i in range(calls)]
+            rows_in = max(n, pad_to)
+            xs = [(0.5 * jax.random.normal(jax.random.key(100 + i), (rows_in, shape["hidden"]),
+                                           jnp.bfloat16), *pad_routing(shape, *routings[i], pad_to))
+                  for i in range(calls)]
             fl, nbytes, touched = floor_s(shape, ids, n, copy_bw, flops)
             row = dict(shape=name, tokens=n, touched=touched, floor_us=fl * 1e6,
-                       floor_bytes=nbytes)
+                       floor_bytes=nbytes, **({"padded_to": rows_in} if rows_in > n else {}))
             ref = None
             variants = [("ragged_dot", experts_ragged), ("tiled", experts_tiled),
                         *pallas_variants(use)]
@@ -249,7 +264,8 @@ def run(shape_names, token_counts, out_dir=None,
                 variants.append(("mgpu", experts_mgpu))
             if n <= 32:
                 variants.append(("gather", experts_gather))
-            variants = [v for v in variants if v[0] in use or ":" in v[0]]
+            variants = [v for v in variants if (v[0] in use or ":" in v[0])
+                        and not (rows_in > n and v[0] in ("mgpu", "gather"))]
             for vname, fn in variants:
                 try:
                     if vname == "mgpu" and not on_gpu:
@@ -298,7 +314,8 @@ def table(rows) -> str:
              + " | ".join(f"{v} us (x floor)" for v in names) + " |",
              "|---|---|---|---|" + "---|" * len(names)]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['tokens']} | {r['touched']} | {r['floor_us']:.0f} | "
+        tokens = f"{r['tokens']} of {r['padded_to']}" if "padded_to" in r else r["tokens"]
+        lines.append(f"| {r['shape']} | {tokens} | {r['touched']} | {r['floor_us']:.0f} | "
                      + " | ".join(cell(r, v) for v in names) + " |")
     return "\n".join(lines)
 
@@ -309,11 +326,14 @@ def main(argv=None):
     ap.add_argument("--tokens", default="1,32,256,4096")
     ap.add_argument("--variants", default="ragged_dot,tiled,pallas,pallas_ffn,mgpu,gather")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--pad-to", type=int, default=0,
+                    help="each token count in a batch of this many rows, the rest padding routed "
+                         "nowhere (the engine pads a batch-1 decode step to 8 tokens)")
     a = ap.parse_args(argv)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
     run(a.shapes.split(","), [int(t) for t in a.tokens.split(",")], a.out,
-        tuple(a.variants.split(",")))
+        tuple(a.variants.split(",")), a.pad_to)
     return 0
 
 

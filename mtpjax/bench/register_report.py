@@ -55,6 +55,11 @@ CASES = {
     "mla_verify_h16_vs2_qc128_bk32": ("mla", [((256, 16, 576), "bfloat16")],
                                       dict(block_q=4, value_split=2, qk_chunk=128, block_k=32)),
     # 32-row tiles at H=128 (4 head tiles per sequence, 4 warps): can two CTAs share an SM?
+    "mla_decode_h128_qc256": ("mla", [((64, 128, 576), "bfloat16")], dict(qk_chunk=256)),
+    "mla_decode_h128_qc128": ("mla", [((64, 128, 576), "bfloat16")], dict(qk_chunk=128)),
+    "mla_decode_h128_kf": ("mla", [((64, 128, 576), "bfloat16")], dict(keys_first=True)),
+    "mla_verify_h16_kf": ("mla", [((256, 16, 576), "bfloat16")],
+                          dict(block_q=4, keys_first=True)),
     "mla_decode_h128_bh32": ("mla", [((64, 128, 576), "bfloat16")],
                              dict(block_h=32, num_warps=4, num_stages=2)),
     "mla_decode_h128_bh32_bk32": ("mla", [((64, 128, 576), "bfloat16")],
@@ -76,13 +81,35 @@ CASES = {
 _WORKER = r'''
 import json, os, re, subprocess, sys, tempfile
 import triton
+from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+target = GPUTarget("cuda", 90, 32)
+
+
+def optimized_ttir(path, d):
+    """The TTIR passes a compile from Python source runs (make_ttir: canonicalize, combine
+    (e.g. `acc * a + dot(p, v)` into dot's accumulator), CSE, ...): triton.compile of a .ttir
+    file starts after them, and XLA runs its own equivalents on a Pallas kernel."""
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend = CUDABackend(target)
+    backend.load_dialects(ctx)
+    mod = ir.parse_mlir_module(path, ctx)
+    mod.context = ctx
+    mod = backend.make_ttir(mod, {}, backend.parse_options({}), 90)
+    out = os.path.join(d, "opt.ttir")
+    open(out, "w").write(str(mod))
+    return out
+
+
 for job in json.load(open(sys.argv[1])):
     res = dict(job)
     try:
-        k = triton.compile(job["ir"], target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": job["warps"], "num_stages": job["stages"]})
+        with tempfile.TemporaryDirectory() as d:
+            k = triton.compile(optimized_ttir(job["ir"], d), target=target,
+                               options={"num_warps": job["warps"], "num_stages": job["stages"]})
         ptx = k.asm["ptx"]
         res.update(wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
                    mma_sync=len(re.findall(r"mma\.sync", ptx)), shared=k.metadata.shared)

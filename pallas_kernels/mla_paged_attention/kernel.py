@@ -58,6 +58,7 @@ def _kernel(
     exact_f32: bool,
     value_split: int = 1,
     qk_chunk: int | None = None,
+    keys_first: bool = False,
 ):
     n_out = 1 if num_splits == 1 else 2
     out_refs = refs[-n_out:]
@@ -141,10 +142,21 @@ def _kernel(
 
         def latent(width, first):
             """Latent columns [first, first + width) of this block: [block_k, width]."""
+            if keys_first and ppb == 1:
+                # one page: a 2-D load, no reshape, so the tile can stay in shared memory as
+                # wgmma's operand A (a reshape makes Triton route it through registers)
+                mask = None if ok is None else jnp.broadcast_to(ok[0][:, None], (block_k, width))
+                page = bt_ref[seq, lax.div(base, page_size)]
+                return plgpu.load(lat_ref.at[page, pl.ds(lax.rem(base, page_size), block_k),
+                                             pl.ds(first, width)],
+                                  mask=mask, other=None if ok is None else 0.0)
             mask = None if ok is None else jnp.broadcast_to(ok[:, :, None], (ppb, spb, width))
             return plgpu.load(lat_ref.at[tile_index(base, width, first)], mask=mask,
                               other=None if ok is None else 0.0).reshape(block_k, width)
 
+        if keys_first:
+            return _keys_first_step(carry, latent(rank, 0), latent(rope, rank), q_nope, q_rope,
+                                    base, masked, r_pos, r_valid, scale, precision)
         if whole:
             c_kv = latent(rank, 0)
             k_rope = latent(rope, rank)
@@ -197,6 +209,36 @@ def _kernel(
                     mask=jnp.broadcast_to(tok_valid[:, None], (block_q, block_h)))
 
 
+def _keys_first_step(carry, c_kv, k_rope, q_nope, q_rope, base, masked, r_pos, r_valid, scale,
+                     precision):
+    """One KV block with the logits computed transposed, s^T = latent . q^T [block_k, rows].
+
+    Why: in the [rows, R] x [R, block_k] form Triton (3.x, MMAv3) feeds the query to wgmma as
+    the *register* operand A: 64 x 512 bf16 is 128 registers per thread at 8 warps, on top of
+    the 128 of the [64, 512] float32 value accumulator, so the H=128 tile spills (255
+    registers, 1.2-1.3 KB per thread; Nsight Compute: 55 MB of DRAM writes for an 8 MB
+    output). Transposed, the query is operand B, which wgmma reads from shared memory, and the
+    latent block (already in shared memory from the pipelined load) is operand A. The
+    probabilities are transposed back (a [block_k, rows] tile) for the value dot."""
+    acc, m_prev, l_prev = carry
+    block_k = c_kv.shape[0]
+    s = plgpu.dot(c_kv, q_nope, trans_b=True, precision=precision).astype(jnp.float32)
+    s += plgpu.dot(k_rope, q_rope, trans_b=True, precision=precision).astype(jnp.float32)
+    s = s * scale                                                         # [block_k, rows]
+    if masked:
+        kv_pos = base + jnp.arange(block_k, dtype=jnp.int32)
+        mask = (kv_pos[:, None] <= r_pos[None, :]) & r_valid[None, :]
+        s = jnp.where(mask, s, -jnp.inf)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=0))
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next) if masked else m_next
+    alpha = jnp.exp2(m_prev - m_safe)
+    p = jnp.exp2(s - m_safe[None, :])
+    l_next = l_prev * alpha + jnp.sum(p, axis=0)
+    pv = plgpu.dot(p.astype(c_kv.dtype), c_kv, trans_a=True,
+                   precision=precision).astype(jnp.float32)              # [rows, R]
+    return acc * alpha[:, None] + pv, m_next, l_next
+
+
 def mla_core(
     q,             # [T, H, R + dr]
     latent,        # [P, S, R + dr]
@@ -218,6 +260,7 @@ def mla_core(
     interpret: bool,
     value_split: int = 1,
     qk_chunk: int | None = None,
+    keys_first: bool = False,
 ):
     """Runs the kernel over the work list -> (out [T, H, R] in q's dtype, covered [T] bool for
     num_splits > 1 (None otherwise)).
@@ -240,7 +283,8 @@ def mla_core(
     kernel = functools.partial(
         _kernel, block_q=block_q, block_h=block_h, rank=rank, block_k=block_k,
         tokens_per_split=tokens_per_split, num_splits=num_splits, sm_scale=float(sm_scale),
-        exact_f32=q.dtype == jnp.float32, value_split=value_split, qk_chunk=qk_chunk)
+        exact_f32=q.dtype == jnp.float32, value_split=value_split, qk_chunk=qk_chunk,
+        keys_first=keys_first)
 
     def full(shape):
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
@@ -265,7 +309,8 @@ def mla_core(
         interpret=interpret,
         name=f"mla_paged_attn_bq{block_q}_bh{block_h}_bk{block_k}_ns{num_splits}"
              + (f"_vs{value_split}" if value_split > 1 else "")
-             + (f"_qc{qk_chunk}" if qk_chunk and qk_chunk != rank else ""),
+             + (f"_qc{qk_chunk}" if qk_chunk and qk_chunk != rank else "")
+             + ("_kf" if keys_first else ""),
     )(*args, *inits)
     if num_splits == 1:
         return outs[0]

@@ -24,7 +24,7 @@ from pallas_kernels.paged_reference import paged_attention_tokens, ragged_token_
 from pallas_kernels.mla_paged_attention.kernel import mla_core
 
 _TUNING_KEYS = ("block_q", "block_h", "block_k", "num_splits", "num_warps", "num_stages",
-                "value_split", "qk_chunk")
+                "value_split", "qk_chunk", "keys_first")
 _NUM_SMS = 132  # H100 / H200
 MAX_ROWS = 64   # default tile rows (block_q * block_h): a [64, 512] f32 accumulator
 
@@ -79,7 +79,7 @@ def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_
         splits *= 2
     return dict(block_q=block_q, block_h=block_h, block_k=block_k, num_splits=splits,
                 num_warps=4 if small else 8, num_stages=1 if small else 2, value_split=1,
-                qk_chunk=None)
+                qk_chunk=None, keys_first=False)
 
 
 def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
@@ -109,7 +109,9 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         value_split (programs per tile, each owning R / value_split output columns and
         recomputing the logits; default 1) and qk_chunk (latent columns per QK dot, loaded
         piecewise; default R): opt-in ways to cut live registers (docs/kernels.md: the
-        64-row tiles spill), not yet measured on a GPU.
+        64-row tiles spill); both measured slower on the H100. keys_first (logits computed
+        as latent . q^T, so wgmma reads the query from shared memory instead of holding it
+        in registers; default False): not yet measured on a GPU.
     Returns:
       [T, H, R] in q's dtype (softmax and accumulation in f32).
     """
@@ -139,6 +141,12 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
     if qc is not None and not (_pow2(qc) and 16 <= qc <= kv_lora_rank):
         raise ValueError(f"qk_chunk must be None or a power of 2 in 16..kv_lora_rank="
                          f"{kv_lora_rank}, got {qc}")
+    if full["keys_first"] not in (True, False, 0, 1):
+        raise ValueError(f"keys_first must be a bool, got {full['keys_first']!r}")
+    full["keys_first"] = bool(full["keys_first"])
+    if full["keys_first"] and (vs != 1 or (qc is not None and qc != kv_lora_rank)):
+        raise ValueError(f"keys_first takes value_split=1 and no qk_chunk, got value_split={vs}"
+                         f", qk_chunk={qc}")
     if not 1 <= full["num_splits"] <= 256:
         raise ValueError(f"num_splits must be in 1..256, got {full['num_splits']}")
     if sm_scale is not None and not sm_scale > 0:
@@ -167,7 +175,8 @@ def _mla(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, sm_scal
                     block_k=tuning["block_k"], num_splits=tuning["num_splits"],
                     sm_scale=sm_scale, num_warps=tuning["num_warps"],
                     num_stages=tuning["num_stages"], interpret=interpret,
-                    value_split=tuning["value_split"], qk_chunk=tuning["qk_chunk"])
+                    value_split=tuning["value_split"], qk_chunk=tuning["qk_chunk"],
+                    keys_first=tuning["keys_first"])
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "sm_scale", "token_chunk"))
