@@ -26,7 +26,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul.grouped_matmul import (check_operands, check_splits,
+from pallas_kernels.grouped_matmul.grouped_matmul import (check_ffn_weights, check_operands,
+                                                          check_splits,
                                                           grouped_pallas_call, pad_rows,
                                                           resolve_blocks)
 from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel, grouped_matmul_kernel
@@ -86,12 +87,7 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
                          "grouped_swiglu's sorted layout")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"ids must be integers, got {ids.dtype}")
-    if w_gate.ndim != 3 or w_up.shape != w_gate.shape:
-        raise ValueError(f"w_gate and w_up must be [experts, E, I] of one shape, got "
-                         f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
-    G, E, I = w_gate.shape
-    if w_down.shape != (G, I, E):
-        raise ValueError(f"w_down must be [experts={G}, I={I}, E={E}], got {tuple(w_down.shape)}")
+    G, E, I = check_ffn_weights(w_gate, w_up, w_down)
     P = N * k
     sizes = jnp.zeros((G,), jnp.int32)                        # only its shape is checked
     tiles = min(k, G)

@@ -98,6 +98,18 @@ def tile_layout(sizes: jax.Array, M: int, block_m: int):
     return dest.astype(jnp.int32), tile_group, Mp
 
 
+def check_ffn_weights(w_gate, w_up, w_down) -> tuple[int, int, int]:
+    """(G, E, I) of an expert FFN's weights, w_gate / w_up [G, E, I] and w_down [G, I, E], or a
+    ValueError naming the bad shape."""
+    if w_gate.ndim != 3 or w_up.shape != w_gate.shape:
+        raise ValueError(f"w_gate and w_up must be [experts, E, I] of one shape, got "
+                         f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+    G, E, I = w_gate.shape
+    if w_down.shape != (G, I, E):
+        raise ValueError(f"w_down must be [experts={G}, I={I}, E={E}], got {tuple(w_down.shape)}")
+    return G, E, I
+
+
 def check_operands(x, w, sizes, block_m, block_n, block_k):
     """ValueError naming the bad value for operands or blocks the kernel cannot take (x may be
     a ShapeDtypeStruct: only its shape and dtype are read)."""

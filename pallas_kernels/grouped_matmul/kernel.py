@@ -9,7 +9,8 @@ block[, K split]); the tile's group picks the expert weight *inside* the kernel.
 Program (t, j[, s]): acc[block_m, block_n] = sum over K blocks (those of split s) of
 xp[t rows, k] @ w[g, k, j cols]; with split-K each split writes a float32 partial.
 A tile past the last group (group -1) runs zero K blocks (a dynamic trip count) and writes
-nothing: its output rows are left as they were (callers never read them), so it moves no bytes. Each expert's weight columns are therefore read once per row tile of that expert —
+nothing: its output rows are left as they were (callers never read them), so it moves no
+bytes. Each expert's weight columns are therefore read once per row tile of that expert —
 once in total at decode sizes (one tile per touched expert), which is the bandwidth floor, and
 ceil(rows / block_m) times at prefill sizes, where the matmul is compute bound.
 

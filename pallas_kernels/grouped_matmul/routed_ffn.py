@@ -21,7 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul.grouped_matmul import (check_operands, check_splits,
+from pallas_kernels.grouped_matmul.grouped_matmul import (check_ffn_weights, check_operands,
+                                                          check_splits,
                                                           grouped_pallas_call, pad_rows,
                                                           padded_grouped_matmul, resolve_blocks,
                                                           tile_layout, unpad_rows)
@@ -53,14 +54,9 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     int32[G] (sum <= M) -> [M, E] in x's dtype; rows past sum(sizes) come out zero.
     gate_up_blocks / down_blocks: (block_n, block_k, num_splits, num_warps), any entry None
     for its default (`resolve_blocks`). num_stages: default 4 for 64-row tiles (measured
-    faster at prefill sizes: 1872 vs 1964 us at 4096 V2-Lite tokens), else 3. ValueError for shapes, dtypes or blocks the kernels
-    cannot take."""
-    if w_gate.ndim != 3 or w_up.shape != w_gate.shape:
-        raise ValueError(f"w_gate and w_up must be [experts, E, I] of one shape, got "
-                         f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
-    G, E, I = w_gate.shape
-    if w_down.shape != (G, I, E):
-        raise ValueError(f"w_down must be [experts={G}, I={I}, E={E}], got {tuple(w_down.shape)}")
+    faster at prefill sizes: 1872 vs 1964 us at 4096 V2-Lite tokens), else 3. ValueError for
+    shapes, dtypes or blocks the kernels cannot take."""
+    G, E, I = check_ffn_weights(w_gate, w_up, w_down)
     M = x.shape[0]
     bn, bk, splits, warps = gate_up_blocks or (None,) * 4
     block_m, bn, bk, splits, warps = resolve_blocks(M, G, E, I, block_m, bn, bk, splits, warps,
