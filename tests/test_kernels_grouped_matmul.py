@@ -181,6 +181,20 @@ def test_grouped_swiglu_equals_three_ragged_dots(seed, M, E, I, G, fill, empty, 
     assert np.all(np.asarray(got)[int(np.asarray(sizes).sum()):] == 0)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("gu,down", [((16, 16, 1, None), (16, 16, 1, None)),
+                                     ((16, 16, 2, None), (16, 16, 2, None))])
+def test_grouped_swiglu_with_column_blocks_fastest(seed, gu, down):
+    """columns_fastest reorders the grid (column blocks fastest); the result must not change:
+    several row tiles, several column blocks, an empty group, with and without split-K."""
+    x, wg, wu, wd, sizes = swiglu_case(seed, 50, 64, 64, 5, jnp.float32, 0.9, 1)
+    got = grouped_swiglu(x, wg, wu, wd, sizes, block_m=16, gate_up_blocks=gu, down_blocks=down,
+                         columns_fastest=True, interpret=True)
+    want = swiglu_reference(x, wg, wu, wd, sizes)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got)[int(np.asarray(sizes).sum()):] == 0)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_grouped_swiglu_bf16_and_other_activation(seed, splits):

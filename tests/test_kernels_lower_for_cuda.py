@@ -84,6 +84,10 @@ CASES = {
     "grouped_swiglu": (functools.partial(grouped_swiglu, gate_up_blocks=(None, None, 1, None)), (
         S((48, 2048), bf16), S((64, 2048, 1408), bf16), S((64, 2048, 1408), bf16),
         S((64, 1408, 2048), bf16), S((64,), i32))),
+    # prefill sizes, the opt-in grid order with column blocks fastest
+    "grouped_swiglu_columns_fastest": (functools.partial(grouped_swiglu, columns_fastest=True), (
+        S((4096, 2048), bf16), S((64, 2048, 1408), bf16), S((64, 2048, 1408), bf16),
+        S((64, 1408, 2048), bf16), S((64,), i32))),
     # decode sizes: gate / up as float32 split-K partials, the activation after their sums
     "grouped_swiglu_split_k": (grouped_swiglu, (
         S((6, 2048), bf16), S((64, 2048, 1408), bf16), S((64, 2048, 1408), bf16),

@@ -120,13 +120,13 @@ def experts_pallas_ffn_sorted(x, p, ids, w):
 
 
 FFN_TUNING_KEYS = {"bm": "block_m", "bn": 0, "bk": 1, "s": 2, "w": 3, "dbn": 0, "dbk": 1,
-                   "ds": 2, "dw": 3, "st": "num_stages"}
+                   "ds": 2, "dw": 3, "st": "num_stages", "cf": "columns_fastest"}
 
 
 def parse_ffn_tuning(spec: str) -> dict:
     """"bm=128/bn=64/w=8/st=4" -> grouped_swiglu keyword arguments. Keys: bm (block_m), bn /
     bk / s / w (gate-up block_n, block_k, splits, warps), dbn / dbk / ds / dw (the same for
-    down), st (num_stages)."""
+    down), st (num_stages), cf (columns_fastest: 1 runs column blocks fastest)."""
     kw, gu, down = {}, [None] * 4, [None] * 4
     for item in filter(None, spec.split("/")):
         key, _, val = item.partition("=")

@@ -164,22 +164,27 @@ def check_splits(K: int, block_k: int, num_splits: int) -> None:
 
 def grouped_pallas_call(kernel, xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
                         N: int, n_outputs: int, block_m: int, block_n: int, num_splits: int,
-                        num_warps: int, num_stages: int, interpret: bool, name: str) -> tuple:
+                        num_warps: int, num_stages: int, interpret: bool, name: str,
+                        columns_fastest: bool = False) -> tuple:
     """One grouped kernel over the grid (row tiles, N / block_n, num_splits): each program gets
     its row tile of xp [Mp, K] and every weight in place (the kernel picks the tile's expert).
     Returns n_outputs arrays [Mp, N] in xp's dtype, or float32 split-K partials
-    [num_splits, Mp, N]."""
+    [num_splits, Mp, N]. columns_fastest: the grid is (N / block_n, tiles, splits) (the kernel
+    must be built with the same flag: kernel.tile_and_column)."""
     Mp, K = xp.shape
+    order = (lambda j, t, s: (t, j, s)) if columns_fastest else (lambda t, j, s: (t, j, s))
     if num_splits == 1:
-        spec = pl.BlockSpec((block_m, block_n), lambda t, j, s: (t, j))
+        spec = pl.BlockSpec((block_m, block_n), lambda *g: (order(*g)[0], order(*g)[1]))
         shape = jax.ShapeDtypeStruct((Mp, N), xp.dtype)
     else:
-        spec = pl.BlockSpec((None, block_m, block_n), lambda t, j, s: (s, t, j))
+        spec = pl.BlockSpec((None, block_m, block_n),
+                            lambda *g: (order(*g)[2], order(*g)[0], order(*g)[1]))
         shape = jax.ShapeDtypeStruct((num_splits, Mp, N), jnp.float32)
+    tiles, cols = Mp // block_m, N // block_n
     return pl.pallas_call(
         kernel,
-        grid=(Mp // block_m, N // block_n, num_splits),
-        in_specs=[pl.BlockSpec((block_m, K), lambda t, j, s: (t, 0))]
+        grid=(cols, tiles, num_splits) if columns_fastest else (tiles, cols, num_splits),
+        in_specs=[pl.BlockSpec((block_m, K), lambda *g: (order(*g)[0], 0))]
         + [pl.BlockSpec(memory_space=pl.ANY)] * (len(weights) + 1),
         out_specs=(spec,) * n_outputs,
         out_shape=(shape,) * n_outputs,
@@ -191,15 +196,16 @@ def grouped_pallas_call(kernel, xp: jax.Array, weights: tuple, tile_group: jax.A
 
 def padded_grouped_matmul(xp: jax.Array, w: jax.Array, tile_group: jax.Array, *, block_m: int,
                           block_n: int, block_k: int, num_splits: int, num_warps: int,
-                          num_stages: int, interpret: bool) -> jax.Array:
+                          num_stages: int, interpret: bool,
+                          columns_fastest: bool = False) -> jax.Array:
     """The kernel on rows already laid out by `tile_layout`: xp [Mp, K] -> [Mp, N] in xp's
     dtype (split-K partials summed in float32)."""
     kernel = functools.partial(grouped_matmul_kernel, block_k=block_k, block_n=block_n,
-                               num_splits=num_splits)
+                               num_splits=num_splits, columns_fastest=columns_fastest)
     yp, = grouped_pallas_call(kernel, xp, (w,), tile_group, N=w.shape[2], n_outputs=1,
                               block_m=block_m, block_n=block_n, num_splits=num_splits,
                               num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                              name="grouped_matmul")
+                              name="grouped_matmul", columns_fastest=columns_fastest)
     return yp.sum(0).astype(xp.dtype) if num_splits > 1 else yp
 
 

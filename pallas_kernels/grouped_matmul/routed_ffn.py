@@ -30,14 +30,16 @@ from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel
 
 
 def _gate_up(xp, w_gate, w_up, tile_group, *, block_m, block_n, block_k, num_splits, num_warps,
-             num_stages, activation, interpret):
+             num_stages, activation, interpret, columns_fastest=False):
     """xp [Mp, E] -> hidden rows [Mp, I] in xp's dtype."""
     kernel = functools.partial(grouped_gate_up_kernel, block_k=block_k, block_n=block_n,
-                               num_splits=num_splits, activation=activation)
+                               num_splits=num_splits, activation=activation,
+                               columns_fastest=columns_fastest)
     out = grouped_pallas_call(kernel, xp, (w_gate, w_up), tile_group, N=w_gate.shape[2],
                               n_outputs=1 if num_splits == 1 else 2, block_m=block_m,
                               block_n=block_n, num_splits=num_splits, num_warps=num_warps,
-                              num_stages=num_stages, interpret=interpret, name="grouped_gate_up")
+                              num_stages=num_stages, interpret=interpret, name="grouped_gate_up",
+                              columns_fastest=columns_fastest)
     if num_splits == 1:
         return out[0]
     gate, up = out[0].sum(0), out[1].sum(0)
@@ -45,17 +47,21 @@ def _gate_up(xp, w_gate, w_up, tile_group, *, block_m, block_n, block_k, num_spl
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "block_m", "gate_up_blocks",
-                                             "down_blocks", "num_stages", "interpret"))
+                                             "down_blocks", "num_stages", "columns_fastest",
+                                             "interpret"))
 def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                    sizes: jax.Array, *, activation=jax.nn.silu, block_m: int | None = None,
                    gate_up_blocks: tuple | None = None, down_blocks: tuple | None = None,
-                   num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                   num_stages: int | None = None, columns_fastest: bool = False,
+                   interpret: bool = False) -> jax.Array:
     """x [M, E] rows sorted by expert, w_gate / w_up [G, E, I], w_down [G, I, E], sizes
     int32[G] (sum <= M) -> [M, E] in x's dtype; rows past sum(sizes) come out zero.
     gate_up_blocks / down_blocks: (block_n, block_k, num_splits, num_warps), any entry None
     for its default (`resolve_blocks`). num_stages: default 4 for 64-row tiles (measured
-    faster at prefill sizes: 1872 vs 1964 us at 4096 V2-Lite tokens), else 3. ValueError for
-    shapes, dtypes or blocks the kernels cannot take."""
+    faster at prefill sizes: 1872 vs 1964 us at 4096 V2-Lite tokens), else 3.
+    columns_fastest: both kernels' grids run column blocks fastest (kernel.tile_and_column;
+    opt-in, not yet measured on a GPU). ValueError for shapes, dtypes or blocks the kernels
+    cannot take."""
     G, E, I = check_ffn_weights(w_gate, w_up, w_down)
     M = x.shape[0]
     bn, bk, splits, warps = gate_up_blocks or (None,) * 4
@@ -74,8 +80,9 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     xp = pad_rows(x, dest, Mp)
     hp = _gate_up(xp, w_gate, w_up, tile_group, block_m=block_m, block_n=bn, block_k=bk,
                   num_splits=splits, num_warps=warps, num_stages=num_stages,
-                  activation=activation, interpret=interpret)
+                  activation=activation, interpret=interpret, columns_fastest=columns_fastest)
     yp = padded_grouped_matmul(hp, w_down, tile_group, block_m=block_m, block_n=dbn,
                                block_k=dbk, num_splits=dsplits, num_warps=dwarps,
-                               num_stages=num_stages, interpret=interpret)
+                               num_stages=num_stages, interpret=interpret,
+                               columns_fastest=columns_fastest)
     return unpad_rows(yp, dest, x.dtype)
