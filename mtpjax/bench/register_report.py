@@ -58,6 +58,8 @@ CASES = {
     "mla_decode_h128_qc256": ("mla", [((64, 128, 576), "bfloat16")], dict(qk_chunk=256)),
     "mla_decode_h128_qc128": ("mla", [((64, 128, 576), "bfloat16")], dict(qk_chunk=128)),
     "mla_decode_h128_kf": ("mla", [((64, 128, 576), "bfloat16")], dict(keys_first=True)),
+    "mla_decode_h128_kf_bk32": ("mla", [((64, 128, 576), "bfloat16")],
+                                dict(keys_first=True, block_k=32)),
     "mla_verify_h16_kf": ("mla", [((256, 16, 576), "bfloat16")],
                           dict(block_q=4, keys_first=True)),
     "mla_decode_h128_bh32": ("mla", [((64, 128, 576), "bfloat16")],
