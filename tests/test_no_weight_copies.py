@@ -57,6 +57,12 @@ def weight_moves(hlo_text: str, shapes) -> list[str]:
 def capture_and_compile(monkeypatch, module, name, run):
     """Runs `run()`, capturing the abstract arguments of module.<name>; returns its optimized
     HLO for them."""
+    return capture_lowered(monkeypatch, module, name, run).compile().as_text()
+
+
+def capture_lowered(monkeypatch, module, name, run):
+    """Runs `run()`, capturing the abstract arguments of module.<name> (a jitted function);
+    returns it lowered for them."""
     fn = getattr(module, name)
     seen = {}
 
@@ -69,7 +75,7 @@ def capture_and_compile(monkeypatch, module, name, run):
     monkeypatch.setattr(module, name, spy)
     run()
     monkeypatch.undo()
-    return fn.lower(*seen["args"], **seen["kwargs"]).compile().as_text()
+    return fn.lower(*seen["args"], **seen["kwargs"])
 
 
 @pytest.fixture(scope="module")
