@@ -142,19 +142,12 @@ def parse_ffn_tuning(spec: str) -> dict:
 
 
 def experts_pallas_ffn_tuned(x, p, ids, w, tuning: dict):
-    """The sorted layout's `grouped_swiglu` with explicit tuning (a sweep of the prefill
-    tiles); the same sort, gather and combine as `routed_experts`."""
+    """`routed_experts`' sorted layout with `grouped_swiglu` given explicit tuning (a sweep of
+    the prefill tiles)."""
     from pallas_kernels.grouped_matmul import grouped_swiglu
-    N, k = ids.shape
-    X = p["w_gate"].shape[0]
-    expert = ids.reshape(-1)
-    order = jnp.argsort(expert, stable=True)
-    sizes = jnp.zeros(X, jnp.int32).at[expert].add(1)
-    y = grouped_swiglu(x[order // k], p["w_gate"], p["w_up"], p["w_down"], sizes,
-                       interpret=jax.default_backend() != "gpu", **tuning)
-    slot = jnp.zeros(N * k, jnp.int32).at[order].set(jnp.arange(N * k, dtype=jnp.int32))
-    y = y[slot].reshape(N, k, -1).astype(jnp.float32) * w[..., None]
-    return y.sum(1).astype(x.dtype)
+    swiglu = functools.partial(grouped_swiglu, activation=jax.nn.silu,
+                               interpret=jax.default_backend() != "gpu", **tuning)
+    return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu, swiglu=swiglu)
 
 
 def pallas_variants(use) -> list:

@@ -59,7 +59,8 @@ def route(p: dict, x: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
 
 def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
                    valid: jax.Array, activation, matmul=None, out_dtype=None,
-                   per_device: bool = False, expert_tiles: bool = True) -> jax.Array:
+                   per_device: bool = False, expert_tiles: bool = True,
+                   swiglu=None) -> jax.Array:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for valid tokens, grouped by expert.
 
     x [N, E], ids int32[N, k] (an id >= the number of experts in p: routed nowhere), weights
@@ -68,10 +69,13 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     grouped matmul(rows, w, sizes) for each of the three projections (the MoE bench passes
     one). per_device: inside the expert-parallel `shard_map` (this device's experts only).
     expert_tiles: on the Pallas path, up to 16 tokens go through `expert_tile_swiglu` (one tile
-    per touched expert, no sort); False keeps the sorted layout (the MoE bench compares them)."""
+    per touched expert, no sort); False keeps the sorted layout (the MoE bench compares them).
+    swiglu: None for the model's, or the whole routed SwiGLU over the sorted rows,
+    swiglu(rows, w_gate, w_up, w_down, sizes) (the MoE bench passes tuned kernels)."""
     N, k = ids.shape
     X = p["w_gate"].shape[0]
-    if matmul is None and expert_tiles and uses_expert_tiles(N, X, per_device):
+    model_path = matmul is None and swiglu is None
+    if model_path and expert_tiles and uses_expert_tiles(N, X, per_device):
         none = ~valid[:, None] | (ids >= X)
         y = expert_tile_swiglu(x, jnp.where(none, -1, ids), p["w_gate"], p["w_up"],
                                p["w_down"], activation)          # f32 [N, k, E], 0 for none
@@ -81,7 +85,9 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     token = order // k
     sizes = jnp.zeros(X + 1, jnp.int32).at[expert].add(1)[:X]    # tokens per expert
     xs = x[token]                                                 # [N*k, E]
-    if matmul is None:
+    if swiglu is not None:
+        y = swiglu(xs, p["w_gate"], p["w_up"], p["w_down"], sizes)
+    elif matmul is None:
         y = grouped_swiglu(xs, p["w_gate"], p["w_up"], p["w_down"], sizes, activation,
                            per_device)                            # [N*k, E]
     else:

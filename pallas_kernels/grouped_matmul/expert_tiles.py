@@ -26,11 +26,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul.grouped_matmul import (check_ffn_weights, check_operands,
-                                                          check_splits,
-                                                          grouped_pallas_call, pad_rows,
-                                                          resolve_blocks)
+from pallas_kernels.grouped_matmul.grouped_matmul import grouped_pallas_call, pad_rows
 from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel, grouped_matmul_kernel
+from pallas_kernels.grouped_matmul.routed_ffn import resolve_ffn_blocks
 
 TILE_ROWS = 16          # Triton's smallest dot; also the most tokens this layout takes
 
@@ -87,21 +85,11 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
                          "grouped_swiglu's sorted layout")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"ids must be integers, got {ids.dtype}")
-    G, E, I = check_ffn_weights(w_gate, w_up, w_down)
     P = N * k
-    sizes = jnp.zeros((G,), jnp.int32)                        # only its shape is checked
-    tiles = min(k, G)
-    bn, bk, splits, warps = gate_up_blocks or (None,) * 4
-    _, bn, bk, splits, warps = resolve_blocks(P, G, E, I, TILE_ROWS, bn, bk, splits, warps,
-                                              accumulators=2, tiles=tiles)
-    check_operands(x, w_gate, sizes, TILE_ROWS, bn, bk)
-    check_operands(x, w_up, sizes, TILE_ROWS, bn, bk)
-    check_splits(E, bk, splits)
-    dbn, dbk, dsplits, dwarps = down_blocks or (None,) * 4
-    _, dbn, dbk, dsplits, dwarps = resolve_blocks(P, G, I, E, TILE_ROWS, dbn, dbk, dsplits,
-                                                  dwarps, tiles=tiles)
-    check_operands(jax.ShapeDtypeStruct((1, I), x.dtype), w_down, sizes, TILE_ROWS, dbn, dbk)
-    check_splits(I, dbk, dsplits)
+    _, (bn, bk, splits, warps), (dbn, dbk, dsplits, dwarps) = resolve_ffn_blocks(
+        x, w_gate, w_up, w_down, None, P, TILE_ROWS, gate_up_blocks, down_blocks,
+        tiles=min(k, w_gate.shape[0]))
+    G, E, I = w_gate.shape
 
     experts = ids.reshape(P).astype(jnp.int32)
     slot, tile_group = expert_tile_layout(experts, G)

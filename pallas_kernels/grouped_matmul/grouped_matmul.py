@@ -172,19 +172,22 @@ def grouped_pallas_call(kernel, xp: jax.Array, weights: tuple, tile_group: jax.A
     [num_splits, Mp, N]. columns_fastest: the grid is (N / block_n, tiles, splits) (the kernel
     must be built with the same flag: kernel.tile_and_column)."""
     Mp, K = xp.shape
-    order = (lambda j, t, s: (t, j, s)) if columns_fastest else (lambda t, j, s: (t, j, s))
+
+    def by_tile(index):
+        """An index map of (tile t, column block j, split s), whatever the grid order."""
+        return (lambda j, t, s: index(t, j, s)) if columns_fastest else index
+
     if num_splits == 1:
-        spec = pl.BlockSpec((block_m, block_n), lambda *g: (order(*g)[0], order(*g)[1]))
+        spec = pl.BlockSpec((block_m, block_n), by_tile(lambda t, j, s: (t, j)))
         shape = jax.ShapeDtypeStruct((Mp, N), xp.dtype)
     else:
-        spec = pl.BlockSpec((None, block_m, block_n),
-                            lambda *g: (order(*g)[2], order(*g)[0], order(*g)[1]))
+        spec = pl.BlockSpec((None, block_m, block_n), by_tile(lambda t, j, s: (s, t, j)))
         shape = jax.ShapeDtypeStruct((num_splits, Mp, N), jnp.float32)
     tiles, cols = Mp // block_m, N // block_n
     return pl.pallas_call(
         kernel,
         grid=(cols, tiles, num_splits) if columns_fastest else (tiles, cols, num_splits),
-        in_specs=[pl.BlockSpec((block_m, K), lambda *g: (order(*g)[0], 0))]
+        in_specs=[pl.BlockSpec((block_m, K), by_tile(lambda t, j, s: (t, 0)))]
         + [pl.BlockSpec(memory_space=pl.ANY)] * (len(weights) + 1),
         out_specs=(spec,) * n_outputs,
         out_shape=(shape,) * n_outputs,

@@ -46,6 +46,29 @@ def _gate_up(xp, w_gate, w_up, tile_group, *, block_m, block_n, block_k, num_spl
     return (activation(gate) * up).astype(xp.dtype)
 
 
+def resolve_ffn_blocks(x, w_gate, w_up, w_down, sizes, M: int, block_m, gate_up_blocks,
+                       down_blocks, tiles: int | None = None):
+    """Blocks of an expert FFN's two kernels over M laid-out rows: (block_m, (block_n, block_k,
+    num_splits, num_warps) of gate/up, the same of down), the given entries kept and the rest
+    defaulted (`resolve_blocks`; tiles: see `default_blocks`). sizes: the group sizes, or None
+    when the caller has none. ValueError for shapes, dtypes or blocks the kernels cannot take."""
+    G, E, I = check_ffn_weights(w_gate, w_up, w_down)
+    if sizes is None:
+        sizes = jax.ShapeDtypeStruct((G,), jnp.int32)
+    bn, bk, splits, warps = gate_up_blocks or (None,) * 4
+    block_m, bn, bk, splits, warps = resolve_blocks(M, G, E, I, block_m, bn, bk, splits, warps,
+                                                    accumulators=2, tiles=tiles)
+    check_operands(x, w_gate, sizes, block_m, bn, bk)
+    check_operands(x, w_up, sizes, block_m, bn, bk)
+    check_splits(E, bk, splits)
+    dbn, dbk, dsplits, dwarps = down_blocks or (None,) * 4
+    _, dbn, dbk, dsplits, dwarps = resolve_blocks(M, G, I, E, block_m, dbn, dbk, dsplits, dwarps,
+                                                  tiles=tiles)
+    check_operands(jax.ShapeDtypeStruct((1, I), x.dtype), w_down, sizes, block_m, dbn, dbk)
+    check_splits(I, dbk, dsplits)
+    return block_m, (bn, bk, splits, warps), (dbn, dbk, dsplits, dwarps)
+
+
 @functools.partial(jax.jit, static_argnames=("activation", "block_m", "gate_up_blocks",
                                              "down_blocks", "num_stages", "columns_fastest",
                                              "interpret"))
@@ -62,18 +85,9 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     columns_fastest: both kernels' grids run column blocks fastest (kernel.tile_and_column;
     opt-in, not yet measured on a GPU). ValueError for shapes, dtypes or blocks the kernels
     cannot take."""
-    G, E, I = check_ffn_weights(w_gate, w_up, w_down)
     M = x.shape[0]
-    bn, bk, splits, warps = gate_up_blocks or (None,) * 4
-    block_m, bn, bk, splits, warps = resolve_blocks(M, G, E, I, block_m, bn, bk, splits, warps,
-                                                    accumulators=2)
-    check_operands(x, w_gate, sizes, block_m, bn, bk)
-    check_operands(x, w_up, sizes, block_m, bn, bk)
-    check_splits(E, bk, splits)
-    dbn, dbk, dsplits, dwarps = down_blocks or (None,) * 4
-    _, dbn, dbk, dsplits, dwarps = resolve_blocks(M, G, I, E, block_m, dbn, dbk, dsplits, dwarps)
-    check_operands(jax.ShapeDtypeStruct((1, I), x.dtype), w_down, sizes, block_m, dbn, dbk)
-    check_splits(I, dbk, dsplits)
+    block_m, (bn, bk, splits, warps), (dbn, dbk, dsplits, dwarps) = resolve_ffn_blocks(
+        x, w_gate, w_up, w_down, sizes, M, block_m, gate_up_blocks, down_blocks)
     num_stages = num_stages or (4 if block_m >= 64 else 3)
 
     dest, tile_group, Mp = tile_layout(sizes, M, block_m)
