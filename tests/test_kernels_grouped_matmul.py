@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_swiglu, tile_layout
+from pallas_kernels.grouped_matmul.routed_ffn import is_prefill, prefill_tiles
 
 
 def random_case(seed, M, K, N, G, dtype, fill=1.0, empty=0):
@@ -182,16 +183,35 @@ def test_grouped_swiglu_equals_three_ragged_dots(seed, M, E, I, G, fill, empty, 
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("columns_fastest", [False, True])
 @pytest.mark.parametrize("gu,down", [((16, 16, 1, None), (16, 16, 1, None)),
                                      ((16, 16, 2, None), (16, 16, 2, None))])
-def test_grouped_swiglu_with_column_blocks_fastest(seed, gu, down):
-    """columns_fastest reorders the grid (column blocks fastest); the result must not change:
-    several row tiles, several column blocks, an empty group, with and without split-K."""
+def test_grouped_swiglu_in_either_grid_order(seed, columns_fastest, gu, down):
+    """columns_fastest (the default) orders the grid column blocks fastest, False row tiles
+    fastest; the result must not change: several row tiles, several column blocks, an empty
+    group, with and without split-K."""
     x, wg, wu, wd, sizes = swiglu_case(seed, 50, 64, 64, 5, jnp.float32, 0.9, 1)
     got = grouped_swiglu(x, wg, wu, wd, sizes, block_m=16, gate_up_blocks=gu, down_blocks=down,
-                         columns_fastest=True, interpret=True)
+                         columns_fastest=columns_fastest, interpret=True)
     want = swiglu_reference(x, wg, wu, wd, sizes)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got)[int(np.asarray(sizes).sum()):] == 0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("I", [128, 96])
+def test_grouped_swiglu_prefill_tiles(seed, I):
+    """At a mean of >= 64 rows per expert the defaults switch to 128-row tiles with 128 gate/up
+    columns (where they divide I; else the usual columns): same result, rows of a partial
+    last tile and an empty group included."""
+    assert is_prefill(300, 3) and not is_prefill(190, 3)
+    assert prefill_tiles(None, 128) == (128, (128, None, None, None))
+    assert prefill_tiles((64, 32, None, None), 128) == (128, (64, 32, None, None))
+    assert prefill_tiles(None, 96)[1][0] is None
+    x, wg, wu, wd, sizes = swiglu_case(seed, 300, 32, I, 3, jnp.float32, 0.9, 1)
+    got = grouped_swiglu(x, wg, wu, wd, sizes, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(
+        swiglu_reference(x, wg, wu, wd, sizes)), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(got)[int(np.asarray(sizes).sum()):] == 0)
 
 

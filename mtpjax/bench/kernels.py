@@ -54,7 +54,7 @@ def _median_wall(multi, qs, rest, repeats):
     return float(np.median(ts))
 
 
-def timeit(fn, qs, rest, repeats=15, compiler_options=None):
+def timeit(fn, qs, rest, repeats=15, compiler_options=None, chain=None):
     """Seconds per fn(q, *rest) call inside a long jitted program.
 
     With n = len(qs) >= 8 distinct inputs: one jit runs n calls, another n // 4
@@ -66,9 +66,18 @@ def timeit(fn, qs, rest, repeats=15, compiler_options=None):
     kernels, which a real step pays too. With n < 8 (slow XLA references): t(n) / n.
     compiler_options: XLA options of the jit (bench.moe passes the model's step options: its
     calls share one weight, and XLA's dot merger would otherwise fuse them into one dot).
+    chain: None (independent calls), or chain(q, previous output) -> the q a call runs, so
+    each call waits for the one before, as a model's layers do (bench.moe: with independent
+    calls XLA interleaves the calls' layout ops, and the MoE layer's gather combine read
+    ~130 us slower at 256 V2-Lite tokens than the same layer chained, H100, round 3 session 11).
     """
-    multi = jax.jit(lambda qs, *rest: [fn(q, *rest) for q in qs],
-                    compiler_options=compiler_options)
+    def calls(qs, *rest):
+        outs = []
+        for q in qs:
+            outs.append(fn(q if chain is None or not outs else chain(q, outs[-1]), *rest))
+        return outs
+
+    multi = jax.jit(calls, compiler_options=compiler_options)
     out = multi(qs, *rest)
     jax.block_until_ready(out)
     t_n = _median_wall(multi, qs, rest, repeats)

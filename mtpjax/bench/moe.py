@@ -30,7 +30,8 @@ Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pai
 Floors: decode = bytes of the distinct experts touched (3 matrices each) / same-run copy
 bandwidth; prefill = FLOPs (2 * N * k * 3 * E * I) / same-run dense bf16 matmul rate
 (max of the two is reported). Times: marginal per call in one jit of many calls
-(`mtpjax.bench.kernels.timeit`), each call with its own tokens and routing. GPU only for `mgpu`; the rest runs anywhere (`--shapes tiny`
+(`mtpjax.bench.kernels.timeit`), each call with its own routing, chained as a model's layers
+are (a call's input is the previous call's output). GPU only for `mgpu`; the rest runs anywhere (`--shapes tiny`
 is the CPU smoke test).
 """
 from __future__ import annotations
@@ -268,7 +269,8 @@ def run(shape_names, token_counts, out_dir=None,
                     # dense ragged_dots into one that reads the experts once for all
                     # (ragged_dot measured 0.55x its floor on the H100 that way)
                     t, out = timeit(lambda q, p: fn(q[0], p, q[1], q[2]), xs, (p,),
-                                    compiler_options=STEP_COMPILER_OPTIONS)
+                                    compiler_options=STEP_COMPILER_OPTIONS,
+                                    chain=lambda q, y: (y, *q[1:]))
                     err = 0.0 if ref is None else rel_err(out, ref)
                     ref = out if ref is None else ref
                     row[f"{vname}_us"] = t * 1e6

@@ -69,26 +69,47 @@ def resolve_ffn_blocks(x, w_gate, w_up, w_down, sizes, M: int, block_m, gate_up_
     return block_m, (bn, bk, splits, warps), (dbn, dbk, dsplits, dwarps)
 
 
+PREFILL_ROWS_PER_EXPERT = 64
+
+
+def is_prefill(M: int, G: int) -> bool:
+    """Do M rows over G experts (a mean of >= 64 rows each) take the prefill tiles?"""
+    return M // max(G, 1) >= PREFILL_ROWS_PER_EXPERT
+
+
+def prefill_tiles(gate_up_blocks, I: int):
+    """(block_m, gate_up_blocks) at prefill sizes: 128-row tiles and 128 gate/up columns (two
+    128 x 128 float32 accumulators, which spill at 8 warps, yet measured fastest), run with
+    the columns-fastest grid and 3 stages. H200, round 3 session 11 (`bench moe`), against
+    64-row tiles with 64 gate/up columns, tiles fastest, 4 stages: 4096 tokens V2-Lite 1619 ->
+    1230 us, V3 slice 11703 -> 9284 us; 1024 tokens 690 -> 574 and 4939 -> 3780 us."""
+    bn, bk, splits, warps = gate_up_blocks or (None,) * 4
+    return 128, (bn or (128 if I % 128 == 0 else None), bk, splits, warps)
+
+
 @functools.partial(jax.jit, static_argnames=("activation", "block_m", "gate_up_blocks",
                                              "down_blocks", "num_stages", "columns_fastest",
                                              "interpret"))
 def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                    sizes: jax.Array, *, activation=jax.nn.silu, block_m: int | None = None,
                    gate_up_blocks: tuple | None = None, down_blocks: tuple | None = None,
-                   num_stages: int | None = None, columns_fastest: bool = False,
+                   num_stages: int | None = None, columns_fastest: bool = True,
                    interpret: bool = False) -> jax.Array:
     """x [M, E] rows sorted by expert, w_gate / w_up [G, E, I], w_down [G, I, E], sizes
     int32[G] (sum <= M) -> [M, E] in x's dtype; rows past sum(sizes) come out zero.
     gate_up_blocks / down_blocks: (block_n, block_k, num_splits, num_warps), any entry None
-    for its default (`resolve_blocks`). num_stages: default 4 for 64-row tiles (measured
-    faster at prefill sizes: 1872 vs 1964 us at 4096 V2-Lite tokens), else 3.
-    columns_fastest: both kernels' grids run column blocks fastest (kernel.tile_and_column;
-    opt-in, not yet measured on a GPU). ValueError for shapes, dtypes or blocks the kernels
-    cannot take."""
+    for its default (`resolve_blocks`; at prefill sizes `prefill_tiles`). num_stages: default
+    3, or 4 for 64-row tiles (1872 vs 1964 us at 4096 V2-Lite tokens, H100). columns_fastest:
+    both kernels' grids run column blocks fastest (kernel.tile_and_column): the programs that
+    run side by side share a row tile, read from DRAM once (at 4096 V2-Lite tokens, H200:
+    1588 -> 1516 us alone, and what makes 128-row tiles pay). ValueError for shapes, dtypes or
+    blocks the kernels cannot take."""
     M = x.shape[0]
+    if block_m is None and is_prefill(M, w_gate.shape[0]):
+        block_m, gate_up_blocks = prefill_tiles(gate_up_blocks, w_gate.shape[2])
     block_m, (bn, bk, splits, warps), (dbn, dbk, dsplits, dwarps) = resolve_ffn_blocks(
         x, w_gate, w_up, w_down, sizes, M, block_m, gate_up_blocks, down_blocks)
-    num_stages = num_stages or (4 if block_m >= 64 else 3)
+    num_stages = num_stages or (4 if block_m == 64 else 3)
 
     dest, tile_group, Mp = tile_layout(sizes, M, block_m)
     xp = pad_rows(x, dest, Mp)

@@ -62,15 +62,19 @@ def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_
     """Tile, block and split sizes (H100 sweeps at B=64, ctx 4096, 576/512, docs/kernels.md).
 
     rows = block_q * block_h <= 64 (a [64, 512] f32 accumulator is half the register file).
-    Decode-sized tiles (<= 16 rows): 32-token KV blocks, 4 warps, no software pipelining,
-    KV splits for ~2 waves of 132 SMs. Larger tiles: 64-token blocks, 8 warps, 2 pipeline
-    stages, splits for ~1 wave (one CTA per SM fits).
+    Decode-sized tiles (<= 16 rows): 4 warps, no software pipelining, KV splits for ~2 waves
+    of 132 SMs. Larger tiles: 8 warps, 2 pipeline stages, splits for ~1 wave (one CTA per SM
+    fits). Both: 32-token KV blocks with the logits computed keys first (None here: on unless
+    value_split or qk_chunk is given). Round 3 session 11 (H200, page 64): against the
+    former 64-token blocks in query-first order, H=128 decode 475 -> 442 us, verify q4
+    1761 -> 1694 us; H=16 verify q4 251 -> 244 us; H=16 decode 169 -> 158 us (32-token
+    blocks before too). keys_first without 32-token blocks: 447, 1706, 257, 158 us.
     """
     block_q = 1 << (max(1, block_q) - 1).bit_length()
     h_div = num_heads & -num_heads                        # largest power of 2 dividing H
     block_h = max(1, min(h_div, MAX_ROWS // block_q))
     small = block_q * block_h <= 16
-    block_k = 32 if small else 64
+    block_k = 32
     waves = 2 if small else 1
     items = min(num_seqs, num_tokens) * (num_heads // block_h)
     splits = 1
@@ -79,7 +83,7 @@ def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_
         splits *= 2
     return dict(block_q=block_q, block_h=block_h, block_k=block_k, num_splits=splits,
                 num_warps=4 if small else 8, num_stages=1 if small else 2, value_split=1,
-                qk_chunk=None, keys_first=False)
+                qk_chunk=None, keys_first=None)
 
 
 def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
@@ -111,7 +115,7 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         piecewise; default R): opt-in ways to cut live registers (docs/kernels.md: the
         64-row tiles spill); both measured slower on the H100. keys_first (logits computed
         as latent . q^T, so wgmma reads the query from shared memory instead of holding it
-        in registers; default False): not yet measured on a GPU.
+        in registers; default on unless value_split or qk_chunk is given: `default_tuning`).
     Returns:
       [T, H, R] in q's dtype (softmax and accumulation in f32).
     """
@@ -141,6 +145,8 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
     if qc is not None and not (_pow2(qc) and 16 <= qc <= kv_lora_rank):
         raise ValueError(f"qk_chunk must be None or a power of 2 in 16..kv_lora_rank="
                          f"{kv_lora_rank}, got {qc}")
+    if full["keys_first"] is None:     # the default, where the other options allow it
+        full["keys_first"] = vs == 1 and qc in (None, kv_lora_rank)
     if full["keys_first"] not in (True, False, 0, 1):
         raise ValueError(f"keys_first must be a bool, got {full['keys_first']!r}")
     full["keys_first"] = bool(full["keys_first"])
