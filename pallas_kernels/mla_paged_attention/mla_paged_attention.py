@@ -65,10 +65,13 @@ def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_
     Decode-sized tiles (<= 16 rows): 4 warps, no software pipelining, KV splits for ~2 waves
     of 132 SMs. Larger tiles: 8 warps, 2 pipeline stages, splits for ~1 wave (one CTA per SM
     fits). Both: 32-token KV blocks with the logits computed keys first (None here: on unless
-    value_split or qk_chunk is given). Round 3 session 11 (H200, page 64): against the
-    former 64-token blocks in query-first order, H=128 decode 475 -> 442 us, verify q4
-    1761 -> 1694 us; H=16 verify q4 251 -> 244 us; H=16 decode 169 -> 158 us (32-token
-    blocks before too). keys_first without 32-token blocks: 447, 1706, 257, 158 us.
+    value_split or qk_chunk is given, or a decode-sized tile's block spans several pages).
+    Round 3 session 11 (H200, page 64): against the former 64-token blocks in query-first
+    order, H=128 decode 475 -> 442 us, verify q4 1761 -> 1694 us; H=16 verify q4 251 -> 244
+    us; H=16 decode 169 -> 158 us (32-token blocks before too). keys_first without 32-token
+    blocks: 447, 1706, 257, 158 us. At page 16 (H100) the large tiles gained too (H=16
+    verify 458 -> 297 us, H=128 decode 705 -> 549), but H=16 decode, whose 16-row tile then
+    loads its block from two pages, went 181 -> 402 us (docs/benchmarks.md).
     """
     block_q = 1 << (max(1, block_q) - 1).bit_length()
     h_div = num_heads & -num_heads                        # largest power of 2 dividing H
@@ -146,7 +149,9 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         raise ValueError(f"qk_chunk must be None or a power of 2 in 16..kv_lora_rank="
                          f"{kv_lora_rank}, got {qc}")
     if full["keys_first"] is None:     # the default, where the other options allow it
-        full["keys_first"] = vs == 1 and qc in (None, kv_lora_rank)
+        full["keys_first"] = (vs == 1 and qc in (None, kv_lora_rank)
+                              and not (full["block_q"] * full["block_h"] <= 16
+                                       and latent_pages.shape[1] < full["block_k"]))
     if full["keys_first"] not in (True, False, 0, 1):
         raise ValueError(f"keys_first must be a bool, got {full['keys_first']!r}")
     full["keys_first"] = bool(full["keys_first"])
