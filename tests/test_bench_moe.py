@@ -31,7 +31,8 @@ def test_gather_experts_equal_the_models_ragged_dot_layer(seed):
 def test_bench_moe_tiny_prints_finite_rows(capsys, tmp_path):
     assert moe.main(["--shapes", "tiny", "--tokens", "1,16", "--out", str(tmp_path), "--variants",
                      "ragged_dot,tiled,pallas,pallas:16/32/16/2,pallas_ffn,pallas_ffn_sorted,"
-                     "pallas_ffn:bm=16/bn=32/bk=32/s=2/st=2,gather"]) == 0
+                     "pallas_ffn:bm=16/bn=32/bk=32/s=2/st=2,pallas_tiles:bk=32/s=2/st=2,"
+                     "gather"]) == 0
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1].startswith("| tiny | 16 |")
     assert "| pallas:16/32/16/2 us (x floor) |" in out
@@ -42,7 +43,7 @@ def test_bench_moe_tiny_prints_finite_rows(capsys, tmp_path):
         assert math.isfinite(r["ragged_dot_us"]) and r["ragged_dot_us"] > 0
         assert r["gather_err"] < 2e-2                       # bf16 weights, vs ragged_dot
         for v in ("tiled", "pallas", "pallas:16/32/16/2", "pallas_ffn", "pallas_ffn_sorted",
-                  "pallas_ffn:bm=16/bn=32/bk=32/s=2/st=2"):
+                  "pallas_ffn:bm=16/bn=32/bk=32/s=2/st=2", "pallas_tiles:bk=32/s=2/st=2"):
             assert r[f"{v}_err"] < 2e-2, v
 
 
@@ -63,6 +64,8 @@ def test_ffn_tuning_parses_and_names_a_bad_key():
         down_blocks=(128, None, 2, None))
     with pytest.raises(ValueError, match="'warps=8': expected KEY=INT"):
         moe.parse_ffn_tuning("bm=64/warps=8")
+    with pytest.raises(ValueError, match="'pallas_tiles:bm=16/s=2': expert tiles take no bm"):
+        moe.pallas_variants(["pallas_tiles:bm=16/s=2"])
 
 
 def test_padded_batch_gives_the_real_tokens_rows(capsys):

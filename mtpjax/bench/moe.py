@@ -5,7 +5,8 @@ decode sizes (few tokens per expert: weight-read bound) and prefill sizes (compu
     python -m mtpjax.bench.moe [--shapes v2-lite,v3-slice] [--tokens 1,32,256,4096] [--out DIR]
                                [--pad-to ROWS]
                                [--variants ragged_dot,tiled,pallas,pallas:BM/BN/BK[/S],pallas_ffn,
-                                           pallas_ffn_sorted,pallas_ffn:KEY=V/...,mgpu,gather]
+                                           pallas_ffn_sorted,pallas_ffn:KEY=V/...,
+                                           pallas_tiles:KEY=V/...,mgpu,gather]
 
 Shapes (bf16 random weights, routing uniform random top-k without repeats per token):
   v2-lite   DeepSeek-V2-Lite: 64 routed experts, 6 per token, hidden 2048, expert width 1408
@@ -24,6 +25,8 @@ Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pai
   pallas_ffn_sorted  the same with the sorted layout at every size
   pallas_ffn:KEY=V/...  the sorted layout's kernels with explicit tuning, e.g.
               pallas_ffn:bm=128/bn=64/w=8/dbn=128/dw=8/st=4 (keys: `parse_ffn_tuning`)
+  pallas_tiles:KEY=V/...  up to 16 tokens, the expert tiles with explicit tuning (the same
+              keys but bm and cf), e.g. pallas_tiles:s=8/st=4
   mgpu        the same sort/scatter with ragged_dot_mgpu (Hopper WGMMA + TMA) for the matmuls
   gather      w[ids] per (token, slot) and batched matvecs: reads each chosen expert once per
               token (duplicates at larger N); decode sizes only
@@ -151,16 +154,34 @@ def experts_pallas_ffn_tuned(x, p, ids, w, tuning: dict):
     return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu, swiglu=swiglu)
 
 
+def experts_pallas_tiles_tuned(x, p, ids, w, tuning: dict):
+    """The model's path with `expert_tile_swiglu` given explicit tuning (up to 16 tokens; a
+    sweep of the decode tiles). Keys as `parse_ffn_tuning`'s but bm and cf (the tiles are 16
+    rows, in one grid order)."""
+    from mtpjax.model.grouped_matmul import forced_path
+    from pallas_kernels.grouped_matmul.expert_tiles import expert_tile_swiglu
+    tiles = functools.partial(expert_tile_swiglu, interpret=jax.default_backend() != "gpu",
+                              **tuning)
+    with forced_path("pallas"):
+        return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu,
+                              tile_swiglu=lambda *a: tiles(*a[:5], activation=a[5]))
+
+
 def pallas_variants(use) -> list:
     """("pallas", fn) and one ("pallas:BM/BN/BK[/S]", fn) per such entry of `use` (S: split-K);
-    "pallas_ffn", "pallas_ffn_sorted", and one ("pallas_ffn:KEY=V/...", fn) per such entry
-    (`parse_ffn_tuning`)."""
+    "pallas_ffn", "pallas_ffn_sorted", and one ("pallas_ffn:KEY=V/...", fn) or
+    ("pallas_tiles:KEY=V/...", fn) per such entry (`parse_ffn_tuning`)."""
     out = [("pallas", experts_pallas)] if "pallas" in use else []
     if "pallas_ffn" in use:
         out.append(("pallas_ffn", experts_pallas_ffn))
     if "pallas_ffn_sorted" in use:
         out.append(("pallas_ffn_sorted", experts_pallas_ffn_sorted))
     for v in use:
+        if v.startswith("pallas_tiles:"):
+            tuning = parse_ffn_tuning(v.split(":", 1)[1])
+            if set(tuning) - {"gate_up_blocks", "down_blocks", "num_stages"}:
+                raise ValueError(f"variant {v!r}: expert tiles take no bm or cf")
+            out.append((v, functools.partial(experts_pallas_tiles_tuned, tuning=tuning)))
         if v.startswith("pallas_ffn:"):
             out.append((v, functools.partial(experts_pallas_ffn_tuned,
                                               tuning=parse_ffn_tuning(v.split(":", 1)[1]))))

@@ -60,7 +60,7 @@ def route(p: dict, x: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
 def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
                    valid: jax.Array, activation, matmul=None, out_dtype=None,
                    per_device: bool = False, expert_tiles: bool = True,
-                   swiglu=None) -> jax.Array:
+                   swiglu=None, tile_swiglu=None) -> jax.Array:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for valid tokens, grouped by expert.
 
     x [N, E], ids int32[N, k] (an id >= the number of experts in p: routed nowhere), weights
@@ -71,14 +71,17 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     expert_tiles: on the Pallas path, up to 16 tokens go through `expert_tile_swiglu` (one tile
     per touched expert, no sort); False keeps the sorted layout (the MoE bench compares them).
     swiglu: None for the model's, or the whole routed SwiGLU over the sorted rows,
-    swiglu(rows, w_gate, w_up, w_down, sizes) (the MoE bench passes tuned kernels)."""
+    swiglu(rows, w_gate, w_up, w_down, sizes) (the MoE bench passes tuned kernels).
+    tile_swiglu: None for `expert_tile_swiglu`, or a function of its arguments (x, ids,
+    w_gate, w_up, w_down, activation) used in its place (the MoE bench's tuned tiles)."""
     N, k = ids.shape
     X = p["w_gate"].shape[0]
     model_path = matmul is None and swiglu is None
     if model_path and expert_tiles and uses_expert_tiles(N, X, per_device):
         none = ~valid[:, None] | (ids >= X)
-        y = expert_tile_swiglu(x, jnp.where(none, -1, ids), p["w_gate"], p["w_up"],
-                               p["w_down"], activation)          # f32 [N, k, E], 0 for none
+        y = (tile_swiglu or expert_tile_swiglu)(
+            x, jnp.where(none, -1, ids), p["w_gate"], p["w_up"], p["w_down"],
+            activation)                                           # f32 [N, k, E], 0 for none
         return _weighted_sum(y, weights).astype(out_dtype or x.dtype)
     expert = jnp.where(valid[:, None] & (ids < X), ids, X).reshape(-1)   # -> past every group
     order = jnp.argsort(expert, stable=True)                      # [N*k] pairs sorted by expert
