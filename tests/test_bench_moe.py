@@ -80,3 +80,16 @@ def test_padded_batch_gives_the_real_tokens_rows(capsys):
     pids, pw = moe.pad_routing(moe.SHAPES["tiny"], ids, w, 8)
     assert pids.shape == (8, 2) and np.all(np.asarray(pids[3:]) == moe.SHAPES["tiny"]["experts"])
     assert np.all(np.asarray(pw[3:]) == 0)
+
+
+def test_independent_calls_time_the_same_layer(capsys):
+    """--independent (the method before round 3 session 11) times the same layer as the
+    default chained calls: finite times, the same outputs."""
+    chained = moe.run(["tiny"], [3], use=("ragged_dot", "pallas_ffn"))
+    independent = moe.run(["tiny"], [3], use=("ragged_dot", "pallas_ffn"), independent=True)
+    for r in chained + independent:
+        assert math.isfinite(r["pallas_ffn_us"]) and r["pallas_ffn_us"] > 0
+        assert r["pallas_ffn_err"] < 2e-2
+    assert moe.main(["--shapes", "tiny", "--tokens", "2", "--variants", "ragged_dot",
+                     "--independent"]) == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("| tiny | 2 |")

@@ -3,7 +3,7 @@
 decode sizes (few tokens per expert: weight-read bound) and prefill sizes (compute bound).
 
     python -m mtpjax.bench.moe [--shapes v2-lite,v3-slice] [--tokens 1,32,256,4096] [--out DIR]
-                               [--pad-to ROWS]
+                               [--pad-to ROWS] [--independent]
                                [--variants ragged_dot,tiled,pallas,pallas:BM/BN/BK[/S],pallas_ffn,
                                            pallas_ffn_sorted,pallas_ffn:KEY=V/...,
                                            pallas_tiles:KEY=V/...,mgpu,gather]
@@ -247,9 +247,11 @@ def pad_routing(shape: dict, ids, w, pad_to: int):
 
 
 def run(shape_names, token_counts, out_dir=None,
-        use=("ragged_dot", "tiled", "pallas", "pallas_ffn", "mgpu", "gather"), pad_to: int = 0):
+        use=("ragged_dot", "tiled", "pallas", "pallas_ffn", "mgpu", "gather"), pad_to: int = 0,
+        independent: bool = False):
     """pad_to: run each token count in a batch of this many rows, the rest padding (as the
-    engine's token buckets do; floors count the real tokens). `mgpu` and `gather` then skip."""
+    engine's token buckets do; floors count the real tokens). `mgpu` and `gather` then skip.
+    independent: time independent calls (the method before round 3 session 11), not chained."""
     on_gpu = jax.default_backend() == "gpu"
     copy_bw, _ = copy_bandwidth() if on_gpu else (1e11, {})
     flops = matmul_rate(8192 if on_gpu else 256, reps=2 if on_gpu else 1)
@@ -291,7 +293,7 @@ def run(shape_names, token_counts, out_dir=None,
                     # (ragged_dot measured 0.55x its floor on the H100 that way)
                     t, out = timeit(lambda q, p: fn(q[0], p, q[1], q[2]), xs, (p,),
                                     compiler_options=STEP_COMPILER_OPTIONS,
-                                    chain=lambda q, y: (y, *q[1:]))
+                                    chain=None if independent else lambda q, y: (y, *q[1:]))
                     err = 0.0 if ref is None else rel_err(out, ref)
                     ref = out if ref is None else ref
                     row[f"{vname}_us"] = t * 1e6
@@ -345,11 +347,15 @@ def main(argv=None):
     ap.add_argument("--pad-to", type=int, default=0,
                     help="each token count in a batch of this many rows, the rest padding routed "
                          "nowhere (the engine pads a batch-1 decode step to 8 tokens)")
+    ap.add_argument("--independent", action="store_true",
+                    help="time independent calls, not each call on the previous one's output "
+                         "(the method before round 3 session 11; XLA then interleaves the "
+                         "calls' layout ops)")
     a = ap.parse_args(argv)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
     run(a.shapes.split(","), [int(t) for t in a.tokens.split(",")], a.out,
-        tuple(a.variants.split(",")), a.pad_to)
+        tuple(a.variants.split(",")), a.pad_to, a.independent)
     return 0
 
 
