@@ -63,12 +63,15 @@ def test_layout_gives_each_pair_its_own_row_in_its_experts_tile(seed):
     N, k, G = 12, 4, 10
     ids = np.stack([rng.choice(G, k, replace=False) for _ in range(N)])
     ids = np.where(rng.random((N, k)) < 0.25, -1, ids).reshape(-1).astype(np.int32)
-    slot, tile_group = map(np.asarray, expert_tile_layout(jnp.asarray(ids), G))
+    slot, tile_group, source = map(np.asarray, expert_tile_layout(jnp.asarray(ids), G))
     n_tiles = min(ids.size, G)
-    assert tile_group.shape == (n_tiles,)
+    assert tile_group.shape == (n_tiles,) and source.shape == (n_tiles * TILE_ROWS,)
     real = ids >= 0
     assert np.all(slot[~real] == n_tiles * TILE_ROWS)
     assert len(set(slot[real])) == real.sum()                     # one row per pair
+    # source inverts slot: each pair's row names that pair, every other row names none
+    np.testing.assert_array_equal(source[slot[real]], np.flatnonzero(real))
+    assert np.sum(source >= 0) == real.sum()
     np.testing.assert_array_equal(tile_group[slot[real] // TILE_ROWS], ids[real])
     used = tile_group[tile_group >= 0]
     assert sorted(used) == sorted(set(ids[real]))                 # one tile per touched expert
@@ -99,6 +102,7 @@ def test_lowers_to_triton_for_cuda():
     text = exp.mlir_module()
     assert 'name = "expert_tiles_gate_up' in text and 'name = "expert_tiles_down' in text
     assert "stablehlo.sort" not in text                           # the point of the layout
+    assert "stablehlo.scatter" not in text     # each scatter: a fill and a scatter kernel
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -12,8 +12,9 @@ matmuls: on the H100 (round 3, session 10, Nsight Compute) ~60 us of layout kern
 ~47 us of expert matmuls per DeepSeek-V2-Lite layer at one token. Here the layout is one
 [P, P] comparison of the P = N x k pairs' experts: pair p goes to the tile of its expert's
 first pair, at the row given by how many earlier pairs chose that expert (a token's k experts
-are distinct, so at most N <= 16 rows share a tile). Each touched expert's weights are read
-once, as in the sorted layout. The tile count is static, min(P, G); tiles past the touched
+are distinct, so at most N <= 16 rows share a tile); the tiles' experts and each layout row's
+pair come from comparisons too ([tiles, P] and [rows, P]), with no scatter. Each touched
+expert's weights are read once, as in the sorted layout. The tile count is static, min(P, G); tiles past the touched
 experts have group -1 and do nothing (kernel.py).
 
 Split-K partials are summed only over the pairs' rows (gathered first): the partials of
@@ -26,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul.grouped_matmul import grouped_pallas_call, pad_rows
+from pallas_kernels.grouped_matmul.grouped_matmul import grouped_pallas_call
 from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel, grouped_matmul_kernel
 from pallas_kernels.grouped_matmul.routed_ffn import resolve_ffn_blocks
 
@@ -36,9 +37,15 @@ TILE_ROWS = 16          # Triton's smallest dot; also the most tokens this layou
 def expert_tile_layout(experts: jax.Array, num_experts: int):
     """experts int32[P] (< 0 or >= num_experts: none) -> (slot int32[P]: each pair's row in the
     [n_tiles * TILE_ROWS] layout, n_tiles * TILE_ROWS for none; tile_group int32[n_tiles]:
-    each tile's expert, -1 when unused), n_tiles = min(P, num_experts). Assumes no expert
-    appears more than TILE_ROWS times (true when P / k <= TILE_ROWS tokens chose distinct
-    experts each)."""
+    each tile's expert, -1 when unused; source int32[n_tiles * TILE_ROWS]: the pair in each
+    row of the layout, -1 for none), n_tiles = min(P, num_experts). Assumes no expert appears
+    more than TILE_ROWS times (true when P / k <= TILE_ROWS tokens chose distinct experts
+    each).
+
+    Comparisons and reductions only, no scatter: on the GPU each XLA scatter is two kernels (its
+    buffer's fill, then the scatter), ~2.5 us each at these sizes, and the layout's two
+    scatters were four of the nine small kernels around the 1-token layer's matmuls (H100,
+    round 3 session 11, Nsight Compute)."""
     P = experts.shape[0]
     n_tiles = min(P, num_experts)
     idx = jnp.arange(P, dtype=jnp.int32)
@@ -50,10 +57,18 @@ def expert_tile_layout(experts: jax.Array, num_experts: int):
     opens = real & (rank == 0)                                # this pair opens its expert's tile
     tile_of = jnp.cumsum(opens.astype(jnp.int32)) - 1         # tiles numbered in pair order
     tile = tile_of[first]
-    slot = jnp.where(real, tile * TILE_ROWS + rank, n_tiles * TILE_ROWS).astype(jnp.int32)
-    tile_group = jnp.full((n_tiles,), -1, jnp.int32).at[jnp.where(opens, tile_of, n_tiles)].set(
-        e, mode="drop")
-    return slot, tile_group
+    rows = n_tiles * TILE_ROWS
+    slot = jnp.where(real, tile * TILE_ROWS + rank, rows).astype(jnp.int32)
+    opener = opens[None, :] & (tile_of[None, :] == jnp.arange(n_tiles, dtype=jnp.int32)[:, None])
+    tile_group = jnp.max(jnp.where(opener, e[None, :], -1), axis=1).astype(jnp.int32)
+    here = slot[None, :] == jnp.arange(rows, dtype=jnp.int32)[:, None]     # [rows, P]
+    source = jnp.max(jnp.where(here, idx[None, :], -1), axis=1).astype(jnp.int32)
+    return slot, tile_group, source
+
+
+def _layout_rows(a: jax.Array, source: jax.Array) -> jax.Array:
+    """a [P, K] -> [rows, K]: row r is a[source[r]], zero where source[r] < 0."""
+    return jnp.where((source >= 0)[:, None], a[jnp.maximum(source, 0)], jnp.zeros((), a.dtype))
 
 
 def _pair_rows(out: jax.Array, slot: jax.Array, num_splits: int) -> jax.Array:
@@ -92,10 +107,8 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
     G, E, I = w_gate.shape
 
     experts = ids.reshape(P).astype(jnp.int32)
-    slot, tile_group = expert_tile_layout(experts, G)
-    Mp = tile_group.shape[0] * TILE_ROWS
-    token = jnp.arange(P, dtype=jnp.int32) // k
-    xp = pad_rows(x[token], slot, Mp)
+    slot, tile_group, source = expert_tile_layout(experts, G)
+    xp = _layout_rows(x, jnp.where(source >= 0, source // k, -1))   # pair p is token p // k
     call = functools.partial(grouped_pallas_call, num_stages=num_stages, interpret=interpret,
                              block_m=TILE_ROWS)
     gate_up = functools.partial(grouped_gate_up_kernel, block_k=bk, block_n=bn,
@@ -106,7 +119,7 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
         hp = out[0]
     else:                            # the pairs' rows only, summed, back into the layout
         h = activation(_pair_rows(out[0], slot, splits)) * _pair_rows(out[1], slot, splits)
-        hp = pad_rows(h.astype(x.dtype), slot, Mp)
+        hp = _layout_rows(h.astype(x.dtype), source)
     down = functools.partial(grouped_matmul_kernel, block_k=dbk, block_n=dbn, num_splits=dsplits)
     yp, = call(down, hp, (w_down,), tile_group, N=E, n_outputs=1, block_n=dbn,
                num_splits=dsplits, num_warps=dwarps, name="expert_tiles_down")
