@@ -9,7 +9,7 @@ from mtpjax.cli import main
 
 def test_bench_e2e_tiny_prints_every_row(capsys, tmp_path):
     rc = main(["bench", "e2e", "--model-shape", "tiny", "--batch", "1", "--prompt-len", "4",
-               "--new-tokens", "128", "--k", "2", "--copy-mib", "4", "--repeats", "3",
+               "--new-tokens", "64", "--k", "2", "--copy-mib", "4", "--repeats", "2",
                "--draft-vocab", "16",
                "--out", str(tmp_path)])
     assert rc == 0
@@ -61,7 +61,7 @@ def test_mla_moe_shape_bytes_and_rows(capsys, tmp_path):
     assert b1 < b32 < b1 + 26 * 64 * w["expert"] + 32 * 192 * 27 * 576 * 2 + 3 * 64 * w["expert"]
 
     rc = e2e.main(["--model-shape", "tiny-mla-moe", "--batch", "1,2", "--prompt-len", "4",
-                   "--new-tokens", "64", "--k", "2", "--copy-mib", "4", "--repeats", "1",
+                   "--new-tokens", "32", "--k", "2", "--copy-mib", "4", "--repeats", "1",
                    "--no-startup", "--rows", "generate MTP,engine plain,HF",
                    "--out", str(tmp_path)])
     assert rc == 0

@@ -20,11 +20,13 @@ def test_opt_in_paths_give_the_reference_tokens(name):
                                   num_mtp_layers=1) if name == "gqa" else
                ds_config(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32))
         before = os.environ.get("MTPJAX_MOE_MATMUL")
-        rows = gpu_check.check_opt_in(name, cfg, attention_impl="reference", max_new=6,
-                                      num_prompts=3)
+        # the MLA model's MoE runs interpreted Pallas kernels here: fewer, shorter requests
+        prompts = 3 if name == "gqa" else 2
+        rows = gpu_check.check_opt_in(name, cfg, attention_impl="reference",
+                                      max_new=6 if name == "gqa" else 4, num_prompts=prompts)
         assert os.environ.get("MTPJAX_MOE_MATMUL") == before
     finally:
         jax.config.update("jax_default_matmul_precision", None)
     assert [r[1] for r in rows] == [label for label, _, _ in gpu_check.OPT_IN[name]]
     for r in rows:
-        assert r[2] == r[3] == r[4] == 3, r
+        assert r[2] == r[3] == r[4] == prompts, r

@@ -262,7 +262,9 @@ def run(shape_names, token_counts, out_dir=None,
         shape = SHAPES[name]
         p = make_weights(shape)
         for n in token_counts:
-            calls = 16 if n <= 256 else 4
+            # off the GPU (interpreted kernels: a smoke test) the fewest calls timeit's
+            # marginal method takes, and few repeats
+            calls = (16 if n <= 256 else 4) if on_gpu else 8
             # each call its own tokens and routing: with one routing shared by every call, XLA
             # computes routing-only work (the tiled path's weight gather) once for all calls
             routings = [make_routing(shape, n, seed=1000 * n + i) for i in range(calls)]
@@ -292,6 +294,7 @@ def run(shape_names, token_counts, out_dir=None,
                     # dense ragged_dots into one that reads the experts once for all
                     # (ragged_dot measured 0.55x its floor on the H100 that way)
                     t, out = timeit(lambda q, p: fn(q[0], p, q[1], q[2]), xs, (p,),
+                                    repeats=15 if on_gpu else 2,
                                     compiler_options=STEP_COMPILER_OPTIONS,
                                     chain=None if independent else lambda q, y: (y, *q[1:]))
                     err = 0.0 if ref is None else rel_err(out, ref)
