@@ -102,3 +102,20 @@ def test_kernel_lowers_to_triton_for_cuda(name):
     assert "__gpu$xla.gpu.triton" in text, name
     assert verified, f"{name}: no Triton module went through the verifier"
 
+
+
+@pytest.mark.parametrize("heads,page,tuning,keys_first", [
+    (128, 64, {}, True),                      # 64-row tiles: keys first (the default)
+    (16, 64, {}, True),                       # a 16-row decode tile, its block in one page
+    (16, 16, {}, False),                      # ... its 32-token block spanning two pages
+    (64, 16, {}, True),                       # 64-row tiles keep keys first across pages
+    (128, 64, {"value_split": 2}, False),     # value_split (or qk_chunk) turns it off, no error
+])
+def test_mla_default_picks_the_logits_order_measured_faster(heads, page, tuning, keys_first):
+    """keys_first=None (the default) resolves as docs/kernels.md says (round 3 session 11's
+    GPU sweeps); the kernel's name carries the choice."""
+    fn = functools.partial(mla_paged_attention, kv_lora_rank=512, **tuning)
+    text, _ = lower_for_cuda(fn, S((32, heads, 576), bf16), S((32, page, 576), bf16),
+                             S((8, 8), i32), S((8,), i32), S((9,), i32), S((1,), i32))
+    assert "mla_paged_attn_" in text
+    assert ('_kf"' in text) == keys_first, text[text.index("mla_paged_attn_"):][:80]

@@ -34,8 +34,8 @@ Floors: decode = bytes of the distinct experts touched (3 matrices each) / same-
 bandwidth; prefill = FLOPs (2 * N * k * 3 * E * I) / same-run dense bf16 matmul rate
 (max of the two is reported). Times: marginal per call in one jit of many calls
 (`mtpjax.bench.kernels.timeit`), each call with its own routing, chained as a model's layers
-are (a call's input is the previous call's output). GPU only for `mgpu`; the rest runs anywhere (`--shapes tiny`
-is the CPU smoke test).
+are (a call's input is the previous call's output). GPU only for `mgpu`; the rest runs
+anywhere (`--shapes tiny` is the CPU smoke test).
 """
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ matmuls: on the H100 (round 3, session 10, Nsight Compute) ~60 us of layout kern
 first pair, at the row given by how many earlier pairs chose that expert (a token's k experts
 are distinct, so at most N <= 16 rows share a tile); the tiles' experts and each layout row's
 pair come from comparisons too ([tiles, P] and [rows, P]), with no scatter. Each touched
-expert's weights are read once, as in the sorted layout. The tile count is static, min(P, G); tiles past the touched
-experts have group -1 and do nothing (kernel.py).
+expert's weights are read once, as in the sorted layout. The tile count is static,
+min(P, G); tiles past the touched experts have group -1 and do nothing (kernel.py).
 
 Split-K partials are summed only over the pairs' rows (gathered first): the partials of
 empty tiles are never written nor read.

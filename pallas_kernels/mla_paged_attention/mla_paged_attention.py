@@ -69,9 +69,10 @@ def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_
     Round 3 session 11 (H200, page 64): against the former 64-token blocks in query-first
     order, H=128 decode 475 -> 442 us, verify q4 1761 -> 1694 us; H=16 verify q4 251 -> 244
     us; H=16 decode 169 -> 158 us (32-token blocks before too). keys_first without 32-token
-    blocks: 447, 1706, 257, 158 us. At page 16 (H100) the large tiles gained too (H=16
-    verify 458 -> 297 us, H=128 decode 705 -> 549), but H=16 decode, whose 16-row tile then
-    loads its block from two pages, went 181 -> 402 us (docs/benchmarks.md).
+    blocks: 447, 1706, 257, 158 us. At page 16 (H100, against earlier sessions' numbers) the
+    large tiles gained too (H=16 verify 458 -> 297 us, H=128 decode 705 -> 549), but H=16
+    decode, whose 16-row tile then loads its block from two pages, read 405 us keys first
+    against 175 query first in one run (docs/benchmarks.md).
     """
     block_q = 1 << (max(1, block_q) - 1).bit_length()
     h_div = num_heads & -num_heads                        # largest power of 2 dividing H
@@ -118,7 +119,8 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         piecewise; default R): opt-in ways to cut live registers (docs/kernels.md: the
         64-row tiles spill); both measured slower on the H100. keys_first (logits computed
         as latent . q^T, so wgmma reads the query from shared memory instead of holding it
-        in registers; default on unless value_split or qk_chunk is given: `default_tuning`).
+        in registers; default on, except with value_split or qk_chunk, or for a decode-
+        sized tile whose KV block spans several pages: `default_tuning`).
     Returns:
       [T, H, R] in q's dtype (softmax and accumulation in f32).
     """
