@@ -32,7 +32,6 @@ import numpy as np
 
 from mtpjax.bench import kernels as kb
 from pallas_kernels.mla_paged_attention import mla_paged_attention, mla_paged_attention_reference
-from pallas_kernels.mla_paged_attention.mla_paged_attention import default_tuning
 
 RANK, ROPE = 512, 64
 WIDTH = RANK + ROPE
