@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul.grouped_matmul import grouped_pallas_call
+from pallas_kernels.grouped_matmul.grouped_matmul import gather_rows, grouped_pallas_call
 from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel, grouped_matmul_kernel
 from pallas_kernels.grouped_matmul.routed_ffn import resolve_ffn_blocks
 
@@ -64,11 +64,6 @@ def expert_tile_layout(experts: jax.Array, num_experts: int):
     here = slot[None, :] == jnp.arange(rows, dtype=jnp.int32)[:, None]     # [rows, P]
     source = jnp.max(jnp.where(here, idx[None, :], -1), axis=1).astype(jnp.int32)
     return slot, tile_group, source
-
-
-def _layout_rows(a: jax.Array, source: jax.Array) -> jax.Array:
-    """a [P, K] -> [rows, K]: row r is a[source[r]], zero where source[r] < 0."""
-    return jnp.where((source >= 0)[:, None], a[jnp.maximum(source, 0)], jnp.zeros((), a.dtype))
 
 
 def _pair_rows(out: jax.Array, slot: jax.Array, num_splits: int) -> jax.Array:
@@ -108,7 +103,7 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
 
     experts = ids.reshape(P).astype(jnp.int32)
     slot, tile_group, source = expert_tile_layout(experts, G)
-    xp = _layout_rows(x, jnp.where(source >= 0, source // k, -1))   # pair p is token p // k
+    xp = gather_rows(x, jnp.where(source >= 0, source // k, -1))   # pair p is token p // k
     call = functools.partial(grouped_pallas_call, num_stages=num_stages, interpret=interpret,
                              block_m=TILE_ROWS)
     gate_up = functools.partial(grouped_gate_up_kernel, block_k=bk, block_n=bn,
@@ -119,7 +114,7 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
         hp = out[0]
     else:                            # the pairs' rows only, summed, back into the layout
         h = activation(_pair_rows(out[0], slot, splits)) * _pair_rows(out[1], slot, splits)
-        hp = _layout_rows(h.astype(x.dtype), source)
+        hp = gather_rows(h.astype(x.dtype), source)
     down = functools.partial(grouped_matmul_kernel, block_k=dbk, block_n=dbn, num_splits=dsplits)
     yp, = call(down, hp, (w_down,), tile_group, N=E, n_outputs=1, block_n=dbn,
                num_splits=dsplits, num_warps=dwarps, name="expert_tiles_down")

@@ -58,6 +58,11 @@ def _check(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, interpre
     _checks.check_ragged_rows(block_tables, kv_lens, cu_q_lens, num_seqs)
 
 
+def _decode_sized(block_q: int, block_h: int) -> bool:
+    """Is a tile of block_q x block_h rows decode-sized (<= 16 rows: H=16 decode)?"""
+    return block_q * block_h <= 16
+
+
 def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q=1):
     """Tile, block and split sizes (H100 sweeps at B=64, ctx 4096, 576/512, docs/kernels.md).
 
@@ -77,7 +82,7 @@ def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_
     block_q = 1 << (max(1, block_q) - 1).bit_length()
     h_div = num_heads & -num_heads                        # largest power of 2 dividing H
     block_h = max(1, min(h_div, MAX_ROWS // block_q))
-    small = block_q * block_h <= 16
+    small = _decode_sized(block_q, block_h)
     block_k = 32
     waves = 2 if small else 1
     items = min(num_seqs, num_tokens) * (num_heads // block_h)
@@ -150,14 +155,15 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
     if qc is not None and not (_pow2(qc) and 16 <= qc <= kv_lora_rank):
         raise ValueError(f"qk_chunk must be None or a power of 2 in 16..kv_lora_rank="
                          f"{kv_lora_rank}, got {qc}")
+    keys_first_fits = vs == 1 and qc in (None, kv_lora_rank)
     if full["keys_first"] is None:     # the default, where the other options allow it
-        full["keys_first"] = (vs == 1 and qc in (None, kv_lora_rank)
-                              and not (full["block_q"] * full["block_h"] <= 16
-                                       and latent_pages.shape[1] < full["block_k"]))
+        full["keys_first"] = keys_first_fits and not (
+            _decode_sized(full["block_q"], full["block_h"])
+            and latent_pages.shape[1] < full["block_k"])
     if full["keys_first"] not in (True, False, 0, 1):
         raise ValueError(f"keys_first must be a bool, got {full['keys_first']!r}")
     full["keys_first"] = bool(full["keys_first"])
-    if full["keys_first"] and (vs != 1 or (qc is not None and qc != kv_lora_rank)):
+    if full["keys_first"] and not keys_first_fits:
         raise ValueError(f"keys_first takes value_split=1 and no qk_chunk, got value_split={vs}"
                          f", qk_chunk={qc}")
     if not 1 <= full["num_splits"] <= 256:
