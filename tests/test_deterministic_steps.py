@@ -9,6 +9,7 @@ import jax
 import pytest
 
 import mtpjax
+from mtpjax.engine import runner
 from tests.test_deepseek import ds_config
 from tests.test_no_weight_copies import capture_lowered
 
@@ -25,7 +26,6 @@ def test_engine_step_of_an_mla_moe_model_has_no_float_scatter_add(monkeypatch, K
     spec = mtpjax.SpecConfig(num_speculative_tokens=K, acceptance=acceptance) if K else None
     llm = mtpjax.LLM(mtpjax.init_params(cfg, jax.random.PRNGKey(0)), cfg, spec, num_pages=32,
                      page_size=8, max_num_seqs=2, max_num_batched_tokens=32)
-    runner = __import__("mtpjax.engine.runner", fromlist=["_step"])
     text = capture_lowered(monkeypatch, runner, "_step", lambda: llm.generate(
         [[1, 2, 3], [4, 5]], mtpjax.SamplingParams(max_tokens=3, temperature=1.0))).as_text()
     assert '"stablehlo.scatter"' in text          # KV-cache writes: the search sees scatters
