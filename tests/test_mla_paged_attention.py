@@ -102,6 +102,32 @@ def test_kernel_matches_reference(dtype, h, page, q_lens, kv_lens, tuning):
     assert not np.asarray(out[cu[n]:], np.float32).any(), seed
 
 
+# The Mosaic-GPU kernel (kernel="mosaic": bf16, kv_lora_rank % 128, 64-token KV blocks):
+# ragged rows with the same corner cases as above, a page smaller than, equal to and larger
+# than the KV block, KV splits, and a 16-head decode batch whose tiles are 3/4 padding.
+MOSAIC_CASES = [
+    # H, page, q_lens, kv_lens, max_pages, tuning
+    (8, 16, [1, 4, 0, 13, 3], [9, 70, 5, 130, 2], 10, dict(block_q=4, num_splits=2)),
+    (16, 64, [1, 1, 1], [64, 1, 150], 3, dict()),
+    (4, 8, [4, 2, 1], [67, 64, 128], 17, dict(block_q=4, num_splits=3)),
+]
+
+
+@pytest.mark.parametrize("h,page,q_lens,kv_lens,max_pages,tuning", MOSAIC_CASES)
+def test_mosaic_kernel_matches_reference(h, page, q_lens, kv_lens, max_pages, tuning):
+  rank, rope = 128, 64
+  for seed in (0, 1):
+    case = _case(seed, q_lens, kv_lens, h, rank, rope, page, max_pages=max_pages)
+    args = _args(case, "bfloat16")
+    out = mla_paged_attention(*args, kv_lora_rank=rank, sm_scale=0.1,
+                              interpret=interpret_mode(), kernel="mosaic", **tuning)
+    ref = mla_paged_attention_reference(*args, kv_lora_rank=rank, sm_scale=0.1, token_chunk=8)
+    assert out.dtype == jnp.bfloat16 and out.shape == (args[0].shape[0], h, rank)
+    assert rel_err(out, ref) < TOL["bfloat16"], seed
+    cu, n = case[4], case[5]
+    assert not np.asarray(out[cu[n]:], np.float32).any(), seed
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reference_matches_float64_oracle(seed):
   rank, rope, h, page = 16, 8, 3, 8
@@ -157,3 +183,9 @@ def test_value_errors_name_the_bad_value():
   err("block_h 4 must divide num_heads 2", *ok, block_h=4)
   err("unknown tuning options", *ok, pages_per_block=2)
   err("sm_scale must be > 0", *ok, sm_scale=-1.0)
+  err("kernel must be one of", *ok, kernel="cuda")
+  err("kernel='mosaic' takes bfloat16", *ok, kernel="mosaic")
+  qb, lb = q.astype(jnp.bfloat16), lat.astype(jnp.bfloat16)
+  err("kernel='mosaic' needs kv_lora_rank % 128 == 0", qb, lb, *ok[2:], kernel="mosaic")
+  err("kernel='mosaic' takes block_q, block_h.*'value_split'", *ok, kernel="mosaic",
+      value_split=2)

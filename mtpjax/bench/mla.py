@@ -113,7 +113,8 @@ def run_case(name, q_lens, kv_lens, h, page, copy_bw, mm_rate, variants, budget,
 
 
 def parse_variants(text: str) -> list[dict]:
-    """"k=v,k=v;k=v" -> [{k: v, ...}, ...] with int values ("None" -> None)."""
+    """"k=v,k=v;k=v" -> [{k: v, ...}, ...] with int values ("None" -> None, other text as
+    text: kernel=mosaic)."""
     out = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         d = {}
@@ -121,7 +122,8 @@ def parse_variants(text: str) -> list[dict]:
             k, _, v = kv.partition("=")
             if not v:
                 raise ValueError(f"--variants entry {kv!r}: expected key=value")
-            d[k.strip()] = None if v.strip() == "None" else int(v)
+            v = v.strip()
+            d[k.strip()] = None if v == "None" else int(v) if v.lstrip("-").isdigit() else v
         out.append(d)
     return out
 
@@ -188,6 +190,7 @@ def main(argv=None):
         kv_lens = [2048] * 4 + [ctx] * 32
         for h in (int(x) for x in a.heads.split(",")):
             vs = [dict(block_q=4), dict(block_q=8)] if a.sweep else [dict(block_q=4)]
+            vs += [dict(block_q=4, **e) for e in extra]
             r = run_case("mixed 4x512/2048 + 32x4", q_lens, kv_lens, h, 64, copy_bw, mm, vs,
                          a.budget_s)
             if r:

@@ -22,9 +22,11 @@ import jax.numpy as jnp
 from pallas_kernels import _checks
 from pallas_kernels.paged_reference import paged_attention_tokens, ragged_token_rows
 from pallas_kernels.mla_paged_attention.kernel import mla_core
+from pallas_kernels.mla_paged_attention.mosaic_tiles import mla_mosaic
 
 _TUNING_KEYS = ("block_q", "block_h", "block_k", "num_splits", "num_warps", "num_stages",
-                "value_split", "qk_chunk", "keys_first")
+                "value_split", "qk_chunk", "keys_first", "kernel")
+KERNELS = ("triton", "mosaic")
 _NUM_SMS = 132  # H100 / H200
 MAX_ROWS = 64   # default tile rows (block_q * block_h): a [64, 512] f32 accumulator
 
@@ -135,6 +137,12 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
     if bad:
         raise ValueError(f"unknown tuning options {sorted(bad)}; expected {_TUNING_KEYS}")
     t, h, width = q.shape
+    if tuning.get("kernel", "triton") not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {tuning['kernel']!r}")
+    if tuning.get("kernel") == "mosaic":
+        return _mosaic(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+                       kv_lora_rank, sm_scale, interpret, tuning)
+    tuning.pop("kernel", None)
     full = default_tuning(t, h, block_tables.shape[0], block_tables.shape[1],
                           latent_pages.shape[1], tuning.get("block_q", 1))
     full.update(tuning)
@@ -174,6 +182,73 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
     return _mla(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs.reshape(()),
                 rank=kv_lora_rank, sm_scale=sm_scale, interpret=interpret,
                 tuning=tuple(sorted(full.items())))
+
+
+def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q=1):
+    """Tiles and splits of the Mosaic-GPU kernel: 64-row tiles (block_q * block_h <= 64),
+    64-token KV blocks (wgmma's K for the values), 2 shared-memory stages (what fits beside
+    the query tile: 3 x 72 KiB), KV splits for ~1 wave of 132 SMs (one CTA per SM)."""
+    block_q = 1 << (max(1, block_q) - 1).bit_length()
+    h_div = num_heads & -num_heads
+    block_h = max(1, min(h_div, MAX_ROWS // block_q))
+    items = min(num_seqs, num_tokens) * (num_heads // block_h)
+    splits = 1
+    while items * splits * 2 <= _NUM_SMS and splits * 2 * 64 * 4 <= max_pages * page_size:
+        splits *= 2
+    return dict(block_q=block_q, block_h=block_h, block_k=64, num_splits=splits,
+                num_stages=2)
+
+
+def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scale,
+            interpret, tuning):
+    """Checks and defaults of kernel="mosaic" (`kernel_mgpu.py`), then the call."""
+    t, h, width = q.shape
+    tuning = dict(tuning)
+    tuning.pop("kernel")
+    unused = set(tuning) - {"block_q", "block_h", "block_k", "num_splits", "num_stages"}
+    if unused:
+        raise ValueError(f"kernel='mosaic' takes block_q, block_h, block_k, num_splits and "
+                         f"num_stages, got {sorted(unused)}")
+    if q.dtype != jnp.bfloat16:
+        raise ValueError(f"kernel='mosaic' takes bfloat16 (wgmma), got {q.dtype}")
+    if rank % 128 or width % 64:
+        raise ValueError(f"kernel='mosaic' needs kv_lora_rank % 128 == 0 and width % 64 == 0 "
+                         f"(64-column tiles, two value halves), got {rank} and {width}")
+    page_size = latent.shape[1]
+    if page_size < 8:
+        raise ValueError(f"kernel='mosaic' needs page_size >= 8 (8-row tiles), got {page_size}")
+    full = mosaic_tuning(t, h, block_tables.shape[0], block_tables.shape[1], page_size,
+                         tuning.get("block_q", 1))
+    full.update(tuning)
+    full["block_q"] = 1 << (max(1, full["block_q"]) - 1).bit_length()
+    if not (_pow2(full["block_h"]) and h % full["block_h"] == 0
+            and full["block_q"] * full["block_h"] <= MAX_ROWS):
+        raise ValueError(f"kernel='mosaic' needs block_h a power of 2 dividing num_heads {h} "
+                         f"and block_q * block_h <= {MAX_ROWS}, got block_q={full['block_q']},"
+                         f" block_h={full['block_h']}")
+    if full["block_k"] % 64:
+        raise ValueError(f"kernel='mosaic' needs block_k a multiple of 64, got "
+                         f"{full['block_k']}")
+    smem = 2 * (MAX_ROWS + full["num_stages"] * full["block_k"]) * width
+    if full["num_stages"] < 2 or smem > 227 * 1024:
+        raise ValueError(f"kernel='mosaic': num_stages={full['num_stages']} with block_k="
+                         f"{full['block_k']} needs {smem} B of shared memory; it takes >= 2 "
+                         f"stages within 227 KiB")
+    if not 1 <= full["num_splits"] <= 256:
+        raise ValueError(f"num_splits must be in 1..256, got {full['num_splits']}")
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"sm_scale must be > 0 or None, got {sm_scale}")
+    sm_scale = width ** -0.5 if sm_scale is None else float(sm_scale)
+    return _mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs.reshape(()),
+                       rank=rank, sm_scale=sm_scale, block_q=full["block_q"],
+                       block_h=full["block_h"], block_kv=full["block_k"],
+                       num_splits=full["num_splits"], num_stages=full["num_stages"],
+                       interpret=interpret)
+
+
+_mla_mosaic = jax.jit(mla_mosaic, static_argnames=(
+    "rank", "sm_scale", "block_q", "block_h", "block_kv", "num_splits", "num_stages",
+    "interpret"))
 
 
 @functools.partial(jax.jit, static_argnames=("rank", "sm_scale", "interpret", "tuning"))

@@ -1,0 +1,262 @@
+"""MLA paged attention as a Pallas Mosaic-GPU (Hopper warpgroup) kernel, absorbed form, bf16.
+
+Why a second kernel: the Triton one (`kernel.py`) holds a [64, 512] f32 accumulator in one
+CTA's registers, and at H=128 computes at ~170 of ~750 TFLOP/s (docs/kernels.md). Here, as in
+FlashMLA (deepseek-ai/FlashMLA, docs/20250422-new-kernel-deep-dive.md), a CTA runs three
+warpgroups on one tile of 64 query rows:
+
+    wg 0, 1  compute: both compute the logits of a KV block (q . latent^T, [64, block_kv],
+             through wgmma from shared memory) and the same online softmax; each accumulates
+             its half of the output columns (P . c_kv[:, half], a [64, R/2] f32 accumulator).
+    wg 2     memory: TMA-copies the latent blocks (one copy per page a block touches) into a
+             ring of `num_stages` shared-memory slots, reusing a slot when both compute
+             warpgroups have released it.
+
+Rows of a tile: token r // block_h, head r % block_h of one work item (<= block_q query tokens
+of one sequence, folded into the rows like the Triton kernel, so verify reads the KV once).
+The wrapper (`mla_paged_attention.py`) gathers the queries into tiles and scatters the
+outputs back; the kernel sees only tiles.
+
+Layouts (n = tiles, R = kv_lora_rank, W = R + dr):
+    q_tiles      [n, 64, W] bf16
+    latent       [P, S, W]  bf16    the paged latent cache
+    block_tables [num_seqs, M] int32
+    tile_seq     [n] int32  the tile's sequence
+    tile_pos0    [n] int32  KV position of the tile's first query token
+    tile_ntok    [n] int32  query tokens in the tile (0: a padding tile, nothing computed)
+    out          [n, splits, 64, R] bf16   (normalized per split)
+    lse          [n, splits, 64] f32       (log2-sum-exp of the scaled logits, per split)
+
+Causality: row r (token j = r // block_h) sees KV positions 0 .. pos0 + j. The KV rows past
+the tile's last position in its last block are zeroed (a copy of this warpgroup's value half)
+before P . V: masked logits give p = 0, but 0 * NaN from an unwritten slot is NaN.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+TILE_ROWS = 64          # one wgmma M; queries of a tile
+MASKED = -1e30          # finite: a row with no visible key in a split gets weight 0, not NaN
+
+
+def _accumulate(acc, p16, values, interpret):
+    """acc [64, R/2] f32 + p16 [64, block_kv] . values [block_kv, R/2] (shared memory)."""
+    if interpret:   # the GPU interpreter has no run_state rule nor register wgmma operands
+        return acc + jnp.dot(p16, values[...], preferred_element_type=jnp.float32)
+
+    def into(ref):
+        plgpu.wgmma(ref, p16, values)
+    return pl.run_state(into)(plgpu.ACC.init(acc))
+
+
+def _logits(q_smem, keys, interpret):
+    """q [64, W] . keys [block_kv, W]^T -> [64, block_kv] f32, both in shared memory."""
+    if interpret:   # the GPU interpreter's wgmma takes no transposed operand
+        return jnp.dot(q_smem[...], keys[...].T, preferred_element_type=jnp.float32)
+
+    def run(ref):
+        plgpu.wgmma(ref, q_smem, plgpu.transpose_ref(keys, (1, 0)))
+        plgpu.wgmma_wait(0)
+        return ref[...]
+    return pl.run_scoped(run, plgpu.ACC((q_smem.shape[0], keys.shape[0]), jnp.float32))
+
+
+def _full(shape, value, layout, interpret):
+    x = jnp.full(shape, value, jnp.float32)
+    return x if interpret else plgpu.layout_cast(x, layout)   # no CPU rule for layout_cast
+
+
+def _iota(shape, dim, interpret):
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
+            out_ref, lse_ref, scoped, *, block_h, block_kv, rank, num_splits, num_stages,
+            page_size, scale_log2, interpret):
+    (q_smem, (kv_smem, o_stage), lse_smem), (q_bar, kv_bars, consumed_bars, done_bar) = scoped
+    tile = lax.axis_index("tile")
+    split = lax.axis_index("split")
+    wg = lax.axis_index("wg")
+    seq = tile_seq_ref[tile]
+    pos0 = tile_pos0_ref[tile]
+    ntok = tile_ntok_ref[tile]
+    kv_end = jnp.where(ntok > 0, pos0 + ntok, 0)            # KV positions 0 .. kv_end - 1
+    total_steps = lax.div(kv_end + (block_kv - 1), jnp.int32(block_kv))
+    per_split = lax.div(total_steps + (num_splits - 1), jnp.int32(num_splits))
+    first_step = split * per_split
+    steps = jnp.clip(total_steps - first_step, 0, per_split)
+    half = rank // 2
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+
+        @pl.when(wg == 0)
+        def _():
+            plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem, q_bar)
+
+        plgpu.barrier_wait(q_bar)
+        row_tok = lax.div(_iota((TILE_ROWS, block_kv), 0, interpret), jnp.int32(block_h))
+        col = _iota((TILE_ROWS, block_kv), 1, interpret)
+        rows_layout = plgpu.Layout.WGMMA.reduce(1)
+        m_i = _full((TILE_ROWS,), MASKED, rows_layout, interpret)
+        l_i = _full((TILE_ROWS,), 0.0, rows_layout, interpret)
+        acc = _full((TILE_ROWS, half), 0.0, plgpu.Layout.WGMMA, interpret)
+
+        def step(i, carry, *, final):
+            acc, m_i, l_i = carry
+            slot = lax.rem(i, jnp.int32(num_stages))
+            k0 = (first_step + i) * block_kv
+            plgpu.barrier_wait(kv_bars.at[slot])
+
+            s = _logits(q_smem, kv_smem.at[slot], interpret)
+            visible = (col + k0) <= (row_tok + pos0)
+            s = jnp.where(visible, s * scale_log2, MASKED)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_new = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            values = kv_smem.at[slot, :, pl.ds(wg * half, half)]
+            if final:
+                # Zero this warpgroup's value half of the KV rows past kv_end, in place
+                # (unwritten slots may hold NaN, and 0 * NaN is NaN). The other warpgroup
+                # may read these rows for its logits meanwhile: they are masked either way.
+                v = values[...]
+                rows = _iota(v.shape, 0, interpret) + k0
+                values[...] = jnp.where(rows < kv_end, v, jnp.zeros_like(v))
+                plgpu.commit_smem()
+            acc = _accumulate(acc, p.astype(q_smem.dtype), values, interpret)
+            plgpu.barrier_arrive(consumed_bars.at[slot])
+            return acc, m_new, l_new
+
+        carry = lax.fori_loop(0, steps - 1, functools.partial(step, final=False),
+                              (acc, m_i, l_i))
+        acc, m_f, l_f = lax.cond(steps > 0,
+                                 lambda c: step(steps - 1, c, final=True), lambda c: c, carry)
+        l_safe = jnp.where(l_f > 0, l_f, 1.0)
+        acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        # Both warpgroups are past their last read of the KV ring, which o_stage aliases.
+        plgpu.barrier_arrive(done_bar)
+        plgpu.barrier_wait(done_bar)
+        stage = o_stage.at[wg]
+        stage[...] = acc.astype(stage.dtype)
+
+        @pl.when(wg == 0)
+        def _():
+            lse_smem[...] = m_f + jnp.log2(l_safe)
+
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage, out_ref.at[tile, split, :, pl.ds(wg * half, half)])
+
+        @pl.when(wg == 0)
+        def _():
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[tile, split])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        copies = max(1, block_kv // page_size)
+        rows = min(block_kv, page_size)
+        max_entry = jnp.int32(bt_ref.shape[1] - 1)
+        num_pages = lat_ref.shape[0]
+
+        @pl.loop(0, steps)
+        def _(i):
+            slot = lax.rem(i, jnp.int32(num_stages))
+
+            @pl.when(i >= num_stages)
+            def _():
+                plgpu.barrier_wait(consumed_bars.at[slot])
+
+            k0 = (first_step + i) * block_kv
+            for j in range(copies):
+                tok = k0 + j * rows
+                # The last block may run past the table (its rows past kv_end are masked):
+                # clamp the entry, and the page id, into range.
+                entry = jnp.minimum(lax.div(tok, jnp.int32(page_size)), max_entry)
+                page = jnp.clip(bt_ref[seq, entry], 0, num_pages - 1)
+                plgpu.copy_gmem_to_smem(
+                    lat_ref.at[page, pl.ds(lax.rem(tok, jnp.int32(page_size)), rows)],
+                    kv_smem.at[slot, pl.ds(j * rows, rows)], kv_bars.at[slot])
+
+        # Observe the last releases too (nothing waits on them otherwise; JAX's GPU
+        # interpreter checks that every phase of a barrier was seen).
+        @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
+        def _(i):
+            plgpu.barrier_wait(consumed_bars.at[lax.rem(i, jnp.int32(num_stages))])
+
+
+def _interpret_params():
+    # JAX's GPU interpreter (CPU tests); private module path, stable across 0.10-0.11.
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+
+
+def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok, *, rank,
+                   block_h, sm_scale, block_kv=64, num_splits=1, num_stages=2,
+                   interpret=False):
+    """Runs the kernel over [n, 64, W] query tiles -> (out [n, splits, 64, R] bf16,
+    lse [n, splits, 64] f32). See the module docstring for the layouts."""
+    n, rows, width = q_tiles.shape
+    page_size = latent.shape[1]
+    if rows != TILE_ROWS:
+        raise ValueError(f"q_tiles must hold {TILE_ROWS} rows per tile, got {rows}")
+    if q_tiles.dtype != jnp.bfloat16 or latent.dtype != jnp.bfloat16:
+        raise ValueError(f"the Mosaic-GPU MLA kernel takes bfloat16, got {q_tiles.dtype} / "
+                         f"{latent.dtype}")
+    if width % 64 or rank % 128:
+        raise ValueError(f"width {width} must be a multiple of 64 and kv_lora_rank {rank} of "
+                         f"128 (64-column swizzled tiles, two value halves)")
+    if block_kv % 8 or block_kv % min(block_kv, page_size) or min(block_kv, page_size) % 8:
+        raise ValueError(f"block_kv {block_kv} and page_size {page_size}: a block must be "
+                         f"whole 8-row pieces of pages")
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    kernel = functools.partial(
+        _kernel, block_h=block_h, block_kv=block_kv, rank=rank, num_splits=num_splits,
+        num_stages=num_stages, page_size=page_size, scale_log2=float(sm_scale) * LOG2E,
+        interpret=interpret)
+    copies = max(1, block_kv // page_size)
+
+    ring = plgpu.SMEM((num_stages, block_kv, width), jnp.bfloat16, transforms=swizzled)
+    output = plgpu.SMEM((2, TILE_ROWS, rank // 2), jnp.bfloat16, transforms=swizzled)
+    # The KV ring, then (after the loop) the output halves, in the same shared memory. The
+    # interpreter has no RefUnion (nor a shared-memory limit): two buffers there.
+    ring_then_output = (ring, output) if interpret else plgpu.RefUnion(ring, output)
+
+    def entry(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref, out_ref,
+              lse_ref):
+        pl.run_scoped(
+            lambda *scoped: kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref,
+                                   lat_ref, out_ref, lse_ref, scoped),
+            (plgpu.SMEM((TILE_ROWS, width), jnp.bfloat16, transforms=swizzled),
+             ring_then_output,
+             plgpu.SMEM((TILE_ROWS,), jnp.float32)),
+            (plgpu.Barrier(),
+             plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+             plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+             plgpu.Barrier(num_arrivals=2)),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((n, num_splits, TILE_ROWS, rank), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((n, num_splits, TILE_ROWS), jnp.float32)),
+        grid=(n, num_splits), grid_names=("tile", "split"),
+        num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params() if interpret else None,
+    )(tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent)
