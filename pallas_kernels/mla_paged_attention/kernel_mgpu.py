@@ -48,9 +48,11 @@ MASKED = -1e30          # finite: a row with no visible key in a split gets weig
 
 
 def _accumulate(acc, p16, values, interpret):
-    """acc [64, R/2] f32 + p16 [64, block_kv] . values [block_kv, R/2] (shared memory)."""
+    """acc [64, R/2] f32 + p16 [64, block_kv] (registers or shared memory) . values
+    [block_kv, R/2] (shared memory)."""
     if interpret:   # the GPU interpreter has no run_state rule nor register wgmma operands
-        return acc + jnp.dot(p16, values[...], preferred_element_type=jnp.float32)
+        p = p16 if isinstance(p16, jax.Array) else p16[...]
+        return acc + jnp.dot(p, values[...], preferred_element_type=jnp.float32)
 
     def into(ref):
         plgpu.wgmma(ref, p16, values)
@@ -74,6 +76,13 @@ def _full(shape, value, layout, interpret):
     return x if interpret else plgpu.layout_cast(x, layout)   # no CPU rule for layout_cast
 
 
+def _load_rows(ref, interpret):
+    """A [64] f32 vector from shared memory in the layout of the logits' row statistics."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+
 def _iota(shape, dim, interpret):
     if interpret:
         return lax.broadcasted_iota(jnp.int32, shape, dim)
@@ -82,8 +91,9 @@ def _iota(shape, dim, interpret):
 
 def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             out_ref, lse_ref, scoped, *, block_h, block_kv, rank, num_splits, num_stages,
-            page_size, scale_log2, interpret):
-    (q_smem, (kv_smem, o_stage), lse_smem), (q_bar, kv_bars, consumed_bars, done_bar) = scoped
+            page_size, scale_log2, share_logits, interpret):
+    (q_smem, p_smem, (kv_smem, o_stage), lse_smem, alpha_smem), bars = scoped
+    q_bar, kv_bars, consumed_bars, done_bar, p_ready, p_free = bars
     tile = lax.axis_index("tile")
     split = lax.axis_index("split")
     wg = lax.axis_index("wg")
@@ -96,6 +106,45 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     first_step = split * per_split
     steps = jnp.clip(total_steps - first_step, 0, per_split)
     half = rank // 2
+    rows_layout = plgpu.Layout.WGMMA.reduce(1)
+    row_tok = lax.div(_iota((TILE_ROWS, block_kv), 0, interpret), jnp.int32(block_h))
+    col = _iota((TILE_ROWS, block_kv), 1, interpret)
+
+    def values_of(slot, k0, final):
+        """This warpgroup's value half of a KV slot [block_kv, R/2]. In the final step its
+        rows past kv_end are zeroed in place first (unwritten slots may hold NaN, and
+        0 * NaN is NaN); the other warpgroup may read those rows' logits meanwhile: they
+        are masked either way."""
+        values = kv_smem.at[slot, :, pl.ds(wg * half, half)]
+        if final:
+            v = values[...]
+            rows = _iota(v.shape, 0, interpret) + k0
+            values[...] = jnp.where(rows < kv_end, v, jnp.zeros_like(v))
+            plgpu.commit_smem()
+        return values
+
+    def softmax_step(s, k0, m_i, l_i):
+        """Masked, scaled logits [64, block_kv] -> (p, alpha, m_new, l_new), online."""
+        visible = (col + k0) <= (row_tok + pos0)
+        s = jnp.where(visible, s * scale_log2, MASKED)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        return p, alpha, m_new, l_i * alpha + p.sum(axis=1)
+
+    def scaled(acc, alpha):
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+    def run_steps(step, carry):
+        """Steps 0 .. steps - 2, then the final one (which zeroes the rows past kv_end)."""
+        carry = lax.fori_loop(0, steps - 1, functools.partial(step, final=False), carry)
+        return lax.cond(steps > 0, lambda c: step(steps - 1, c, final=True), lambda c: c,
+                        carry)
+
+    # share_logits: wg 0 computes each block's logits and softmax once and hands P (and the
+    # rescale alpha) to wg 1 through shared memory (p_smem, alpha_smem; barriers p_ready,
+    # p_free): the tensor cores do the 576-deep QK product once per block, not once per
+    # warpgroup. Otherwise both warpgroups compute it.
 
     @pl.when(wg < 2)
     def _compute():
@@ -106,64 +155,101 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem, q_bar)
 
         plgpu.barrier_wait(q_bar)
-        row_tok = lax.div(_iota((TILE_ROWS, block_kv), 0, interpret), jnp.int32(block_h))
-        col = _iota((TILE_ROWS, block_kv), 1, interpret)
-        rows_layout = plgpu.Layout.WGMMA.reduce(1)
+        acc = _full((TILE_ROWS, half), 0.0, plgpu.Layout.WGMMA, interpret)
         m_i = _full((TILE_ROWS,), MASKED, rows_layout, interpret)
         l_i = _full((TILE_ROWS,), 0.0, rows_layout, interpret)
-        acc = _full((TILE_ROWS, half), 0.0, plgpu.Layout.WGMMA, interpret)
 
-        def step(i, carry, *, final):
-            acc, m_i, l_i = carry
-            slot = lax.rem(i, jnp.int32(num_stages))
-            k0 = (first_step + i) * block_kv
-            plgpu.barrier_wait(kv_bars.at[slot])
+        def finish(acc, m_f, l_safe):
+            """Normalize, stage in shared memory, store (m_f None: wg 1 with shared logits,
+            whose l wg 0 leaves in alpha_smem)."""
+            # Both warpgroups are past their last read of the KV ring, which o_stage aliases.
+            plgpu.barrier_arrive(done_bar)
+            plgpu.barrier_wait(done_bar)
+            if m_f is None:
+                l_safe = _load_rows(alpha_smem, interpret)
+            acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            stage = o_stage.at[wg]
+            stage[...] = acc.astype(stage.dtype)
+            if m_f is not None:
+                @pl.when(wg == 0)
+                def _():
+                    lse_smem[...] = m_f + jnp.log2(l_safe)
 
-            s = _logits(q_smem, kv_smem.at[slot], interpret)
-            visible = (col + k0) <= (row_tok + pos0)
-            s = jnp.where(visible, s * scale_log2, MASKED)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l_new = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            values = kv_smem.at[slot, :, pl.ds(wg * half, half)]
-            if final:
-                # Zero this warpgroup's value half of the KV rows past kv_end, in place
-                # (unwritten slots may hold NaN, and 0 * NaN is NaN). The other warpgroup
-                # may read these rows for its logits meanwhile: they are masked either way.
-                v = values[...]
-                rows = _iota(v.shape, 0, interpret) + k0
-                values[...] = jnp.where(rows < kv_end, v, jnp.zeros_like(v))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(stage, out_ref.at[tile, split, :, pl.ds(wg * half, half)])
+
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[tile, split])
+
+            plgpu.wait_smem_to_gmem(0)
+
+        if not share_logits:
+            def step(i, carry, *, final):
+                acc, m_i, l_i = carry
+                slot = lax.rem(i, jnp.int32(num_stages))
+                k0 = (first_step + i) * block_kv
+                plgpu.barrier_wait(kv_bars.at[slot])
+                p, alpha, m_new, l_new = softmax_step(_logits(q_smem, kv_smem.at[slot],
+                                                              interpret), k0, m_i, l_i)
+                acc = _accumulate(scaled(acc, alpha), p.astype(q_smem.dtype),
+                                  values_of(slot, k0, final), interpret)
+                plgpu.barrier_arrive(consumed_bars.at[slot])
+                return acc, m_new, l_new
+
+            acc, m_f, l_f = run_steps(step, (acc, m_i, l_i))
+            finish(acc, m_f, jnp.where(l_f > 0, l_f, 1.0))
+            return
+
+        @pl.when(wg == 0)
+        def _producer():
+            def step(i, carry, *, final):
+                acc, m_i, l_i = carry
+                slot = lax.rem(i, jnp.int32(num_stages))
+                k0 = (first_step + i) * block_kv
+                plgpu.barrier_wait(kv_bars.at[slot])
+                p, alpha, m_new, l_new = softmax_step(_logits(q_smem, kv_smem.at[slot],
+                                                              interpret), k0, m_i, l_i)
+                p16 = p.astype(q_smem.dtype)
+
+                @pl.when(i > 0)
+                def _():
+                    plgpu.barrier_wait(p_free)     # wg 1 is done with the last P and alpha
+
+                p_smem[...] = p16
+                alpha_smem[...] = alpha
                 plgpu.commit_smem()
-            acc = _accumulate(acc, p.astype(q_smem.dtype), values, interpret)
-            plgpu.barrier_arrive(consumed_bars.at[slot])
-            return acc, m_new, l_new
+                plgpu.barrier_arrive(p_ready)
+                acc = _accumulate(scaled(acc, alpha), p16, values_of(slot, k0, final),
+                                  interpret)
+                plgpu.barrier_arrive(consumed_bars.at[slot])
+                return acc, m_new, l_new
 
-        carry = lax.fori_loop(0, steps - 1, functools.partial(step, final=False),
-                              (acc, m_i, l_i))
-        acc, m_f, l_f = lax.cond(steps > 0,
-                                 lambda c: step(steps - 1, c, final=True), lambda c: c, carry)
-        l_safe = jnp.where(l_f > 0, l_f, 1.0)
-        acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-        # Both warpgroups are past their last read of the KV ring, which o_stage aliases.
-        plgpu.barrier_arrive(done_bar)
-        plgpu.barrier_wait(done_bar)
-        stage = o_stage.at[wg]
-        stage[...] = acc.astype(stage.dtype)
+            acc_f, m_f, l_f = run_steps(step, (acc, m_i, l_i))
+            l_safe = jnp.where(l_f > 0, l_f, 1.0)
 
-        @pl.when(wg == 0)
-        def _():
-            lse_smem[...] = m_f + jnp.log2(l_safe)
+            @pl.when(steps > 0)
+            def _():
+                plgpu.barrier_wait(p_free)
 
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage, out_ref.at[tile, split, :, pl.ds(wg * half, half)])
+            alpha_smem[...] = l_safe               # wg 1 reads it after done_bar
+            plgpu.commit_smem()
+            finish(acc_f, m_f, l_safe)
 
-        @pl.when(wg == 0)
-        def _():
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[tile, split])
+        @pl.when(wg == 1)
+        def _consumer():
+            def step(i, acc, *, final):
+                slot = lax.rem(i, jnp.int32(num_stages))
+                k0 = (first_step + i) * block_kv
+                plgpu.barrier_wait(kv_bars.at[slot])
+                plgpu.barrier_wait(p_ready)
+                acc = scaled(acc, _load_rows(alpha_smem, interpret))
+                acc = _accumulate(acc, p_smem, values_of(slot, k0, final), interpret)
+                plgpu.barrier_arrive(p_free)
+                plgpu.barrier_arrive(consumed_bars.at[slot])
+                return acc
 
-        plgpu.wait_smem_to_gmem(0)
+            finish(run_steps(step, acc), None, None)
 
     @pl.when(wg == 2)
     def _memory():
@@ -207,7 +293,7 @@ def _interpret_params():
 
 def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok, *, rank,
                    block_h, sm_scale, block_kv=64, num_splits=1, num_stages=2,
-                   interpret=False):
+                   share_logits=True, interpret=False):
     """Runs the kernel over [n, 64, W] query tiles -> (out [n, splits, 64, R] bf16,
     lse [n, splits, 64] f32). See the module docstring for the layouts."""
     n, rows, width = q_tiles.shape
@@ -227,7 +313,7 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
     kernel = functools.partial(
         _kernel, block_h=block_h, block_kv=block_kv, rank=rank, num_splits=num_splits,
         num_stages=num_stages, page_size=page_size, scale_log2=float(sm_scale) * LOG2E,
-        interpret=interpret)
+        share_logits=share_logits, interpret=interpret)
     copies = max(1, block_kv // page_size)
 
     ring = plgpu.SMEM((num_stages, block_kv, width), jnp.bfloat16, transforms=swizzled)
@@ -236,18 +322,28 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
     # interpreter has no RefUnion (nor a shared-memory limit): two buffers there.
     ring_then_output = (ring, output) if interpret else plgpu.RefUnion(ring, output)
 
+    # share_logits: P [64, block_kv] bf16 and a [64] f32 row vector (alpha, then l) handed
+    # from wg 0 to wg 1, with a barrier each way. Swizzled buffers first: each is 1024-byte
+    # aligned, and with both options the total is within 2.5 KiB of the 227 KiB limit.
+    rows_f32 = plgpu.SMEM((TILE_ROWS,), jnp.float32)
+
     def entry(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref, out_ref,
               lse_ref):
         pl.run_scoped(
             lambda *scoped: kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref,
                                    lat_ref, out_ref, lse_ref, scoped),
             (plgpu.SMEM((TILE_ROWS, width), jnp.bfloat16, transforms=swizzled),
+             plgpu.SMEM((TILE_ROWS, block_kv), jnp.bfloat16, transforms=swizzled)
+             if share_logits else None,
              ring_then_output,
-             plgpu.SMEM((TILE_ROWS,), jnp.float32)),
+             rows_f32,
+             rows_f32 if share_logits else None),
             (plgpu.Barrier(),
              plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
              plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
-             plgpu.Barrier(num_arrivals=2)),
+             plgpu.Barrier(num_arrivals=2),
+             plgpu.Barrier() if share_logits else None,
+             plgpu.Barrier() if share_logits else None),
             collective_axes="wg",
         )
 
@@ -257,6 +353,8 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
                   jax.ShapeDtypeStruct((n, num_splits, TILE_ROWS), jnp.float32)),
         grid=(n, num_splits), grid_names=("tile", "split"),
         num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # The row max/sum reductions stay inside a warp (WGMMA layout): no cross-warp
+        # scratch, whose default 2 KiB the shared-logits buffers need.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=_interpret_params() if interpret else None,
     )(tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent)

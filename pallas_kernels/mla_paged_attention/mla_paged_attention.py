@@ -25,7 +25,7 @@ from pallas_kernels.mla_paged_attention.kernel import mla_core
 from pallas_kernels.mla_paged_attention.mosaic_tiles import mla_mosaic
 
 _TUNING_KEYS = ("block_q", "block_h", "block_k", "num_splits", "num_warps", "num_stages",
-                "value_split", "qk_chunk", "keys_first", "kernel")
+                "value_split", "qk_chunk", "keys_first", "kernel", "share_logits")
 KERNELS = ("triton", "mosaic")
 _NUM_SMS = 132  # H100 / H200
 MAX_ROWS = 64   # default tile rows (block_q * block_h): a [64, 512] f32 accumulator
@@ -196,7 +196,7 @@ def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q
     while items * splits * 2 <= _NUM_SMS and splits * 2 * 64 * 4 <= max_pages * page_size:
         splits *= 2
     return dict(block_q=block_q, block_h=block_h, block_k=64, num_splits=splits,
-                num_stages=2)
+                num_stages=2, share_logits=True)
 
 
 def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scale,
@@ -205,10 +205,11 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
     t, h, width = q.shape
     tuning = dict(tuning)
     tuning.pop("kernel")
-    unused = set(tuning) - {"block_q", "block_h", "block_k", "num_splits", "num_stages"}
+    unused = set(tuning) - {"block_q", "block_h", "block_k", "num_splits", "num_stages",
+                            "share_logits"}
     if unused:
-        raise ValueError(f"kernel='mosaic' takes block_q, block_h, block_k, num_splits and "
-                         f"num_stages, got {sorted(unused)}")
+        raise ValueError(f"kernel='mosaic' takes block_q, block_h, block_k, num_splits, "
+                         f"num_stages and share_logits, got {sorted(unused)}")
     if q.dtype != jnp.bfloat16:
         raise ValueError(f"kernel='mosaic' takes bfloat16 (wgmma), got {q.dtype}")
     if rank % 128 or width % 64:
@@ -229,7 +230,10 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
     if full["block_k"] % 64:
         raise ValueError(f"kernel='mosaic' needs block_k a multiple of 64, got "
                          f"{full['block_k']}")
-    smem = 2 * (MAX_ROWS + full["num_stages"] * full["block_k"]) * width
+    if full["share_logits"] not in (True, False, 0, 1):
+        raise ValueError(f"share_logits must be a bool, got {full['share_logits']!r}")
+    smem = 2 * (MAX_ROWS + full["num_stages"] * full["block_k"]) * width + 2 * 1024 + (
+        2 * MAX_ROWS * full["block_k"] if full["share_logits"] else 0)
     if full["num_stages"] < 2 or smem > 227 * 1024:
         raise ValueError(f"kernel='mosaic': num_stages={full['num_stages']} with block_k="
                          f"{full['block_k']} needs {smem} B of shared memory; it takes >= 2 "
@@ -243,12 +247,12 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
                        rank=rank, sm_scale=sm_scale, block_q=full["block_q"],
                        block_h=full["block_h"], block_kv=full["block_k"],
                        num_splits=full["num_splits"], num_stages=full["num_stages"],
-                       interpret=interpret)
+                       share_logits=bool(full["share_logits"]), interpret=interpret)
 
 
 _mla_mosaic = jax.jit(mla_mosaic, static_argnames=(
     "rank", "sm_scale", "block_q", "block_h", "block_kv", "num_splits", "num_stages",
-    "interpret"))
+    "share_logits", "interpret"))
 
 
 @functools.partial(jax.jit, static_argnames=("rank", "sm_scale", "interpret", "tuning"))

@@ -33,7 +33,7 @@ def _items(cu_q_lens, kv_lens, num_seqs, block_q, num_items):
 
 
 def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, sm_scale,
-               block_q, block_h, block_kv, num_splits, num_stages, interpret):
+               block_q, block_h, block_kv, num_splits, num_stages, share_logits, interpret):
     """[T, H, W] queries -> [T, H, R] through `mla_tiles_mgpu` (arguments as for
     `mla_paged_attention`; jit by the caller)."""
     t, h, width = q.shape
@@ -55,7 +55,8 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
     out, lse = mla_tiles_mgpu(q_tiles, latent, block_tables, per_tile(seq), per_tile(pos0),
                               per_tile(ntok), rank=rank, block_h=block_h, sm_scale=sm_scale,
                               block_kv=block_kv, num_splits=num_splits,
-                              num_stages=num_stages, interpret=interpret)
+                              num_stages=num_stages, share_logits=share_logits,
+                              interpret=interpret)
     if num_splits == 1:
         merged = out[:, 0]
     else:                                       # [n, NS, 64, R], [n, NS, 64]
