@@ -184,8 +184,38 @@ def test_value_errors_name_the_bad_value():
   err("unknown tuning options", *ok, pages_per_block=2)
   err("sm_scale must be > 0", *ok, sm_scale=-1.0)
   err("kernel must be one of", *ok, kernel="cuda")
+  err("share_logits is an option of kernel='mosaic'", *ok, kernel="triton", share_logits=True)
   err("kernel='mosaic' takes bfloat16", *ok, kernel="mosaic")
   qb, lb = q.astype(jnp.bfloat16), lat.astype(jnp.bfloat16)
   err("kernel='mosaic' needs kv_lora_rank % 128 == 0", qb, lb, *ok[2:], kernel="mosaic")
   err("kernel='mosaic' takes block_q, block_h.*'value_split'", *ok, kernel="mosaic",
       value_split=2)
+
+
+def test_default_kernel_is_mosaic_only_on_hopper_where_it_fits(monkeypatch):
+  import importlib
+
+  import jax
+  # The module (the package re-exports a function of the same name).
+  mod = importlib.import_module("pallas_kernels.mla_paged_attention.mla_paged_attention")
+
+  class Dev:
+    platform = "gpu"
+    compute_capability = "9.0"
+
+  monkeypatch.delenv("MTPJAX_MLA_KERNEL", raising=False)
+  monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
+  q = jnp.zeros((2, 16, 576), jnp.bfloat16)
+  lat = jnp.zeros((4, 64, 576), jnp.bfloat16)
+  assert mod.default_kernel(q, lat, 512, interpret=False) == "mosaic"
+  assert mod.default_kernel(q, lat, 512, interpret=True) == "triton"
+  assert mod.default_kernel(q.astype(jnp.float32), lat, 512, interpret=False) == "triton"
+  assert mod.default_kernel(q[..., :48], lat[..., :48], 32, interpret=False) == "triton"
+  assert mod.default_kernel(q, lat[:, :4], 512, interpret=False) == "triton"
+  Dev.compute_capability = "8.0"
+  assert mod.default_kernel(q, lat, 512, interpret=False) == "triton"
+  monkeypatch.setenv("MTPJAX_MLA_KERNEL", "mosaic")
+  assert mod.default_kernel(q, lat, 512, interpret=True) == "mosaic"
+  monkeypatch.setenv("MTPJAX_MLA_KERNEL", "cuda")
+  with pytest.raises(ValueError, match="MTPJAX_MLA_KERNEL must be one of"):
+    mod.default_kernel(q, lat, 512, interpret=False)

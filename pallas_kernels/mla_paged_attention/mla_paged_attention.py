@@ -7,14 +7,16 @@ Head h's absorbed query q[t, h] = [q_nope W_UK (R) | q_rope (dr)] scores against
 latent; its output is the softmax-weighted sum of the c_kv parts (the values are the first R
 latent entries). Output [T, H, R]; the caller applies W_UV.
 
-Kernel: `kernel.py` (Pallas, Triton backend). The wrapper cuts every sequence's query tokens
-into work items of <= block_q tokens (on device, with jnp: per-step lengths never recompile);
-an item's tokens x block_h heads form one tile, so a verify row's K+1 tokens read the latent
-pages once.
+Kernels: `kernel_mgpu.py` (Pallas Mosaic GPU: Hopper warpgroups, TMA and wgmma; bf16; the
+default on Hopper GPUs) and `kernel.py` (Pallas Triton: any dtype, any GPU, and what
+interpreted runs take by default). Both cut every sequence's query tokens into work items of
+<= block_q tokens (on device, with jnp: per-step lengths never recompile); an item's tokens x
+block_h heads form one tile, so a verify row's K+1 tokens read the latent pages once.
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +130,10 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         as latent . q^T, so wgmma reads the query from shared memory instead of holding it
         in registers; default on, except with value_split or qk_chunk, or for a decode-
         sized tile whose KV block spans several pages: `default_tuning`).
+        kernel: "triton" (`kernel.py`), "mosaic" (`kernel_mgpu.py`: Hopper warpgroups, bf16;
+        takes block_q, block_h, block_k (a multiple of 64), num_splits, num_stages and
+        share_logits; defaults in `mosaic_tuning`) or None: `default_kernel` ("mosaic" on a
+        Hopper GPU where it fits).
     Returns:
       [T, H, R] in q's dtype (softmax and accumulation in f32).
     """
@@ -137,12 +143,17 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
     if bad:
         raise ValueError(f"unknown tuning options {sorted(bad)}; expected {_TUNING_KEYS}")
     t, h, width = q.shape
-    if tuning.get("kernel", "triton") not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {tuning['kernel']!r}")
-    if tuning.get("kernel") == "mosaic":
+    if tuning.get("kernel") is None:
+        tuning["kernel"] = default_kernel(q, latent_pages, kv_lora_rank, interpret)
+    if tuning["kernel"] not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS} or None, got {tuning['kernel']!r}")
+    if tuning["kernel"] == "mosaic":
         return _mosaic(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
                        kv_lora_rank, sm_scale, interpret, tuning)
-    tuning.pop("kernel", None)
+    tuning.pop("kernel")
+    if "share_logits" in tuning:
+        raise ValueError("share_logits is an option of kernel='mosaic'; the Triton kernel "
+                         "computes each tile's logits once")
     full = default_tuning(t, h, block_tables.shape[0], block_tables.shape[1],
                           latent_pages.shape[1], tuning.get("block_q", 1))
     full.update(tuning)
@@ -182,6 +193,25 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
     return _mla(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs.reshape(()),
                 rank=kv_lora_rank, sm_scale=sm_scale, interpret=interpret,
                 tuning=tuple(sorted(full.items())))
+
+
+def default_kernel(q, latent, rank, interpret) -> str:
+    """"mosaic" on a Hopper GPU where its shapes fit (bf16, kv_lora_rank % 128 == 0, width %
+    64 == 0, pages >= 8 tokens), else "triton". Interpreted runs take the Triton kernel:
+    its interpreter is far faster; tests ask for kernel="mosaic" explicitly. The environment
+    variable MTPJAX_MLA_KERNEL (triton / mosaic) overrides it, for end-to-end A/B runs."""
+    forced = os.environ.get("MTPJAX_MLA_KERNEL")   # end-to-end A/B runs (docs/benchmarks.md)
+    if forced is not None:
+        if forced not in KERNELS:
+            raise ValueError(f"MTPJAX_MLA_KERNEL must be one of {KERNELS}, got {forced!r}")
+        return forced
+    if interpret or q.dtype != jnp.bfloat16 or rank % 128 or q.shape[2] % 64 or (
+            latent.shape[1] < 8):
+        return "triton"
+    device = jax.devices()[0]
+    hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")
+                                              ).startswith("9")
+    return "mosaic" if hopper else "triton"
 
 
 def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q=1):
