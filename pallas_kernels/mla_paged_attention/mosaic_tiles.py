@@ -52,7 +52,11 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
     def per_tile(x):
         return jnp.repeat(x, groups)
 
-    out, lse = mla_tiles_mgpu(q_tiles, latent, block_tables, per_tile(seq), per_tile(pos0),
+    # Mosaic-GPU kernels take only 256-byte aligned buffers. Inside a larger program XLA
+    # may hand a slice of the engine's tables over as an offset pointer (an unaligned one
+    # failed at batch 32); a padded copy is a buffer of its own.
+    tables = jnp.pad(block_tables, ((0, 1), (0, 0)))
+    out, lse = mla_tiles_mgpu(q_tiles, latent, tables, per_tile(seq), per_tile(pos0),
                               per_tile(ntok), rank=rank, block_h=block_h, sm_scale=sm_scale,
                               block_kv=block_kv, num_splits=num_splits,
                               num_stages=num_stages, share_logits=share_logits,
