@@ -119,3 +119,21 @@ def test_mla_default_picks_the_logits_order_measured_faster(heads, page, tuning,
                              S((8, 8), i32), S((8,), i32), S((9,), i32), S((1,), i32))
     assert "mla_paged_attn_" in text
     assert ('_kf"' in text) == keys_first, text[text.index("mla_paged_attn_"):][:80]
+
+
+@pytest.mark.parametrize("heads,page,q_len,tuning", [
+    (128, 64, 1, {}),                           # H=128 decode: two 64-row tiles per request
+    (16, 16, 4, {}),                            # H=16 verify q4, 64-token blocks of 4 pages
+    (16, 64, 1, {"share_logits": False}),       # both warpgroups compute the logits
+])
+def test_mla_mosaic_kernel_lowers_for_cuda_within_shared_memory(heads, page, q_len, tuning):
+    """kernel="mosaic" lowers to a Mosaic-GPU call on this machine: wgmma's operand layouts
+    and the 227 KiB shared-memory limit are checked while lowering (the shared-logits
+    buffers once exceeded it by 1 KiB, with the default cross-warp reduction scratch)."""
+    fn = functools.partial(mla_paged_attention, kv_lora_rank=512, kernel="mosaic",
+                           block_q=q_len, **tuning)
+    text = export.export(jax.jit(fn), platforms=["cuda"])(
+        S((8 * q_len, heads, 576), bf16), S((32, page, 576), bf16), S((8, 4096 // page), i32),
+        S((8,), i32), S((9,), i32), S((1,), i32)).mlir_module()
+    assert "mosaic_gpu" in text
+    assert "__gpu$xla.gpu.triton" not in text

@@ -14,7 +14,9 @@ written), matmul rate = an 8192^3 bf16 `jnp.dot` timed here. Times: marginal per
 jits of 32 and 8 independent calls (`kernels.timeit`). Peer: the model's plain-jnp paged
 attention (`mtpjax.model.attention.paged_attention_reference` on `LatentPages.kv_views()`,
 what the MLA layer runs without the kernel) under XLA. `--sweep` also times tuning variants
-(best shown, all in $OUT/mla.json). GPU only.
+(best shown, all in $OUT/mla.json). GPU only. The default variant runs the wrapper's default
+kernel (the Mosaic-GPU one on Hopper); `--variants "kernel=triton"` adds the Triton kernel as
+a same-run peer; `--sweep`'s variants are the Triton kernel's options and name it.
 """
 from __future__ import annotations
 
@@ -146,7 +148,7 @@ def variants_for(q_len, h, page, b, ctx, sweep, extra=()):
                dict(num_stages=2, num_splits=8)]
     else:
         alt = [dict(num_stages=2), dict(num_stages=3), dict(block_k=32, num_stages=2)]
-    return out + [dict(block_q=q_len, **a) for a in alt]
+    return out + [dict(block_q=q_len, kernel="triton", **a) for a in alt]   # Triton options
 
 
 def main(argv=None):
