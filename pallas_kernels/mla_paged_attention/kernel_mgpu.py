@@ -5,17 +5,19 @@ CTA's registers, and at H=128 computes at ~170 of ~750 TFLOP/s (docs/kernels.md)
 FlashMLA (deepseek-ai/FlashMLA, docs/20250422-new-kernel-deep-dive.md), a CTA runs three
 warpgroups on one tile of 64 query rows:
 
-    wg 0, 1  compute: both compute the logits of a KV block (q . latent^T, [64, block_kv],
-             through wgmma from shared memory) and the same online softmax; each accumulates
-             its half of the output columns (P . c_kv[:, half], a [64, R/2] f32 accumulator).
+    wg 0     logits: q . latent^T for a KV block ([64, block_kv], 576 deep, wgmma from shared
+             memory), the causal mask and the online softmax; hands P (bf16) and the
+             rescale alpha to wg 1 through shared memory (share_logits; without it wg 1
+             computes the same logits itself) and accumulates P . c_kv[:, :R/2].
+    wg 1     accumulates P . c_kv[:, R/2:]. Each accumulator is [64, R/2] f32.
     wg 2     memory: TMA-copies the latent blocks (one copy per page a block touches) into a
              ring of `num_stages` shared-memory slots, reusing a slot when both compute
              warpgroups have released it.
 
 Rows of a tile: token r // block_h, head r % block_h of one work item (<= block_q query tokens
 of one sequence, folded into the rows like the Triton kernel, so verify reads the KV once).
-The wrapper (`mla_paged_attention.py`) gathers the queries into tiles and scatters the
-outputs back; the kernel sees only tiles.
+The wrapper (`mosaic_tiles.py`) gathers the queries into tiles and the outputs back; the
+kernel sees only tiles.
 
 Layouts (n = tiles, R = kv_lora_rank, W = R + dr):
     q_tiles      [n, 64, W] bf16
@@ -28,8 +30,8 @@ Layouts (n = tiles, R = kv_lora_rank, W = R + dr):
     lse          [n, splits, 64] f32       (log2-sum-exp of the scaled logits, per split)
 
 Causality: row r (token j = r // block_h) sees KV positions 0 .. pos0 + j. The KV rows past
-the tile's last position in its last block are zeroed (a copy of this warpgroup's value half)
-before P . V: masked logits give p = 0, but 0 * NaN from an unwritten slot is NaN.
+the tile's last position in its last block are zeroed in shared memory (each warpgroup its
+value half) before P . V: masked logits give p = 0, but 0 * NaN from an unwritten slot is NaN.
 """
 from __future__ import annotations
 
