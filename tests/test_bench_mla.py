@@ -12,5 +12,11 @@ def test_variants_parse_and_join_every_case():
     assert got == [dict(block_q=4), dict(block_q=4, value_split=2, qk_chunk=128),
                    dict(block_q=4, value_split=4, qk_chunk=None)]
     assert mla.parse_variants("") == []
+    # text values stay text; compact Mosaic tiles get the uniform batch's q_len
+    extra = mla.parse_variants("kernel=triton;compact=1")
+    assert mla.variants_for(1, 16, 64, 64, 4096, sweep=False, extra=extra) == [
+        dict(block_q=1), dict(block_q=1, kernel="triton"),
+        dict(block_q=1, compact=1, uniform_q_len=1)]
+    assert mla.variants_for(4, 16, 64, 64, 4096, sweep=True)[1]["kernel"] == "triton"
     with pytest.raises(ValueError, match="'qk_chunk': expected key=value"):
         mla.parse_variants("value_split=2,qk_chunk")

@@ -125,6 +125,8 @@ def test_mla_default_picks_the_logits_order_measured_faster(heads, page, tuning,
     (128, 64, 1, {}),                           # H=128 decode: two 64-row tiles per request
     (16, 16, 4, {}),                            # H=16 verify q4, 64-token blocks of 4 pages
     (16, 64, 1, {"share_logits": False}),       # both warpgroups compute the logits
+    (16, 16, 1, {"compact": True, "uniform_q_len": 1}),   # 16-row tiles, reshaped from q
+    (128, 64, 4, {"compact": True}),            # compact, gathered (verify q4 H=128)
 ])
 def test_mla_mosaic_kernel_lowers_for_cuda_within_shared_memory(heads, page, q_len, tuning):
     """kernel="mosaic" lowers to a Mosaic-GPU call on this machine: wgmma's operand layouts

@@ -107,9 +107,11 @@ def test_kernel_matches_reference(dtype, h, page, q_lens, kv_lens, tuning):
 # than the KV block, KV splits, and a 16-head decode batch whose tiles are 3/4 padding.
 MOSAIC_CASES = [
     # H, page, q_lens, kv_lens, max_pages, tuning
-    (8, 16, [1, 4, 0, 13, 3], [9, 70, 5, 130, 2], 10, dict(block_q=4, num_splits=2)),
+    (8, 16, [1, 4, 0, 13, 3], [9, 70, 5, 100, 2], 7, dict(block_q=4, num_splits=2)),
     (16, 64, [1, 1, 1], [64, 1, 150], 3, dict(share_logits=False)),
-    (4, 8, [4, 2, 1], [67, 64, 128], 17, dict(block_q=4, num_splits=3)),
+    # compact tiles: 16 live rows in HBM (not 64), rows seeing no key zeroed by the kernel
+    # (3 splits of at most 2 blocks: one split of a row is empty)
+    (4, 8, [4, 2, 1], [67, 20, 70], 9, dict(block_q=4, num_splits=3, compact=True)),
 ]
 
 
@@ -126,6 +128,25 @@ def test_mosaic_kernel_matches_reference(h, page, q_lens, kv_lens, max_pages, tu
     assert rel_err(out, ref) < TOL["bfloat16"], seed
     cu, n = case[4], case[5]
     assert not np.asarray(out[cu[n]:], np.float32).any(), seed
+
+
+@pytest.mark.parametrize("h,q_len,kv_lens,splits", [
+    (16, 1, [70, 1, 130, 64], 2),       # decode: 16-row tiles, reshaped from q
+    (4, 4, [67, 2, 128], 1),            # verify: 4 tokens x 4 heads; one row's KV < q_len
+])
+def test_mosaic_uniform_batch_tiles_are_a_reshape(h, q_len, kv_lens, splits):
+  """compact + uniform_q_len (what the model's dispatch passes for decode / verify steps):
+  the tiles are a reshape of q, no gathers, and the result is the reference's."""
+  rank, rope, page = 128, 64, 16
+  for seed in (0, 1):
+    case = _case(seed, [q_len] * len(kv_lens), kv_lens, h, rank, rope, page, max_pages=9,
+                 pad_seqs=0, pad_tokens=0)
+    args = _args(case, "bfloat16")
+    out = mla_paged_attention(*args, kv_lora_rank=rank, sm_scale=0.1, kernel="mosaic",
+                              interpret=interpret_mode(), uniform_q_len=q_len, block_q=q_len,
+                              compact=True, num_splits=splits)
+    ref = mla_paged_attention_reference(*args, kv_lora_rank=rank, sm_scale=0.1, token_chunk=8)
+    assert rel_err(out, ref) < TOL["bfloat16"], seed
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -190,6 +211,9 @@ def test_value_errors_name_the_bad_value():
   err("kernel='mosaic' needs kv_lora_rank % 128 == 0", qb, lb, *ok[2:], kernel="mosaic")
   err("kernel='mosaic' takes block_q, block_h.*'value_split'", *ok, kernel="mosaic",
       value_split=2)
+  err("uniform_q_len must be None or an int q with num_tokens 4 == num_seqs_max 2 \\* q, "
+      "got 3", jnp.zeros((4, 2, 192), jnp.bfloat16), jnp.zeros((6, 8, 192), jnp.bfloat16),
+      *ok[2:], kv_lora_rank=128, kernel="mosaic", uniform_q_len=3)
 
 
 def test_default_kernel_is_mosaic_only_on_hopper_where_it_fits(monkeypatch):

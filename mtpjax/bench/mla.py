@@ -131,7 +131,11 @@ def parse_variants(text: str) -> list[dict]:
 
 
 def variants_for(q_len, h, page, b, ctx, sweep, extra=()):
-    out = [dict(block_q=q_len)] + [dict(block_q=q_len, **e) for e in extra]
+    # Decode and verify batches are uniform: compact Mosaic tiles get uniform_q_len, as the
+    # model's dispatch passes it.
+    out = [dict(block_q=q_len)] + [
+        dict(block_q=q_len, **e, **({"uniform_q_len": q_len} if e.get("compact") else {}))
+        for e in extra]
     if not sweep or (h > 16 and page != 64):
         return out
     if q_len == 1 and h <= 16:

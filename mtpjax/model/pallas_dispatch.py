@@ -110,4 +110,5 @@ def _mla(q, k_pages, v_pages, batch: PagedBatch, *, sm_scale, interpret):
     return kernel(q, k_pages[0], batch.block_tables, batch.kv_lens, batch.cu_q_lens,
                   jnp.asarray([R], jnp.int32), kv_lora_rank=v_pages.shape[-1],
                   sm_scale=sm_scale, interpret=interpret,
-                  block_q=batch.q_len if uniform else MLA_RAGGED_BLOCK_Q)
+                  block_q=batch.q_len if uniform else MLA_RAGGED_BLOCK_Q,
+                  uniform_q_len=batch.q_len if uniform else None)

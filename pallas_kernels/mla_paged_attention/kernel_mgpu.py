@@ -20,14 +20,14 @@ The wrapper (`mosaic_tiles.py`) gathers the queries into tiles and the outputs b
 kernel sees only tiles.
 
 Layouts (n = tiles, R = kv_lora_rank, W = R + dr):
-    q_tiles      [n, 64, W] bf16
+    q_tiles      [n, rows, W] bf16  rows <= 64, a multiple of 8 (the tile's live rows)
     latent       [P, S, W]  bf16    the paged latent cache
     block_tables [num_seqs, M] int32
     tile_seq     [n] int32  the tile's sequence
     tile_pos0    [n] int32  KV position of the tile's first query token
     tile_ntok    [n] int32  query tokens in the tile (0: a padding tile, nothing computed)
-    out          [n, splits, 64, R] bf16   (normalized per split)
-    lse          [n, splits, 64] f32       (log2-sum-exp of the scaled logits, per split)
+    out          [n, splits, rows, R] bf16   (normalized per split)
+    lse          [n, splits, rows] f32       (log2-sum-exp of the scaled logits, per split)
 
 Causality: row r (token j = r // block_h) sees KV positions 0 .. pos0 + j. The KV rows past
 the tile's last position in its last block are zeroed in shared memory (each warpgroup its
@@ -78,6 +78,11 @@ def _full(shape, value, layout, interpret):
     return x if interpret else plgpu.layout_cast(x, layout)   # no CPU rule for layout_cast
 
 
+def _first_rows(ref, rows):
+    """ref[:rows] (whole 8-row tiles of a swizzled buffer are contiguous)."""
+    return ref if rows == ref.shape[0] else ref.at[pl.ds(0, rows)]
+
+
 def _load_rows(ref, interpret):
     """A [64] f32 vector from shared memory in the layout of the logits' row statistics."""
     if interpret:
@@ -93,7 +98,7 @@ def _iota(shape, dim, interpret):
 
 def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             out_ref, lse_ref, scoped, *, block_h, block_kv, rank, num_splits, num_stages,
-            page_size, scale_log2, share_logits, interpret):
+            page_size, scale_log2, share_logits, zero_masked, interpret):
     (q_smem, p_smem, (kv_smem, o_stage), lse_smem, alpha_smem), bars = scoped
     q_bar, kv_bars, consumed_bars, done_bar, p_ready, p_free = bars
     tile = lax.axis_index("tile")
@@ -108,6 +113,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     first_step = split * per_split
     steps = jnp.clip(total_steps - first_step, 0, per_split)
     half = rank // 2
+    live = q_ref.shape[1]          # rows a tile holds in HBM (<= 64; the rest of q_smem idles)
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
     row_tok = lax.div(_iota((TILE_ROWS, block_kv), 0, interpret), jnp.int32(block_h))
     col = _iota((TILE_ROWS, block_kv), 1, interpret)
@@ -132,6 +138,8 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         m_new = jnp.maximum(m_i, s.max(axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        if zero_masked:     # a row with no visible key gets l = 0: output 0, weight 0
+            p = jnp.where(visible, p, 0.0)
         return p, alpha, m_new, l_i * alpha + p.sum(axis=1)
 
     def scaled(acc, alpha):
@@ -154,7 +162,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
 
         @pl.when(wg == 0)
         def _():
-            plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem, q_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[tile], _first_rows(q_smem, live), q_bar)
 
         plgpu.barrier_wait(q_bar)
         acc = _full((TILE_ROWS, half), 0.0, plgpu.Layout.WGMMA, interpret)
@@ -178,11 +186,12 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
                     lse_smem[...] = m_f + jnp.log2(l_safe)
 
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(stage, out_ref.at[tile, split, :, pl.ds(wg * half, half)])
+            plgpu.copy_smem_to_gmem(_first_rows(stage, live),
+                                    out_ref.at[tile, split, :, pl.ds(wg * half, half)])
 
             @pl.when(wg == 0)
             def _():
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[tile, split])
+                plgpu.copy_smem_to_gmem(_first_rows(lse_smem, live), lse_ref.at[tile, split])
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -295,13 +304,17 @@ def _interpret_params():
 
 def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok, *, rank,
                    block_h, sm_scale, block_kv=64, num_splits=1, num_stages=2,
-                   share_logits=True, interpret=False):
-    """Runs the kernel over [n, 64, W] query tiles -> (out [n, splits, 64, R] bf16,
-    lse [n, splits, 64] f32). See the module docstring for the layouts."""
+                   share_logits=True, zero_masked=False, interpret=False):
+    """Runs the kernel over [n, rows, W] query tiles -> (out [n, splits, rows, R] bf16,
+    lse [n, splits, rows] f32), rows <= 64 a multiple of 8: the tile's first rows (a tile of
+    fewer than 64 live rows need not be padded in HBM). zero_masked: rows that see no key
+    (in a split, or at all) output exactly 0 with log2-sum-exp -1e30, so callers need not
+    mask them. See the module docstring for the layouts."""
     n, rows, width = q_tiles.shape
     page_size = latent.shape[1]
-    if rows != TILE_ROWS:
-        raise ValueError(f"q_tiles must hold {TILE_ROWS} rows per tile, got {rows}")
+    if not (8 <= rows <= TILE_ROWS and rows % 8 == 0):
+        raise ValueError(f"q_tiles must hold a multiple of 8 rows, at most {TILE_ROWS}, per "
+                         f"tile, got {rows}")
     if q_tiles.dtype != jnp.bfloat16 or latent.dtype != jnp.bfloat16:
         raise ValueError(f"the Mosaic-GPU MLA kernel takes bfloat16, got {q_tiles.dtype} / "
                          f"{latent.dtype}")
@@ -315,7 +328,7 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
     kernel = functools.partial(
         _kernel, block_h=block_h, block_kv=block_kv, rank=rank, num_splits=num_splits,
         num_stages=num_stages, page_size=page_size, scale_log2=float(sm_scale) * LOG2E,
-        share_logits=share_logits, interpret=interpret)
+        share_logits=share_logits, zero_masked=zero_masked, interpret=interpret)
     copies = max(1, block_kv // page_size)
 
     ring = plgpu.SMEM((num_stages, block_kv, width), jnp.bfloat16, transforms=swizzled)
@@ -351,8 +364,8 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
 
     return plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((n, num_splits, TILE_ROWS, rank), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((n, num_splits, TILE_ROWS), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((n, num_splits, rows, rank), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((n, num_splits, rows), jnp.float32)),
         grid=(n, num_splits), grid_names=("tile", "split"),
         num_threads=3, thread_name="wg",
         # The row max/sum reductions stay inside a warp (WGMMA layout): no cross-warp

@@ -27,7 +27,7 @@ from pallas_kernels.mla_paged_attention.kernel import mla_core
 from pallas_kernels.mla_paged_attention.mosaic_tiles import mla_mosaic
 
 _TUNING_KEYS = ("block_q", "block_h", "block_k", "num_splits", "num_warps", "num_stages",
-                "value_split", "qk_chunk", "keys_first", "kernel", "share_logits")
+                "value_split", "qk_chunk", "keys_first", "kernel", "share_logits", "compact")
 KERNELS = ("triton", "mosaic")
 _NUM_SMS = 132  # H100 / H200
 MAX_ROWS = 64   # default tile rows (block_q * block_h): a [64, 512] f32 accumulator
@@ -100,7 +100,8 @@ def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_
 
 
 def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
-                        kv_lora_rank, sm_scale=None, interpret=False, **tuning):
+                        kv_lora_rank, sm_scale=None, interpret=False, uniform_q_len=None,
+                        **tuning):
     """Causal absorbed-form MLA attention over a paged latent cache, ragged batch.
 
     Args:
@@ -131,9 +132,13 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         in registers; default on, except with value_split or qk_chunk, or for a decode-
         sized tile whose KV block spans several pages: `default_tuning`).
         kernel: "triton" (`kernel.py`), "mosaic" (`kernel_mgpu.py`: Hopper warpgroups, bf16;
-        takes block_q, block_h, block_k (a multiple of 64), num_splits, num_stages and
-        share_logits; defaults in `mosaic_tuning`) or None: `default_kernel` ("mosaic" on a
-        Hopper GPU where it fits).
+        takes block_q, block_h, block_k (a multiple of 64), num_splits, num_stages,
+        share_logits and compact (`mosaic_tiles.py`; opt-in, not yet timed); defaults in
+        `mosaic_tuning`) or None: `default_kernel` ("mosaic" on a Hopper GPU where it fits).
+      uniform_q_len: None, or q when every sequence has exactly q tokens at q * s (T =
+        num_seqs_max * q; decode and verify steps): with compact tiles and block_q == q the
+        Mosaic kernel's tiles are a reshape of q. The caller vouches for it (values are not
+        checked under jit); the Triton kernel ignores it.
     Returns:
       [T, H, R] in q's dtype (softmax and accumulation in f32).
     """
@@ -149,11 +154,11 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         raise ValueError(f"kernel must be one of {KERNELS} or None, got {tuning['kernel']!r}")
     if tuning["kernel"] == "mosaic":
         return _mosaic(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
-                       kv_lora_rank, sm_scale, interpret, tuning)
+                       kv_lora_rank, sm_scale, interpret, uniform_q_len, tuning)
     tuning.pop("kernel")
-    if "share_logits" in tuning:
-        raise ValueError("share_logits is an option of kernel='mosaic'; the Triton kernel "
-                         "computes each tile's logits once")
+    for key in ("share_logits", "compact"):
+        if key in tuning:
+            raise ValueError(f"{key} is an option of kernel='mosaic', not of the Triton kernel")
     full = default_tuning(t, h, block_tables.shape[0], block_tables.shape[1],
                           latent_pages.shape[1], tuning.get("block_q", 1))
     full.update(tuning)
@@ -226,20 +231,20 @@ def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q
     while items * splits * 2 <= _NUM_SMS and splits * 2 * 64 * 4 <= max_pages * page_size:
         splits *= 2
     return dict(block_q=block_q, block_h=block_h, block_k=64, num_splits=splits,
-                num_stages=2, share_logits=True)
+                num_stages=2, share_logits=True, compact=False)
 
 
 def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scale,
-            interpret, tuning):
+            interpret, uniform_q_len, tuning):
     """Checks and defaults of kernel="mosaic" (`kernel_mgpu.py`), then the call."""
     t, h, width = q.shape
     tuning = dict(tuning)
     tuning.pop("kernel")
     unused = set(tuning) - {"block_q", "block_h", "block_k", "num_splits", "num_stages",
-                            "share_logits"}
+                            "share_logits", "compact"}
     if unused:
         raise ValueError(f"kernel='mosaic' takes block_q, block_h, block_k, num_splits, "
-                         f"num_stages and share_logits, got {sorted(unused)}")
+                         f"num_stages, share_logits and compact, got {sorted(unused)}")
     if q.dtype != jnp.bfloat16:
         raise ValueError(f"kernel='mosaic' takes bfloat16 (wgmma), got {q.dtype}")
     if rank % 128 or width % 64:
@@ -260,8 +265,13 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
     if full["block_k"] % 64:
         raise ValueError(f"kernel='mosaic' needs block_k a multiple of 64, got "
                          f"{full['block_k']}")
-    if full["share_logits"] not in (True, False, 0, 1):
-        raise ValueError(f"share_logits must be a bool, got {full['share_logits']!r}")
+    for key in ("share_logits", "compact"):
+        if full[key] not in (True, False, 0, 1):
+            raise ValueError(f"{key} must be a bool, got {full[key]!r}")
+    if uniform_q_len is not None and not (isinstance(uniform_q_len, int) and uniform_q_len >= 1
+                                          and t == block_tables.shape[0] * uniform_q_len):
+        raise ValueError(f"uniform_q_len must be None or an int q with num_tokens {t} == "
+                         f"num_seqs_max {block_tables.shape[0]} * q, got {uniform_q_len!r}")
     smem = 2 * (MAX_ROWS + full["num_stages"] * full["block_k"]) * width + 2 * 1024 + (
         2 * MAX_ROWS * full["block_k"] if full["share_logits"] else 0)
     if full["num_stages"] < 2 or smem > 227 * 1024:
@@ -277,12 +287,13 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
                        rank=rank, sm_scale=sm_scale, block_q=full["block_q"],
                        block_h=full["block_h"], block_kv=full["block_k"],
                        num_splits=full["num_splits"], num_stages=full["num_stages"],
-                       share_logits=bool(full["share_logits"]), interpret=interpret)
+                       share_logits=bool(full["share_logits"]), interpret=interpret,
+                       compact=bool(full["compact"]), uniform_q_len=uniform_q_len)
 
 
 _mla_mosaic = jax.jit(mla_mosaic, static_argnames=(
     "rank", "sm_scale", "block_q", "block_h", "block_kv", "num_splits", "num_stages",
-    "share_logits", "interpret"))
+    "share_logits", "interpret", "compact", "uniform_q_len"))
 
 
 @functools.partial(jax.jit, static_argnames=("rank", "sm_scale", "interpret", "tuning"))

@@ -2,11 +2,14 @@
 
 A work item is <= block_q query tokens of one sequence (as for the Triton kernel); its tile
 holds those tokens x block_h heads, row r = token r // block_h, head r % block_h, padded to
-64 rows (H=16 decode: 16 live rows). Tiles are items x head groups (H / block_h), item-major.
+64 rows (H=16 decode: 16 live rows), or with `compact` to a multiple of 8. Tiles are items x
+head groups (H / block_h), item-major.
 Everything is jnp on device (per-step lengths never recompile), and both directions are
 gathers: the queries into tiles, the tile outputs back to [T, H, R].
 """
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 
@@ -33,41 +36,50 @@ def _items(cu_q_lens, kv_lens, num_seqs, block_q, num_items):
 
 
 def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, sm_scale,
-               block_q, block_h, block_kv, num_splits, num_stages, share_logits, interpret):
+               block_q, block_h, block_kv, num_splits, num_stages, share_logits, interpret,
+               compact=False, uniform_q_len=None):
     """[T, H, W] queries -> [T, H, R] through `mla_tiles_mgpu` (arguments as for
-    `mla_paged_attention`; jit by the caller)."""
+    `mla_paged_attention`; jit by the caller).
+
+    compact: tiles hold only their live rows (block_q * block_h, rounded up to 8) in HBM, not
+    64, and rows that see no key come out of the kernel as zeros. With uniform_q_len ==
+    block_q as well (every sequence has exactly that many tokens, T = S * block_q: decode and
+    verify steps), the tiles are a reshape of q and the outputs a reshape back: no gathers.
+    """
     t, h, width = q.shape
     s = block_tables.shape[0]
     groups = h // block_h
-    num_items = max(1, min(t, (t + s * (block_q - 1)) // block_q))
-    seq, tok0, ntok, pos0, item_starts = _items(cu_q_lens, kv_lens, num_seqs, block_q,
-                                                num_items)
-    # Query rows of every tile: [items, groups, 64] indices into q viewed as [T * H, W].
-    r = jnp.arange(TILE_ROWS, dtype=jnp.int32)
-    tok = jnp.minimum(tok0[:, None, None] + r // block_h, t - 1)
-    head = jnp.arange(groups, dtype=jnp.int32)[None, :, None] * block_h + r % block_h
-    rows = (tok * h + head).reshape(-1)
-    q_tiles = q.reshape(t * h, width)[rows].reshape(num_items * groups, TILE_ROWS, width)
-
-    def per_tile(x):
-        return jnp.repeat(x, groups)
-
+    live = block_q * block_h
+    rows = -(-live // 8) * 8 if compact else TILE_ROWS
     # Mosaic-GPU kernels take only 256-byte aligned buffers. Inside a larger program XLA
     # may hand a slice of the engine's tables over as an offset pointer (an unaligned one
     # failed at batch 32); a padded copy is a buffer of its own.
     tables = jnp.pad(block_tables, ((0, 1), (0, 0)))
-    out, lse = mla_tiles_mgpu(q_tiles, latent, tables, per_tile(seq), per_tile(pos0),
-                              per_tile(ntok), rank=rank, block_h=block_h, sm_scale=sm_scale,
-                              block_kv=block_kv, num_splits=num_splits,
-                              num_stages=num_stages, share_logits=share_logits,
-                              interpret=interpret)
-    if num_splits == 1:
-        merged = out[:, 0]
-    else:                                       # [n, NS, 64, R], [n, NS, 64]
-        m = jnp.max(lse, axis=1, keepdims=True)
-        wgt = jnp.exp2(lse - m)
-        merged = jnp.sum(out.astype(jnp.float32) * wgt[..., None], axis=1) / jnp.sum(
-            wgt, axis=1)[..., None]
+    kernel = functools.partial(
+        mla_tiles_mgpu, rank=rank, block_h=block_h, sm_scale=sm_scale, block_kv=block_kv,
+        num_splits=num_splits, num_stages=num_stages, share_logits=share_logits,
+        zero_masked=compact, interpret=interpret)
+    if compact and uniform_q_len == block_q and rows == live and t == s * block_q:
+        seq = jnp.arange(s, dtype=jnp.int32)
+        ntok = jnp.where(seq < num_seqs, block_q, 0).astype(jnp.int32)
+        q_tiles = q.reshape(s, block_q, groups, block_h, width).transpose(0, 2, 1, 3, 4)
+        out, lse = kernel(q_tiles.reshape(s * groups, rows, width), latent, tables,
+                          *(jnp.repeat(x, groups) for x in (seq, kv_lens - block_q, ntok)))
+        merged = _merge_splits(out, lse).reshape(s, groups, block_q, block_h, rank)
+        return merged.transpose(0, 2, 1, 3, 4).reshape(t, h, rank).astype(q.dtype)
+
+    num_items = max(1, min(t, (t + s * (block_q - 1)) // block_q))
+    seq, tok0, ntok, pos0, item_starts = _items(cu_q_lens, kv_lens, num_seqs, block_q,
+                                                num_items)
+    # Query rows of every tile: [items, groups, rows] indices into q viewed as [T * H, W].
+    r = jnp.arange(rows, dtype=jnp.int32)
+    tok = jnp.minimum(tok0[:, None, None] + r // block_h, t - 1)
+    head = jnp.arange(groups, dtype=jnp.int32)[None, :, None] * block_h + r % block_h
+    q_tiles = q.reshape(t * h, width)[(tok * h + head).reshape(-1)].reshape(
+        num_items * groups, rows, width)
+    out, lse = kernel(q_tiles, latent, tables,
+                      *(jnp.repeat(x, groups) for x in (seq, pos0, ntok)))
+    merged = _merge_splits(out, lse)                                     # [n, rows, R]
     # Back to tokens: token i of sequence sq, j = i - cu_q_lens[sq] -> item, row.
     tok_seq, pos = ragged_token_rows(cu_q_lens, kv_lens, num_seqs, t)
     j = jnp.arange(t, dtype=jnp.int32) - cu_q_lens[tok_seq]
@@ -75,5 +87,15 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
     heads = jnp.arange(h, dtype=jnp.int32)
     tile = item[:, None] * groups + heads[None] // block_h               # [T, H]
     row = (j % block_q)[:, None] * block_h + heads[None] % block_h
-    flat = merged.reshape(-1, rank)[(tile * TILE_ROWS + row).reshape(-1)].reshape(t, h, rank)
+    flat = merged.reshape(-1, rank)[(tile * rows + row).reshape(-1)].reshape(t, h, rank)
     return jnp.where((pos >= 0)[:, None, None], flat, 0).astype(q.dtype)
+
+
+def _merge_splits(out, lse):
+    """[n, NS, rows, R] per-split outputs and [n, NS, rows] log2-sum-exps -> [n, rows, R]."""
+    if out.shape[1] == 1:
+        return out[:, 0]
+    m = jnp.max(lse, axis=1, keepdims=True)
+    wgt = jnp.exp2(lse - m)
+    return jnp.sum(out.astype(jnp.float32) * wgt[..., None], axis=1) / jnp.sum(
+        wgt, axis=1)[..., None]
