@@ -54,3 +54,36 @@ def test_engine_mla_kernel_matches_reference(params_and_want):
                      max_num_batched_tokens=8, attention_impl="pallas_interpret", warmup=False)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=5))
     assert [o.token_ids for o in outs] == want
+
+
+def test_dispatch_runs_the_mosaic_mla_kernel_on_a_verify_batch(monkeypatch):
+    """The model's dispatch with the Mosaic-GPU kernel (what the GPU default takes for bf16
+    DeepSeek shapes; forced here, interpreted) == the reference on a uniform verify batch
+    (q_len 4, one request left-padded to a short KV), bf16 latent pages."""
+    import jax.numpy as jnp
+
+    from mtpjax.cache import PagedBatch
+    from mtpjax.model.attention import paged_attention_reference
+    from mtpjax.model.pallas_dispatch import paged_attention
+    from pallas_kernels.mla_paged_attention import mosaic_tiles
+    from tests.kernel_oracle import TOL, rel_err
+
+    monkeypatch.setenv("MTPJAX_MLA_KERNEL", "mosaic")
+    calls = []
+    kernel = mosaic_tiles.mla_tiles_mgpu
+    monkeypatch.setattr(mosaic_tiles, "mla_tiles_mgpu",
+                        lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
+    rng = np.random.default_rng(7)
+    rank, width, heads, page = 128, 192, 16, 16
+    kv = np.array([70, 3, 40])
+    positions = np.stack([np.arange(k - 4, k) for k in kv]).clip(min=-1)   # [3, 4]
+    tables = rng.permutation(18)[:15].reshape(3, 5)
+    batch = PagedBatch.uniform(jnp.asarray(positions, jnp.int32), jnp.asarray(tables))
+    k_pages = jnp.asarray(rng.standard_normal((1, 18, page, width)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((12, heads, width)), jnp.bfloat16)
+    got = paged_attention(q, k_pages, k_pages[..., :rank], batch, sm_scale=0.1, interpret=True)
+    want = paged_attention_reference(q, k_pages, k_pages[..., :rank], batch, sm_scale=0.1)
+    live = np.asarray(batch.positions) >= 0
+    assert calls and calls[0][1:] == (64, width)        # it ran, on 64-row tiles
+    assert got.shape == (12, heads, rank)
+    assert rel_err(got[live], want[live]) < TOL["bfloat16"]
