@@ -2,6 +2,7 @@
 gives the reference tokens, and the environment is restored after each."""
 
 import os
+import types
 
 import jax
 import pytest
@@ -30,3 +31,35 @@ def test_opt_in_paths_give_the_reference_tokens(name):
     assert [r[1] for r in rows] == [label for label, _, _ in gpu_check.OPT_IN[name]]
     for r in rows:
         assert r[2] == r[3] == r[4] == prompts, r
+
+
+def test_bf16_mla_table_plumbing_and_agreement_count(monkeypatch):
+    """check_mla_kernels_bf16 (the table itself runs on the GPU): each kernel is forced in
+    turn through MTPJAX_MLA_KERNEL, read while tracing, and the caller's value comes back;
+    _agreeing counts each stream's tokens before its first difference. generate and LLM are
+    stand-ins here, so that only the plumbing is tested, and cheaply."""
+    assert gpu_check._agreeing([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5, 6]]) == 4
+    seen = []
+
+    def fake_generate(params, cfg, prompts, attention_impl, **kw):
+        seen.append((attention_impl, os.environ.get("MTPJAX_MLA_KERNEL")))
+        assert all(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(params))
+        wrong = attention_impl != "reference" and os.environ["MTPJAX_MLA_KERNEL"] == "triton"
+        return types.SimpleNamespace(tokens=[[1, 2, 3 + wrong], [4, 5, 6]])
+
+    class FakeLLM:
+        def __init__(self, *a, **k):
+            pass
+
+        def generate(self, prompts, sampling):
+            return [types.SimpleNamespace(token_ids=t) for t in ([1, 2, 3], [4, 9, 6])]
+
+    monkeypatch.setattr(gpu_check, "_model_inputs", lambda cfg, n: (
+        {"w": jax.numpy.ones((2, 2))}, [[7, 8]] * n))
+    monkeypatch.setattr(gpu_check.mtpjax, "generate", fake_generate)
+    monkeypatch.setattr(gpu_check.mtpjax, "LLM", FakeLLM)
+    monkeypatch.setenv("MTPJAX_MLA_KERNEL", "triton")
+    rows = gpu_check.check_mla_kernels_bf16(None, num_prompts=2)
+    assert rows == [("mla", "mosaic", "6 (6)", "4 (6)"), ("mla", "triton", "5 (6)", "4 (6)")]
+    assert seen == [("reference", "triton"), ("pallas", "mosaic"), ("pallas", "triton")]
+    assert os.environ["MTPJAX_MLA_KERNEL"] == "triton"

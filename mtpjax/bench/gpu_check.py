@@ -4,15 +4,19 @@ GQA model (the paged / ragged kernels) and a DeepSeek-style MLA + MoE model (the
 A second table runs other paths against reference tokens (reference attention, and for MoE
 `ragged_dot` experts): fused projections (GQA), the MoE layer's default GPU path (the routed
 experts' SwiGLU on the Pallas grouped-matmul kernels) and the XLA tiled form (MLA + MoE), each
-through `generate` and the engine.
+through `generate` and the engine. A third runs a bf16 MLA model (what the Mosaic-GPU MLA
+kernel takes; float32 models take the Triton one) with each MLA kernel against bf16 reference
+attention, reporting how long the greedy token streams agree (bf16 near-ties may flip).
 
-    python -m mtpjax.bench.gpu_check [--tables kernels,opt-in]
+    python -m mtpjax.bench.gpu_check [--tables kernels,opt-in,mla-bf16]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +43,13 @@ def main(argv=None):
                              first_k_dense_replace=1, n_group=4, topk_group=2,
                              routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=1)
     ap = argparse.ArgumentParser(description="GPU smoke check (see the module docstring)")
-    ap.add_argument("--tables", default="kernels,opt-in",
-                    help="comma-separated: kernels (Pallas vs reference), opt-in (opt-in paths)")
+    ap.add_argument("--tables", default="kernels,opt-in,mla-bf16",
+                    help="comma-separated: kernels (Pallas vs reference), opt-in (opt-in "
+                         "paths), mla-bf16 (the MLA kernels on a bf16 model)")
     tables = set(ap.parse_args(argv).tables.split(","))
-    if not tables or tables - {"kernels", "opt-in"}:
-        raise SystemExit(f"--tables takes kernels and/or opt-in, got {sorted(tables)}")
+    if not tables or tables - {"kernels", "opt-in", "mla-bf16"}:
+        raise SystemExit(f"--tables takes kernels, opt-in and/or mla-bf16, got "
+                         f"{sorted(tables)}")
     # Rows are printed as each finishes (flushed), so a failure later keeps the earlier rows.
     if "kernels" in tables:
         print("| model | method | K | generate pallas == reference | engine pallas == reference "
@@ -51,6 +57,14 @@ def main(argv=None):
         for name, c in (("gqa", cfg), ("mla", mla)):
             for r in check(name, c):
                 print("| " + " | ".join(map(str, r)) + " |", flush=True)
+    if "mla-bf16" in tables:
+        # bf16 (what the Mosaic-GPU MLA kernel takes) with width 128 + 64: near-tie flips are
+        # possible in bf16, so the table reports how long the token streams agree.
+        mla16 = dataclasses.replace(mla, qk_rope_head_dim=64, head_dim=64)
+        print("\n| bf16 MLA model | kernel | generate: tokens agreeing with the reference "
+              "(of) | engine: agreeing (of) |", flush=True)
+        for r in check_mla_kernels_bf16(mla16):
+            print("| " + " | ".join(map(str, r)) + " |", flush=True)
     if "opt-in" in tables:
         print("\n| model | opt-in path | generate == reference | engine == reference | of |",
               flush=True)
@@ -108,6 +122,51 @@ def check_opt_in(name, cfg, attention_impl="pallas", max_new=24, num_prompts=8):
             eng = [o.token_ids for o in llm.generate(
                 prompts, mtpjax.SamplingParams(max_tokens=max_new))]
         rows.append((name, label, same(ref, gen), same(ref, eng), len(prompts)))
+    return rows
+
+
+def _agreeing(ref, got):
+    """Tokens of `got` that agree with `ref` before the first difference, summed over prompts."""
+    total = 0
+    for a, b in zip(ref, got):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        total += n
+    return total
+
+
+def check_mla_kernels_bf16(cfg, attention_impl="pallas", max_new=24, num_prompts=8):
+    """A bf16 MLA model through `generate` and the engine with each MLA kernel
+    (MTPJAX_MLA_KERNEL, read at trace time: caches cleared around each), against reference
+    attention in bf16. Rows (kernel, generate agreeing (of), engine agreeing (of))."""
+    params, prompts = _model_inputs(cfg, num_prompts)
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    spec = mtpjax.SpecConfig(num_speculative_tokens=3)
+    ref = mtpjax.generate(params, cfg, prompts, max_new_tokens=max_new, spec=spec,
+                          attention_impl="reference").tokens
+    of = sum(len(r) for r in ref)
+    rows = []
+    before = os.environ.get("MTPJAX_MLA_KERNEL")
+    try:
+        for kernel in ("mosaic", "triton"):
+            os.environ["MTPJAX_MLA_KERNEL"] = kernel
+            jax.clear_caches()
+            gen = mtpjax.generate(params, cfg, prompts, max_new_tokens=max_new, spec=spec,
+                                  attention_impl=attention_impl).tokens
+            llm = mtpjax.LLM(params, cfg, spec, num_pages=1024, page_size=16, max_num_seqs=8,
+                             max_num_batched_tokens=256, attention_impl=attention_impl,
+                             warmup=False)
+            eng = [o.token_ids for o in llm.generate(
+                prompts, mtpjax.SamplingParams(max_tokens=max_new))]
+            rows.append(("mla", kernel, f"{_agreeing(ref, gen)} ({of})",
+                         f"{_agreeing(ref, eng)} ({of})"))
+    finally:
+        if before is None:
+            os.environ.pop("MTPJAX_MLA_KERNEL", None)
+        else:
+            os.environ["MTPJAX_MLA_KERNEL"] = before
+        jax.clear_caches()
     return rows
 
 
