@@ -142,6 +142,14 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             p = jnp.where(visible, p, 0.0)
         return p, alpha, m_new, l_i * alpha + p.sum(axis=1)
 
+    def block_softmax(i, m_i, l_i):
+        """Step i's slot (waited for), first KV position, and softmax of its logits."""
+        slot = lax.rem(i, jnp.int32(num_stages))
+        k0 = (first_step + i) * block_kv
+        plgpu.barrier_wait(kv_bars.at[slot])
+        s = _logits(q_smem, kv_smem.at[slot], interpret)
+        return (slot, k0) + softmax_step(s, k0, m_i, l_i)
+
     def scaled(acc, alpha):
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
@@ -198,11 +206,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         if not share_logits:
             def step(i, carry, *, final):
                 acc, m_i, l_i = carry
-                slot = lax.rem(i, jnp.int32(num_stages))
-                k0 = (first_step + i) * block_kv
-                plgpu.barrier_wait(kv_bars.at[slot])
-                p, alpha, m_new, l_new = softmax_step(_logits(q_smem, kv_smem.at[slot],
-                                                              interpret), k0, m_i, l_i)
+                slot, k0, p, alpha, m_new, l_new = block_softmax(i, m_i, l_i)
                 acc = _accumulate(scaled(acc, alpha), p.astype(q_smem.dtype),
                                   values_of(slot, k0, final), interpret)
                 plgpu.barrier_arrive(consumed_bars.at[slot])
@@ -216,11 +220,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         def _producer():
             def step(i, carry, *, final):
                 acc, m_i, l_i = carry
-                slot = lax.rem(i, jnp.int32(num_stages))
-                k0 = (first_step + i) * block_kv
-                plgpu.barrier_wait(kv_bars.at[slot])
-                p, alpha, m_new, l_new = softmax_step(_logits(q_smem, kv_smem.at[slot],
-                                                              interpret), k0, m_i, l_i)
+                slot, k0, p, alpha, m_new, l_new = block_softmax(i, m_i, l_i)
                 p16 = p.astype(q_smem.dtype)
 
                 @pl.when(i > 0)

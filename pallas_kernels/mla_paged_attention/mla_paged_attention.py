@@ -62,6 +62,15 @@ def _check(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, interpre
     _checks.check_ragged_rows(block_tables, kv_lens, cu_q_lens, num_seqs)
 
 
+def _splits_and_scale(num_splits, sm_scale, width) -> float:
+    """Checks num_splits and sm_scale (both kernels); -> the scale (default width ** -0.5)."""
+    if not 1 <= num_splits <= 256:
+        raise ValueError(f"num_splits must be in 1..256, got {num_splits}")
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"sm_scale must be > 0 or None, got {sm_scale}")
+    return width ** -0.5 if sm_scale is None else float(sm_scale)
+
+
 def _decode_sized(block_q: int, block_h: int) -> bool:
     """Is a tile of block_q x block_h rows decode-sized (<= 16 rows: H=16 decode)?"""
     return block_q * block_h <= 16
@@ -190,11 +199,7 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
     if full["keys_first"] and not keys_first_fits:
         raise ValueError(f"keys_first takes value_split=1 and no qk_chunk, got value_split={vs}"
                          f", qk_chunk={qc}")
-    if not 1 <= full["num_splits"] <= 256:
-        raise ValueError(f"num_splits must be in 1..256, got {full['num_splits']}")
-    if sm_scale is not None and not sm_scale > 0:
-        raise ValueError(f"sm_scale must be > 0 or None, got {sm_scale}")
-    sm_scale = width ** -0.5 if sm_scale is None else float(sm_scale)
+    sm_scale = _splits_and_scale(full["num_splits"], sm_scale, width)
     return _mla(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs.reshape(()),
                 rank=kv_lora_rank, sm_scale=sm_scale, interpret=interpret,
                 tuning=tuple(sorted(full.items())))
@@ -278,11 +283,7 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
         raise ValueError(f"kernel='mosaic': num_stages={full['num_stages']} with block_k="
                          f"{full['block_k']} needs {smem} B of shared memory; it takes >= 2 "
                          f"stages within 227 KiB")
-    if not 1 <= full["num_splits"] <= 256:
-        raise ValueError(f"num_splits must be in 1..256, got {full['num_splits']}")
-    if sm_scale is not None and not sm_scale > 0:
-        raise ValueError(f"sm_scale must be > 0 or None, got {sm_scale}")
-    sm_scale = width ** -0.5 if sm_scale is None else float(sm_scale)
+    sm_scale = _splits_and_scale(full["num_splits"], sm_scale, width)
     return _mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs.reshape(()),
                        rank=rank, sm_scale=sm_scale, block_q=full["block_q"],
                        block_h=full["block_h"], block_kv=full["block_k"],
