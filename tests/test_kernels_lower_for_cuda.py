@@ -141,14 +141,17 @@ def test_mla_mosaic_kernel_lowers_for_cuda_within_shared_memory(heads, page, q_l
     assert "__gpu$xla.gpu.triton" not in text
 
 
-@pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 4)])
-def test_mla_mosaic_uniform_compact_tiles_need_no_gathers(heads, q_len):
+@pytest.mark.parametrize("heads,q_len,compact", [(16, 1, True), (128, 4, True),
+                                                  (16, 4, None)])
+def test_mla_mosaic_uniform_compact_tiles_need_no_gathers(heads, q_len, compact):
     """The point of compact tiles with uniform_q_len (decode / verify steps): the query tiles
     and the outputs are reshapes (a transpose at most), so the program around the Mosaic
-    call holds no gather; the ragged form of the same call does."""
+    call holds no gather; the ragged form of the same call does. compact None: the default,
+    which is compact for uniform batches (what the model's dispatch passes)."""
     def lowered(**kw):
+        opts = {} if compact is None else {"compact": compact}
         fn = functools.partial(mla_paged_attention, kv_lora_rank=512, kernel="mosaic",
-                               block_q=q_len, compact=True, **kw)
+                               block_q=q_len, **opts, **kw)
         return export.export(jax.jit(fn), platforms=["cuda"])(
             S((8 * q_len, heads, 576), bf16), S((32, 64, 576), bf16), S((8, 64), i32),
             S((8,), i32), S((9,), i32), S((1,), i32)).mlir_module()

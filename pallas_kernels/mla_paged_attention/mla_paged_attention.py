@@ -142,8 +142,8 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         sized tile whose KV block spans several pages: `default_tuning`).
         kernel: "triton" (`kernel.py`), "mosaic" (`kernel_mgpu.py`: Hopper warpgroups, bf16;
         takes block_q, block_h, block_k (a multiple of 64), num_splits, num_stages,
-        share_logits and compact (`mosaic_tiles.py`; opt-in, not yet timed); defaults in
-        `mosaic_tuning`) or None: `default_kernel` ("mosaic" on a Hopper GPU where it fits).
+        share_logits and compact (`mosaic_tiles.py`: tiles of only their live rows; default
+        on with uniform_q_len); defaults in `mosaic_tuning`) or None: `default_kernel` ("mosaic" on a Hopper GPU where it fits).
       uniform_q_len: None, or q when every sequence has exactly q tokens at q * s (T =
         num_seqs_max * q; decode and verify steps): with compact tiles and block_q == q the
         Mosaic kernel's tiles are a reshape of q. The caller vouches for it (values are not
@@ -227,7 +227,11 @@ def default_kernel(q, latent, rank, interpret) -> str:
 def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q=1):
     """Tiles and splits of the Mosaic-GPU kernel: 64-row tiles (block_q * block_h <= 64),
     64-token KV blocks (wgmma's K for the values), 2 shared-memory stages (what fits beside
-    the query tile: 3 x 72 KiB), KV splits for ~1 wave of 132 SMs (one CTA per SM)."""
+    the query tile: 3 x 72 KiB), KV splits for ~1 wave of 132 SMs (one CTA per SM).
+    compact None: on for uniform batches (`uniform_q_len` given: decode and verify steps),
+    off otherwise. Round 3 session 13 (H100, B=64, ctx 4096, page 64), compact against 64-row
+    tiles: H=16 decode 132 -> 122 us, H=16 verify q4 153 -> 133, H=128 decode 156 -> 149;
+    H=128 verify q4 627 -> 639 (its tiles are full either way)."""
     block_q = 1 << (max(1, block_q) - 1).bit_length()
     h_div = num_heads & -num_heads
     block_h = max(1, min(h_div, MAX_ROWS // block_q))
@@ -236,7 +240,7 @@ def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q
     while items * splits * 2 <= _NUM_SMS and splits * 2 * 64 * 4 <= max_pages * page_size:
         splits *= 2
     return dict(block_q=block_q, block_h=block_h, block_k=64, num_splits=splits,
-                num_stages=2, share_logits=True, compact=False)
+                num_stages=2, share_logits=True, compact=None)
 
 
 def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scale,
@@ -270,6 +274,8 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
     if full["block_k"] % 64:
         raise ValueError(f"kernel='mosaic' needs block_k a multiple of 64, got "
                          f"{full['block_k']}")
+    if full["compact"] is None:
+        full["compact"] = uniform_q_len is not None
     for key in ("share_logits", "compact"):
         if full[key] not in (True, False, 0, 1):
             raise ValueError(f"{key} must be a bool, got {full[key]!r}")
