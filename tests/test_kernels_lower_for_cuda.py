@@ -158,3 +158,18 @@ def test_mla_mosaic_uniform_compact_tiles_need_no_gathers(heads, q_len, compact)
 
     assert "stablehlo.gather" not in lowered(uniform_q_len=q_len)
     assert "stablehlo.gather" in lowered()
+
+
+@pytest.mark.parametrize("G,E,I,stages", [
+    (64, 2048, 1408, None),     # DeepSeek-V2-Lite experts, 4096 tokens x 6: 11 gate/up blocks
+    (128, 7168, 2048, 3),       # the V3 slice; down columns 256 wide
+])
+def test_moe_mosaic_kernel_lowers_for_cuda_within_shared_memory(G, E, I, stages):
+    """grouped_swiglu(kernel="mosaic") at prefill sizes lowers to two Mosaic-GPU calls, no
+    Triton: wgmma's layouts and the 227 KiB shared-memory limit are checked while lowering."""
+    fn = functools.partial(grouped_swiglu, kernel="mosaic", num_stages=stages)
+    text = export.export(jax.jit(fn), platforms=["cuda"])(
+        S((4096 * 6, E), bf16), S((G, E, I), bf16), S((G, E, I), bf16), S((G, I, E), bf16),
+        S((G,), i32)).mlir_module()
+    assert text.count("mosaic_gpu") >= 2
+    assert "__gpu$xla.gpu.triton" not in text

@@ -17,6 +17,7 @@ x's dtype first): outputs agree to that rounding.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,10 @@ from pallas_kernels.grouped_matmul.grouped_matmul import (check_ffn_weights, che
                                                           padded_grouped_matmul, resolve_blocks,
                                                           tile_layout, unpad_rows)
 from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel
+from pallas_kernels.grouped_matmul.kernel_mgpu import TILE_M, grouped_matmul_mgpu
+
+KERNELS = ("triton", "mosaic")
+KERNEL_ENV = "MTPJAX_MOE_KERNEL"
 
 
 def _gate_up(xp, w_gate, w_up, tile_group, *, block_m, block_n, block_k, num_splits, num_warps,
@@ -87,14 +92,74 @@ def prefill_tiles(gate_up_blocks, I: int):
     return 128, (bn or (128 if I % 128 == 0 else None), bk, splits, warps)
 
 
+def _widest(dim: int, cap: int) -> int:
+    """The widest multiple of 64, <= cap, dividing dim (0 if none)."""
+    return next((b for b in range(cap, 0, -64) if dim % b == 0), 0)
+
+
+def mosaic_fits(x, w_gate) -> bool:
+    """Can the Mosaic-GPU kernels (`kernel_mgpu.py`) take these operands? bf16, and E and I
+    whole 64-column blocks."""
+    G, E, I = w_gate.shape
+    return (x.dtype == jnp.bfloat16 and w_gate.dtype == jnp.bfloat16 and E % 64 == 0
+            and I % 64 == 0)
+
+
+MOSAIC_ROWS_PER_EXPERT = 256
+
+
+def default_kernel(x, w_gate, interpret: bool) -> str:
+    """"mosaic" from a mean of 256 rows per expert on a Hopper GPU where its shapes fit
+    (`mosaic_fits`), else "triton" (decode sizes, other GPUs, interpreted runs). H100, round
+    3 session 13 (`bench moe`, whole layer, same run): 4096 V2-Lite tokens (384 rows per
+    expert) 1150 us against Triton's 1260, the V3 slice's 4096 (256 rows) 7865 against 7828;
+    at 1024 tokens (96 / 64 rows) 641 against 619 and 4386 against 4379. The environment
+    variable MTPJAX_MOE_KERNEL (triton / mosaic) overrides it at prefill sizes
+    (`is_prefill`)."""
+    if not is_prefill(x.shape[0], w_gate.shape[0]):
+        return "triton"
+    forced = os.environ.get(KERNEL_ENV)
+    if forced is not None:
+        if forced not in KERNELS:
+            raise ValueError(f"{KERNEL_ENV} must be one of {KERNELS}, got {forced!r}")
+        return forced
+    if (interpret or not mosaic_fits(x, w_gate)
+            or x.shape[0] // w_gate.shape[0] < MOSAIC_ROWS_PER_EXPERT):
+        return "triton"
+    device = jax.devices()[0]
+    hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")
+                                              ).startswith("9")
+    return "mosaic" if hopper else "triton"
+
+
+def _mosaic_swiglu(x, w_gate, w_up, w_down, sizes, *, activation, gate_up_blocks,
+                   down_blocks, num_stages, interpret):
+    """grouped_swiglu on the Mosaic-GPU kernels: 128-row tiles, gate/up columns in blocks of
+    gate_up_blocks[0] (default 128), down columns in blocks of down_blocks[0] (default 256),
+    num_stages ring slots (default 4); the other block entries do not apply."""
+    G, E, I = check_ffn_weights(w_gate, w_up, w_down)
+    if not mosaic_fits(x, w_gate):
+        raise ValueError(f"kernel='mosaic' takes bfloat16 x and weights with E and I multiples "
+                         f"of 64, got {x.dtype} / {w_gate.dtype}, E={E}, I={I}")
+    bn = (gate_up_blocks or (None,))[0] or _widest(I, 128)
+    dbn = (down_blocks or (None,))[0] or _widest(E, 256)
+    dest, tile_group, Mp = tile_layout(sizes, x.shape[0], TILE_M)
+    xp = pad_rows(x, dest, Mp)
+    hp = grouped_matmul_mgpu(xp, (w_gate, w_up), tile_group, activation=activation,
+                             block_n=bn, num_stages=num_stages or 4, interpret=interpret)
+    yp = grouped_matmul_mgpu(hp, (w_down,), tile_group, block_n=dbn,
+                             num_stages=num_stages or 4, interpret=interpret)
+    return unpad_rows(yp, dest, x.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("activation", "block_m", "gate_up_blocks",
                                              "down_blocks", "num_stages", "columns_fastest",
-                                             "interpret"))
+                                             "kernel", "interpret"))
 def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                    sizes: jax.Array, *, activation=jax.nn.silu, block_m: int | None = None,
                    gate_up_blocks: tuple | None = None, down_blocks: tuple | None = None,
                    num_stages: int | None = None, columns_fastest: bool = True,
-                   interpret: bool = False) -> jax.Array:
+                   kernel: str | None = None, interpret: bool = False) -> jax.Array:
     """x [M, E] rows sorted by expert, w_gate / w_up [G, E, I], w_down [G, I, E], sizes
     int32[G] (sum <= M) -> [M, E] in x's dtype; rows past sum(sizes) come out zero.
     gate_up_blocks / down_blocks: (block_n, block_k, num_splits, num_warps), any entry None
@@ -102,9 +167,20 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     3, or 4 for 64-row tiles (1872 vs 1964 us at 4096 V2-Lite tokens, H100). columns_fastest:
     both kernels' grids run column blocks fastest (kernel.tile_and_column): the programs that
     run side by side share a row tile, read from DRAM once (at 4096 V2-Lite tokens, H200:
-    1588 -> 1516 us alone, and what makes 128-row tiles pay). ValueError for shapes, dtypes or
+    1588 -> 1516 us alone, and what makes 128-row tiles pay). kernel: "triton" (`kernel.py`),
+    "mosaic" (`kernel_mgpu.py`, Hopper warpgroups, bf16: `_mosaic_swiglu`) or None
+    (`default_kernel`: "mosaic" at prefill sizes on Hopper). ValueError for shapes, dtypes or
     blocks the kernels cannot take."""
     M = x.shape[0]
+    kernel = kernel or default_kernel(x, w_gate, interpret)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
+    if kernel == "mosaic":
+        if block_m not in (None, TILE_M):
+            raise ValueError(f"kernel='mosaic' runs {TILE_M}-row tiles, got block_m={block_m}")
+        return _mosaic_swiglu(x, w_gate, w_up, w_down, sizes, activation=activation,
+                              gate_up_blocks=gate_up_blocks, down_blocks=down_blocks,
+                              num_stages=num_stages, interpret=interpret)
     if block_m is None and is_prefill(M, w_gate.shape[0]):
         block_m, gate_up_blocks = prefill_tiles(gate_up_blocks, w_gate.shape[2])
     block_m, (bn, bk, splits, warps), (dbn, dbk, dsplits, dwarps) = resolve_ffn_blocks(

@@ -1,0 +1,198 @@
+"""The grouped matmul as a Pallas Mosaic-GPU (Hopper warpgroup) kernel, bf16, for prefill sizes.
+
+Why a second kernel: the Triton one (`kernel.py`) ran 4096 DeepSeek-V2-Lite tokens' experts at
+46% of the bf16 matmul rate (H100, docs/benchmarks.md, round 3 session 11): its 128 x 128
+gate/up tile holds two float32 accumulators that spill. Here a CTA runs three warpgroups on one
+(128-row tile, column block), the shape of JAX's Hopper matmul example
+(jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py), with the group chosen per tile:
+
+    wg 0, 1  compute: rows [64 wg, 64 wg + 64) of the tile; per K block one wgmma per weight
+             from shared memory into float32 accumulators held by wgmma ([64, block_n] each),
+             the next block's wgmma issued before the previous one is waited for; then the
+             epilogue (activation(gate) * up with two weights, else the one product), staged
+             in shared memory and TMA-stored.
+    wg 2     memory: TMA-copies x [128, block_k] and each weight's [block_k, block_n] block of
+             the tile's expert into a ring of `num_stages` slots, reusing a slot when both
+             compute warpgroups have released it.
+
+Layouts:
+    xp          [Mp, K] bf16     rows laid out tile by tile (`tile_layout`, block_m = 128)
+    weights     [G, K, N] bf16   one or two (gate, up), read in place
+    tile_group  [n_tiles] int32  each tile's group, -1: an empty tile (nothing read or written)
+    out         [Mp, N] bf16     rows of empty tiles are left unwritten (callers never read them)
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+TILE_M = 128            # rows per CTA: two compute warpgroups of wgmma's M = 64
+WG_ROWS = 64
+SMEM_LIMIT = 227 * 1024
+
+
+def smem_bytes(n_weights: int, block_n: int, block_k: int, num_stages: int) -> int:
+    """Shared memory of one CTA: the ring (the output stage reuses it) and its barriers."""
+    ring = num_stages * 2 * block_k * (TILE_M + n_weights * block_n)
+    return max(ring, 2 * TILE_M * block_n) + 1024
+
+
+def _kernel(tile_group_ref, x_ref, *refs, n_weights, block_n, block_k, num_stages,
+            activation):
+    w_refs, out_ref, scoped = refs[:n_weights], refs[n_weights], refs[n_weights + 1]
+    (x_smem, w_smem), out_smem = scoped[0]
+    loaded, consumed, done = scoped[1]
+    col = lax.axis_index("col")
+    tile = lax.axis_index("tile")
+    wg = lax.axis_index("wg")
+    group = tile_group_ref[tile]
+    steps = jnp.where(group >= 0, x_ref.shape[1] // block_k, 0)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        rows = pl.ds(wg * WG_ROWS, WG_ROWS)
+
+        def with_accumulators(*accs):
+            def step(i, _):
+                slot = lax.rem(i, jnp.int32(num_stages))
+                plgpu.barrier_wait(loaded.at[slot])
+                for acc, w in zip(accs, range(n_weights)):
+                    plgpu.wgmma(acc, x_smem.at[slot, rows], w_smem.at[slot, w])
+                # Step i's products run while step i - 1's are waited for: then its slot
+                # is free for the memory warpgroup.
+                plgpu.wgmma_wait(n_weights)
+
+                @pl.when(i > 0)
+                def _():
+                    plgpu.barrier_arrive(consumed.at[lax.rem(i - 1, jnp.int32(num_stages))])
+
+            lax.fori_loop(0, steps, step, None)
+            plgpu.wgmma_wait(0)
+
+            @pl.when(steps > 0)
+            def _():
+                plgpu.barrier_arrive(consumed.at[lax.rem(steps - 1, jnp.int32(num_stages))])
+
+            @pl.when(group >= 0)
+            def _store():
+                sums = [acc[...] for acc in accs]
+                out = activation(sums[0]) * sums[1] if n_weights == 2 else sums[0]
+                # Both warpgroups are past their last read of the ring, which out_smem reuses.
+                plgpu.barrier_arrive(done)
+                plgpu.barrier_wait(done)
+                stage = out_smem.at[wg]
+                stage[...] = out.astype(stage.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    stage, out_ref.at[pl.ds(tile * TILE_M + wg * WG_ROWS, WG_ROWS),
+                                      pl.ds(col * block_n, block_n)])
+                plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(with_accumulators,
+                      *[plgpu.ACC((WG_ROWS, block_n), jnp.float32)] * n_weights)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        g = jnp.maximum(group, 0)
+
+        @pl.loop(0, steps)
+        def _(i):
+            slot = lax.rem(i, jnp.int32(num_stages))
+
+            @pl.when(i >= num_stages)
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+            k = pl.ds(i * block_k, block_k)
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tile * TILE_M, TILE_M), k],
+                                    x_smem.at[slot], loaded.at[slot])
+            for w, w_ref in enumerate(w_refs):
+                plgpu.copy_gmem_to_smem(w_ref.at[g, k, pl.ds(col * block_n, block_n)],
+                                        w_smem.at[slot, w], loaded.at[slot])
+
+        # Observe the last releases too (JAX's GPU interpreter checks that every phase of a
+        # barrier was seen).
+        @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
+        def _(i):
+            plgpu.barrier_wait(consumed.at[lax.rem(i, jnp.int32(num_stages))])
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+
+
+def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
+                        activation=None, block_n: int = 128, block_k: int = 64,
+                        num_stages: int = 4, interpret: bool = False) -> jax.Array:
+    """xp [Mp, K] (Mp a multiple of 128) times each tile's expert of one weight [G, K, N]
+    -> [Mp, N], or of two (gate, up) -> activation(xp @ gate) * (xp @ up), float32 math, in
+    xp's dtype. See the module docstring for the layouts; ValueError for what the kernel
+    cannot take."""
+    n_weights = len(weights)
+    Mp, K = xp.shape
+    if n_weights not in (1, 2) or any(w.ndim != 3 or w.shape != weights[0].shape
+                                      for w in weights):
+        raise ValueError(f"weights must be one or two [G, K, N] arrays of one shape, got "
+                         f"{[tuple(w.shape) for w in weights]}")
+    G, K2, N = weights[0].shape
+    if K2 != K:
+        raise ValueError(f"the weights' K ({K2}) must equal xp's ({K})")
+    if xp.dtype != jnp.bfloat16 or any(w.dtype != jnp.bfloat16 for w in weights):
+        raise ValueError(f"the Mosaic-GPU grouped matmul takes bfloat16, got {xp.dtype} and "
+                         f"{[str(w.dtype) for w in weights]}")
+    if n_weights == 2 and activation is None:
+        raise ValueError("two weights (gate, up) need an activation")
+    if Mp % TILE_M or tile_group.shape != (Mp // TILE_M,):
+        raise ValueError(f"xp's rows ({Mp}) must be whole {TILE_M}-row tiles, one tile_group "
+                         f"entry each, got tile_group {tuple(tile_group.shape)}")
+    if block_k != 64 or K % block_k or block_n % 64 or N % block_n or block_n > 256:
+        raise ValueError(f"block_k must be 64 (a 128-byte swizzled row) dividing K={K}, and "
+                         f"block_n a multiple of 64, <= 256, dividing N={N}; got block_k="
+                         f"{block_k}, block_n={block_n}")
+    if num_stages < 2 or smem_bytes(n_weights, block_n, block_k, num_stages) > SMEM_LIMIT:
+        raise ValueError(f"num_stages={num_stages} with block_n={block_n} needs "
+                         f"{smem_bytes(n_weights, block_n, block_k, num_stages)} B of shared "
+                         f"memory; it takes >= 2 stages within {SMEM_LIMIT} B")
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    ring = (plgpu.SMEM((num_stages, TILE_M, block_k), jnp.bfloat16, transforms=swizzled),
+            plgpu.SMEM((num_stages, n_weights, block_k, block_n), jnp.bfloat16,
+                       transforms=swizzled))
+    output = plgpu.SMEM((2, WG_ROWS, block_n), jnp.bfloat16, transforms=swizzled)
+    # The ring, then (after the loop) the output stage, in the same shared memory. The
+    # interpreter has no RefUnion (nor a shared-memory limit): separate buffers there.
+    ring_then_output = (ring, output) if interpret else plgpu.RefUnion(ring, output)
+    kernel = functools.partial(_kernel, n_weights=n_weights, block_n=block_n, block_k=block_k,
+                               num_stages=num_stages, activation=activation)
+
+    def entry(tile_group_ref, x_ref, *refs):
+        pl.run_scoped(
+            lambda *scoped: kernel(tile_group_ref, x_ref, *refs, scoped),
+            ring_then_output,
+            (plgpu.Barrier(num_arrivals=1 + n_weights, num_barriers=num_stages),
+             plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+             plgpu.Barrier(num_arrivals=2)),
+            collective_axes="wg")
+
+    # Mosaic-GPU calls take only 256-byte aligned buffers: a padded copy of the (small,
+    # often sliced) tile groups is a buffer of its own.
+    groups = jnp.pad(tile_group.astype(jnp.int32), (0, 64))
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((Mp, N), xp.dtype),
+        # Column blocks fastest: the CTAs that run side by side share a row tile (read from
+        # DRAM once). Mosaic GPU runs the grid's *last* axis fastest: with (cols, tiles) the
+        # gate/up kernel at 4096 V2-Lite tokens read 2.02 GB from DRAM (each row tile once
+        # per column block) against the Triton kernel's 0.99 GB (H100, Nsight Compute).
+        grid=(Mp // TILE_M, N // block_n), grid_names=("tile", "col"),
+        num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params() if interpret else None,
+    )(groups, xp, *weights)

@@ -1,0 +1,107 @@
+"""The Mosaic-GPU grouped matmul (pallas_kernels/grouped_matmul/kernel_mgpu.py) behind
+grouped_swiglu(kernel="mosaic"): == three float32 ragged_dots on bf16 inputs, interpreted on
+CPU (MTPJAX_KERNELS_ON_DEVICE=1 runs the compiled kernel on a GPU); the default choice; its
+ValueErrors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.grouped_matmul import grouped_swiglu
+from pallas_kernels.grouped_matmul import routed_ffn
+from pallas_kernels.grouped_matmul.kernel_mgpu import grouped_matmul_mgpu
+from tests.kernel_oracle import interpret_mode
+from tests.test_kernels_grouped_matmul import swiglu_case, swiglu_reference
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("M,E,I,G,empty,gu,down,stages", [
+    # 3 tiles of live rows over 3 groups (one empty), 2 gate/up column blocks, K = 192 in
+    # 3 steps through a 2-slot ring (slots reused), the down projection 192 columns wide
+    (300, 192, 128, 4, 1, (64, None, None, None), None, 2),
+    # the defaults (128 gate/up columns, 4 stages); rows past the groups (sum < M)
+    (200, 128, 128, 2, 0, None, None, None),
+])
+def test_mosaic_swiglu_equals_three_ragged_dots(seed, M, E, I, G, empty, gu, down, stages):
+    x, wg, wu, wd, sizes = swiglu_case(seed, M, E, I, G, jnp.bfloat16, 0.9, empty)
+    got = grouped_swiglu(x, wg, wu, wd, sizes, gate_up_blocks=gu, down_blocks=down,
+                         num_stages=stages, kernel="mosaic", interpret=interpret_mode())
+    want = np.asarray(swiglu_reference(x, wg, wu, wd, sizes))
+    assert got.shape == (M, E) and got.dtype == jnp.bfloat16
+    got = np.asarray(got, np.float32)
+    # bf16 hidden rows between the two kernels: errors of bf16 rounding, relative to the
+    # output's scale
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), rtol=2e-2)
+    total = int(np.asarray(sizes).sum())
+    assert np.all(got[total:] == 0)
+    assert np.isfinite(got).all()
+
+
+def test_mosaic_kernel_reads_each_tiles_own_expert():
+    """Tiles name their expert in any order, empty tiles (-1) in between: each live tile is
+    its rows times its expert's weights (one weight, no activation)."""
+    ks = jax.random.split(jax.random.key(3), 2)
+    xp = jax.random.normal(ks[0], (4 * 128, 64), jnp.float32).astype(jnp.bfloat16)
+    w = (0.1 * jax.random.normal(ks[1], (3, 64, 128), jnp.float32)).astype(jnp.bfloat16)
+    groups = [2, -1, 0, 2]
+    out = np.asarray(grouped_matmul_mgpu(xp, (w,), jnp.asarray(groups, jnp.int32), block_n=64,
+                                         num_stages=2, interpret=interpret_mode()), np.float32)
+    f = lambda a: np.asarray(a, np.float32)                                   # noqa: E731
+    for t, g in enumerate(groups):
+        if g >= 0:
+            rows = slice(t * 128, (t + 1) * 128)
+            np.testing.assert_allclose(out[rows], f(xp[rows]) @ f(w[g]), rtol=2e-2, atol=2e-2)
+
+
+def test_default_kernel_is_mosaic_only_at_large_prefill_sizes_on_hopper(monkeypatch):
+    x = jax.ShapeDtypeStruct((256 * 8, 128), jnp.bfloat16)         # 256 rows per expert
+    w = jax.ShapeDtypeStruct((8, 128, 256), jnp.bfloat16)
+    small = jax.ShapeDtypeStruct((63 * 8, 128), jnp.bfloat16)      # decode sizes
+    prefill = jax.ShapeDtypeStruct((255 * 8, 128), jnp.bfloat16)   # prefill, below 256
+
+    class Hopper:
+        platform, compute_capability = "gpu", "9.0"
+
+    monkeypatch.delenv(routed_ffn.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(jax, "devices", lambda: [Hopper()])
+    assert routed_ffn.default_kernel(x, w, interpret=False) == "mosaic"
+    assert routed_ffn.default_kernel(small, w, interpret=False) == "triton"
+    assert routed_ffn.default_kernel(prefill, w, interpret=False) == "triton"
+    assert routed_ffn.default_kernel(x, w, interpret=True) == "triton"
+    f32 = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    assert routed_ffn.default_kernel(f32, w, interpret=False) == "triton"
+    assert routed_ffn.default_kernel(x, jax.ShapeDtypeStruct((8, 128, 96), jnp.bfloat16),
+                                     interpret=False) == "triton"          # I % 64 != 0
+    Hopper.compute_capability = "8.0"
+    assert routed_ffn.default_kernel(x, w, interpret=False) == "triton"
+    monkeypatch.setenv(routed_ffn.KERNEL_ENV, "mosaic")
+    assert routed_ffn.default_kernel(x, w, interpret=True) == "mosaic"
+    assert routed_ffn.default_kernel(small, w, interpret=True) == "triton"  # decode sizes
+    assert routed_ffn.default_kernel(prefill, w, interpret=True) == "mosaic"
+    monkeypatch.setenv(routed_ffn.KERNEL_ENV, "cuda")
+    with pytest.raises(ValueError, match="MTPJAX_MOE_KERNEL must be one of .* got 'cuda'"):
+        routed_ffn.default_kernel(x, w, interpret=False)
+
+
+def test_mosaic_bad_inputs_name_the_value():
+    x, wg, wu, wd, sizes = swiglu_case(0, 256, 64, 64, 2, jnp.bfloat16)
+    with pytest.raises(ValueError, match="kernel must be one of .* got 'cuda'"):
+        grouped_swiglu(x, wg, wu, wd, sizes, kernel="cuda", interpret=True)
+    with pytest.raises(ValueError, match="kernel='mosaic' takes bfloat16 .* float32"):
+        f = lambda a: a.astype(jnp.float32)                                  # noqa: E731
+        grouped_swiglu(f(x), f(wg), f(wu), f(wd), sizes, kernel="mosaic", interpret=True)
+    with pytest.raises(ValueError, match="kernel='mosaic' runs 128-row tiles, got block_m=64"):
+        grouped_swiglu(x, wg, wu, wd, sizes, block_m=64, kernel="mosaic", interpret=True)
+    groups = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="block_n a multiple of 64, <= 256, dividing N=64; "
+                                         "got block_k=64, block_n=128"):
+        grouped_matmul_mgpu(x, (wg,), groups, block_n=128, interpret=True)
+    with pytest.raises(ValueError, match="num_stages=8 with block_n=256 needs .* B of shared"):
+        grouped_matmul_mgpu(jnp.zeros((256, 512), jnp.bfloat16),
+                            (jnp.zeros((2, 512, 256), jnp.bfloat16),) * 2, groups,
+                            activation=jax.nn.silu, block_n=256, num_stages=8, interpret=True)
+    with pytest.raises(ValueError, match="two weights \\(gate, up\\) need an activation"):
+        grouped_matmul_mgpu(x, (wg, wu), groups, block_n=64, interpret=True)
+    with pytest.raises(ValueError, match="whole 128-row tiles, one tile_group entry each, "
+                                         "got tile_group \\(3,\\)"):
+        grouped_matmul_mgpu(x, (wg,), jnp.zeros((3,), jnp.int32), block_n=64, interpret=True)
