@@ -31,6 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._hopper import interpret_params
+
 TILE_M = 128            # rows per CTA: two compute warpgroups of wgmma's M = 64
 WG_ROWS = 64
 SMEM_LIMIT = 227 * 1024
@@ -124,11 +126,6 @@ def _kernel(tile_group_ref, x_ref, *refs, n_weights, block_n, block_k, num_stage
             plgpu.barrier_wait(consumed.at[lax.rem(i, jnp.int32(num_stages))])
 
 
-def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams()
-
-
 def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
                         activation=None, block_n: int = 128, block_k: int = 64,
                         num_stages: int = 4, interpret: bool = False) -> jax.Array:
@@ -194,5 +191,5 @@ def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
         grid=(Mp // TILE_M, N // block_n), grid_names=("tile", "col"),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params() if interpret else None,
+        interpret=interpret_params() if interpret else None,
     )(groups, xp, *weights)

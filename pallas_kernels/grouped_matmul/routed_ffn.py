@@ -22,6 +22,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._hopper import on_hopper
 from pallas_kernels.grouped_matmul.grouped_matmul import (check_ffn_weights, check_operands,
                                                           check_splits,
                                                           grouped_pallas_call, pad_rows,
@@ -126,10 +127,7 @@ def default_kernel(x, w_gate, interpret: bool) -> str:
     if (interpret or not mosaic_fits(x, w_gate)
             or x.shape[0] // w_gate.shape[0] < MOSAIC_ROWS_PER_EXPERT):
         return "triton"
-    device = jax.devices()[0]
-    hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")
-                                              ).startswith("9")
-    return "mosaic" if hopper else "triton"
+    return "mosaic" if on_hopper() else "triton"
 
 
 def _mosaic_swiglu(x, w_gate, w_up, w_down, sizes, *, activation, gate_up_blocks,

@@ -44,6 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._hopper import interpret_params
+
 LOG2E = math.log2(math.e)
 TILE_ROWS = 64          # one wgmma M; queries of a tile
 MASKED = -1e30          # finite: a row with no visible key in a split gets weight 0, not NaN
@@ -296,12 +298,6 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             plgpu.barrier_wait(consumed_bars.at[lax.rem(i, jnp.int32(num_stages))])
 
 
-def _interpret_params():
-    # JAX's GPU interpreter (CPU tests); private module path, stable across 0.10-0.11.
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams()
-
-
 def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok, *, rank,
                    block_h, sm_scale, block_kv=64, num_splits=1, num_stages=2,
                    share_logits=True, zero_masked=False, interpret=False):
@@ -371,5 +367,5 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
         # The row max/sum reductions stay inside a warp (WGMMA layout): no cross-warp
         # scratch, whose default 2 KiB the shared-logits buffers need.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=_interpret_params() if interpret else None,
+        interpret=interpret_params() if interpret else None,
     )(tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent)

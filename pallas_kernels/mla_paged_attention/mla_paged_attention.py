@@ -22,9 +22,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _checks
+from pallas_kernels._hopper import on_hopper
 from pallas_kernels.paged_reference import paged_attention_tokens, ragged_token_rows
 from pallas_kernels.mla_paged_attention.kernel import mla_core
 from pallas_kernels.mla_paged_attention.mosaic_tiles import mla_mosaic
+from pallas_kernels.mla_paged_attention.work_items import item_ends, max_items
 
 _TUNING_KEYS = ("block_q", "block_h", "block_k", "num_splits", "num_warps", "num_stages",
                 "value_split", "qk_chunk", "keys_first", "kernel", "share_logits", "compact")
@@ -76,6 +78,25 @@ def _decode_sized(block_q: int, block_h: int) -> bool:
     return block_q * block_h <= 16
 
 
+def _tile(num_heads, block_q):
+    """(block_q rounded up to a power of 2, block_h: the largest power of 2 dividing H that
+    keeps block_q * block_h <= 64 rows)."""
+    block_q = 1 << (max(1, block_q) - 1).bit_length()
+    h_div = num_heads & -num_heads                        # largest power of 2 dividing H
+    return block_q, max(1, min(h_div, MAX_ROWS // block_q))
+
+
+def _splits(num_tokens, num_heads, num_seqs, max_pages, page_size, block_h, block_k, waves):
+    """KV splits (a power of 2) for ~`waves` waves of CTAs over the SMs, each split >= 4 KV
+    blocks long."""
+    items = min(num_seqs, num_tokens) * (num_heads // block_h)
+    splits = 1
+    while (items * splits * 2 <= waves * _NUM_SMS
+           and splits * 2 * block_k * 4 <= max_pages * page_size):
+        splits *= 2
+    return splits
+
+
 def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q=1):
     """Tile, block and split sizes (H100 sweeps at B=64, ctx 4096, 576/512, docs/kernels.md).
 
@@ -92,17 +113,11 @@ def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_
     decode, whose 16-row tile then loads its block from two pages, read 405 us keys first
     against 175 query first in one run (docs/benchmarks.md).
     """
-    block_q = 1 << (max(1, block_q) - 1).bit_length()
-    h_div = num_heads & -num_heads                        # largest power of 2 dividing H
-    block_h = max(1, min(h_div, MAX_ROWS // block_q))
+    block_q, block_h = _tile(num_heads, block_q)
     small = _decode_sized(block_q, block_h)
     block_k = 32
-    waves = 2 if small else 1
-    items = min(num_seqs, num_tokens) * (num_heads // block_h)
-    splits = 1
-    while (items * splits * 2 <= waves * _NUM_SMS
-           and splits * 2 * block_k * 4 <= max_pages * page_size):
-        splits *= 2
+    splits = _splits(num_tokens, num_heads, num_seqs, max_pages, page_size, block_h, block_k,
+                     waves=2 if small else 1)
     return dict(block_q=block_q, block_h=block_h, block_k=block_k, num_splits=splits,
                 num_warps=4 if small else 8, num_stages=1 if small else 2, value_split=1,
                 qk_chunk=None, keys_first=None)
@@ -218,10 +233,7 @@ def default_kernel(q, latent, rank, interpret) -> str:
     if interpret or q.dtype != jnp.bfloat16 or rank % 128 or q.shape[2] % 64 or (
             latent.shape[1] < 8):
         return "triton"
-    device = jax.devices()[0]
-    hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")
-                                              ).startswith("9")
-    return "mosaic" if hopper else "triton"
+    return "mosaic" if on_hopper() else "triton"
 
 
 def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q=1):
@@ -232,13 +244,9 @@ def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q
     off otherwise. Round 3 session 13 (H100, B=64, ctx 4096, page 64), compact against 64-row
     tiles: H=16 decode 132 -> 122 us, H=16 verify q4 153 -> 133, H=128 decode 156 -> 149;
     H=128 verify q4 627 -> 639 (its tiles are full either way)."""
-    block_q = 1 << (max(1, block_q) - 1).bit_length()
-    h_div = num_heads & -num_heads
-    block_h = max(1, min(h_div, MAX_ROWS // block_q))
-    items = min(num_seqs, num_tokens) * (num_heads // block_h)
-    splits = 1
-    while items * splits * 2 <= _NUM_SMS and splits * 2 * 64 * 4 <= max_pages * page_size:
-        splits *= 2
+    block_q, block_h = _tile(num_heads, block_q)
+    splits = _splits(num_tokens, num_heads, num_seqs, max_pages, page_size, block_h,
+                     block_k=64, waves=1)
     return dict(block_q=block_q, block_h=block_h, block_k=64, num_splits=splits,
                 num_stages=2, share_logits=True, compact=None)
 
@@ -307,16 +315,10 @@ _mla_mosaic = jax.jit(mla_mosaic, static_argnames=(
 def _mla(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, sm_scale, interpret,
          tuning):
     tuning = dict(tuning)
-    t = q.shape[0]
-    s = block_tables.shape[0]
     bq = tuning["block_q"]
-    live = jnp.arange(s, dtype=jnp.int32) < num_seqs
-    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    item_ends = jnp.cumsum((q_lens + bq - 1) // bq).astype(jnp.int32)
-    # Static bound on the items: each has >= 1 token, and sum(ceil(len / bq)) <=
-    # (T + S * (bq - 1)) / bq.
-    num_items = max(1, min(t, (t + s * (bq - 1)) // bq))
-    return mla_core(q, latent, block_tables, kv_lens, q_lens, cu_q_lens, item_ends, num_items,
+    q_lens, ends = item_ends(cu_q_lens, num_seqs, bq)
+    num_items = max_items(q.shape[0], block_tables.shape[0], bq)
+    return mla_core(q, latent, block_tables, kv_lens, q_lens, cu_q_lens, ends, num_items,
                     rank=rank, block_q=bq, block_h=tuning["block_h"],
                     block_k=tuning["block_k"], num_splits=tuning["num_splits"],
                     sm_scale=sm_scale, num_warps=tuning["num_warps"],

@@ -14,6 +14,7 @@ import functools
 import jax.numpy as jnp
 
 from pallas_kernels.mla_paged_attention.kernel_mgpu import TILE_ROWS, mla_tiles_mgpu
+from pallas_kernels.mla_paged_attention.work_items import item_ends, max_items
 from pallas_kernels.paged_reference import ragged_token_rows
 
 
@@ -22,15 +23,13 @@ def _items(cu_q_lens, kv_lens, num_seqs, block_q, num_items):
     each; items past the live ones have 0 tokens. Also item_starts [S] (first item of each
     sequence)."""
     s = kv_lens.shape[0]
-    live = jnp.arange(s, dtype=jnp.int32) < num_seqs
-    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    item_ends = jnp.cumsum((q_lens + block_q - 1) // block_q).astype(jnp.int32)
-    item_starts = item_ends - (q_lens + block_q - 1) // block_q
+    q_lens, ends = item_ends(cu_q_lens, num_seqs, block_q)
+    item_starts = ends - (q_lens + block_q - 1) // block_q
     w = jnp.arange(num_items, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(item_ends, w, side="right", method="compare_all"),
+    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right", method="compare_all"),
                       s - 1).astype(jnp.int32)
     j0 = (w - item_starts[seq]) * block_q
-    ntok = jnp.where(w < item_ends[-1], jnp.clip(q_lens[seq] - j0, 0, block_q), 0)
+    ntok = jnp.where(w < ends[-1], jnp.clip(q_lens[seq] - j0, 0, block_q), 0)
     pos0 = kv_lens[seq] - q_lens[seq] + j0
     return seq, cu_q_lens[seq] + j0, ntok.astype(jnp.int32), pos0.astype(jnp.int32), item_starts
 
@@ -68,7 +67,7 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
         merged = _merge_splits(out, lse).reshape(s, groups, block_q, block_h, rank)
         return merged.transpose(0, 2, 1, 3, 4).reshape(t, h, rank).astype(q.dtype)
 
-    num_items = max(1, min(t, (t + s * (block_q - 1)) // block_q))
+    num_items = max_items(t, s, block_q)
     seq, tok0, ntok, pos0, item_starts = _items(cu_q_lens, kv_lens, num_seqs, block_q,
                                                 num_items)
     # Query rows of every tile: [items, groups, rows] indices into q viewed as [T * H, W].
