@@ -105,3 +105,39 @@ def test_mosaic_bad_inputs_name_the_value():
     with pytest.raises(ValueError, match="whole 128-row tiles, one tile_group entry each, "
                                          "got tile_group \\(3,\\)"):
         grouped_matmul_mgpu(x, (wg,), jnp.zeros((3,), jnp.int32), block_n=64, interpret=True)
+
+
+def test_the_moe_layer_runs_the_mosaic_kernels_at_prefill_sizes(monkeypatch):
+    """The model's MoE layer with the Mosaic kernels (what a Hopper GPU takes from 256 rows per
+    expert; forced here, interpreted) == the dense every-expert formula on bf16 weights, at
+    128 tokens over 4 experts (64 rows each); a spy checks both kernel calls ran."""
+    from mtpjax.model.grouped_matmul import forced_path
+    from mtpjax.model.kinds import ffn_kind
+    from mtpjax.model.moe import route
+    from tests.kernel_oracle import rel_err
+    from tests.test_deepseek import _ds_params, ds_config
+
+    monkeypatch.setenv(routed_ffn.KERNEL_ENV, "mosaic")
+    calls = []
+    kernel = routed_ffn.grouped_matmul_mgpu
+    monkeypatch.setattr(routed_ffn, "grouped_matmul_mgpu",
+                        lambda xp, w, *a, **k: calls.append(len(w)) or kernel(xp, w, *a, **k))
+    cfg = ds_config(hidden_size=64, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                    topk_group=1, moe_intermediate_size=64)
+    p = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), _ds_params(cfg, 0)["layers"][1])
+    N = 128
+    x = jax.random.normal(jax.random.PRNGKey(1), (N, cfg.hidden_size)).astype(jnp.bfloat16)
+    with forced_path("pallas"):
+        got = ffn_kind("moe")(p, x, cfg, jnp.ones(N, bool))
+    assert calls == [2, 1]                 # gate/up, then down
+    f = {k: v.astype(jnp.float32) for k, v in p.items()}
+    xf = x.astype(jnp.float32)
+    ids, w = route(p, x, cfg)
+    act = jax.nn.silu(jnp.einsum("ne,xei->nxi", xf, f["w_gate"])) * jnp.einsum(
+        "ne,xei->nxi", xf, f["w_up"])
+    each = jnp.einsum("nxi,xie->nxe", act, f["w_down"])                    # [N, X, E]
+    gate = jnp.zeros((N, cfg.n_routed_experts)).at[jnp.arange(N)[:, None], ids].add(w)
+    shared = (jax.nn.silu(xf @ f["shared_gate"]) * (xf @ f["shared_up"])) @ f["shared_down"]
+    want = jnp.einsum("nx,nxe->ne", gate, each) + shared
+    assert got.dtype == jnp.bfloat16
+    assert rel_err(got, want) < 2e-2
