@@ -15,17 +15,21 @@ from tests.test_kernels_grouped_matmul import swiglu_case, swiglu_reference
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("M,E,I,G,empty,gu,down,stages", [
+@pytest.mark.parametrize("M,E,I,G,empty,gu,down,stages,persistent", [
     # 3 tiles of live rows over 3 groups (one empty), 2 gate/up column blocks, K = 192 in
     # 3 steps through a 2-slot ring (slots reused), the down projection 192 columns wide
-    (300, 192, 128, 4, 1, (64, None, None, None), None, 2),
+    (300, 192, 128, 4, 1, (64, None, None, None), None, 2, False),
     # the defaults (128 gate/up columns, 4 stages); rows past the groups (sum < M)
-    (200, 128, 128, 2, 0, None, None, None),
+    (200, 128, 128, 2, 0, None, None, None, False),
+    # a persistent grid of 4 CTAs over 7 tiles x 2 gate/up columns (and 7 x 1 down)
+    (300, 128, 128, 4, 1, (64, None, None, None), None, 2, 4),
 ])
-def test_mosaic_swiglu_equals_three_ragged_dots(seed, M, E, I, G, empty, gu, down, stages):
+def test_mosaic_swiglu_equals_three_ragged_dots(seed, M, E, I, G, empty, gu, down, stages,
+                                                persistent):
     x, wg, wu, wd, sizes = swiglu_case(seed, M, E, I, G, jnp.bfloat16, 0.9, empty)
     got = grouped_swiglu(x, wg, wu, wd, sizes, gate_up_blocks=gu, down_blocks=down,
-                         num_stages=stages, kernel="mosaic", interpret=interpret_mode())
+                         num_stages=stages, kernel="mosaic", persistent=persistent,
+                         interpret=interpret_mode())
     want = np.asarray(swiglu_reference(x, wg, wu, wd, sizes))
     assert got.shape == (M, E) and got.dtype == jnp.bfloat16
     got = np.asarray(got, np.float32)
@@ -37,15 +41,19 @@ def test_mosaic_swiglu_equals_three_ragged_dots(seed, M, E, I, G, empty, gu, dow
     assert np.isfinite(got).all()
 
 
-def test_mosaic_kernel_reads_each_tiles_own_expert():
+@pytest.mark.parametrize("num_ctas", [None, 3])
+def test_mosaic_kernel_reads_each_tiles_own_expert(num_ctas):
     """Tiles name their expert in any order, empty tiles (-1) in between: each live tile is
-    its rows times its expert's weights (one weight, no activation)."""
+    its rows times its expert's weights (one weight, no activation). num_ctas 3: a persistent
+    grid, 8 (tile, column) items over 3 CTAs, the 2-slot ring's slots and barrier phases
+    running on across each CTA's items (2 K blocks each, empty items none)."""
     ks = jax.random.split(jax.random.key(3), 2)
-    xp = jax.random.normal(ks[0], (4 * 128, 64), jnp.float32).astype(jnp.bfloat16)
-    w = (0.1 * jax.random.normal(ks[1], (3, 64, 128), jnp.float32)).astype(jnp.bfloat16)
+    xp = jax.random.normal(ks[0], (4 * 128, 128), jnp.float32).astype(jnp.bfloat16)
+    w = (0.1 * jax.random.normal(ks[1], (3, 128, 128), jnp.float32)).astype(jnp.bfloat16)
     groups = [2, -1, 0, 2]
     out = np.asarray(grouped_matmul_mgpu(xp, (w,), jnp.asarray(groups, jnp.int32), block_n=64,
-                                         num_stages=2, interpret=interpret_mode()), np.float32)
+                                         num_stages=2, num_ctas=num_ctas,
+                                         interpret=interpret_mode()), np.float32)
     f = lambda a: np.asarray(a, np.float32)                                   # noqa: E731
     for t, g in enumerate(groups):
         if g >= 0:
@@ -92,10 +100,21 @@ def test_mosaic_bad_inputs_name_the_value():
         grouped_swiglu(f(x), f(wg), f(wu), f(wd), sizes, kernel="mosaic", interpret=True)
     with pytest.raises(ValueError, match="kernel='mosaic' runs 128-row tiles, got block_m=64"):
         grouped_swiglu(x, wg, wu, wd, sizes, block_m=64, kernel="mosaic", interpret=True)
+    with pytest.raises(ValueError, match="persistent is an option of kernel='mosaic'"):
+        grouped_swiglu(x, wg, wu, wd, sizes, kernel="triton", persistent=True, interpret=True)
+    with pytest.raises(ValueError, match="num_ctas must be None or >= 1, got 0"):
+        grouped_matmul_mgpu(x, (wg,), jnp.zeros((2,), jnp.int32), block_n=64, num_ctas=0,
+                            interpret=True)
     groups = jnp.zeros((2,), jnp.int32)
     with pytest.raises(ValueError, match="block_n a multiple of 64, <= 256, dividing N=64; "
                                          "got block_k=64, block_n=128"):
         grouped_matmul_mgpu(x, (wg,), groups, block_n=128, interpret=True)
+    with pytest.raises(ValueError, match="num_stages=4 with block_n=256 needs 394240 B of "
+                                         "shared memory \\(persistent\\)"):
+        grouped_matmul_mgpu(jnp.zeros((256, 512), jnp.bfloat16),
+                            (jnp.zeros((2, 512, 256), jnp.bfloat16),) * 2,
+                            jnp.zeros((2,), jnp.int32), activation=jax.nn.silu, block_n=256,
+                            num_stages=4, num_ctas=132, interpret=True)
     with pytest.raises(ValueError, match="num_stages=8 with block_n=256 needs .* B of shared"):
         grouped_matmul_mgpu(jnp.zeros((256, 512), jnp.bfloat16),
                             (jnp.zeros((2, 512, 256), jnp.bfloat16),) * 2, groups,

@@ -160,14 +160,16 @@ def test_mla_mosaic_uniform_compact_tiles_need_no_gathers(heads, q_len, compact)
     assert "stablehlo.gather" in lowered()
 
 
-@pytest.mark.parametrize("G,E,I,stages", [
-    (64, 2048, 1408, None),     # DeepSeek-V2-Lite experts, 4096 tokens x 6: 11 gate/up blocks
-    (128, 7168, 2048, 3),       # the V3 slice; down columns 256 wide
+@pytest.mark.parametrize("G,E,I,stages,persistent", [
+    (64, 2048, 1408, None, False),  # DeepSeek-V2-Lite experts, 4096 tokens x 6: 11 gate/up blocks
+    (128, 7168, 2048, 3, False),    # the V3 slice; down columns 256 wide
+    (64, 2048, 1408, None, True),   # persistent: the output stage beside the ring
 ])
-def test_moe_mosaic_kernel_lowers_for_cuda_within_shared_memory(G, E, I, stages):
+def test_moe_mosaic_kernel_lowers_for_cuda_within_shared_memory(G, E, I, stages, persistent):
     """grouped_swiglu(kernel="mosaic") at prefill sizes lowers to two Mosaic-GPU calls, no
     Triton: wgmma's layouts and the 227 KiB shared-memory limit are checked while lowering."""
-    fn = functools.partial(grouped_swiglu, kernel="mosaic", num_stages=stages)
+    fn = functools.partial(grouped_swiglu, kernel="mosaic", num_stages=stages,
+                           persistent=persistent)
     text = export.export(jax.jit(fn), platforms=["cuda"])(
         S((4096 * 6, E), bf16), S((G, E, I), bf16), S((G, E, I), bf16), S((G, I, E), bf16),
         S((G,), i32)).mlir_module()

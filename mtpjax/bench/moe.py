@@ -124,14 +124,16 @@ def experts_pallas_ffn_sorted(x, p, ids, w):
 
 
 FFN_TUNING_KEYS = {"bm": "block_m", "bn": 0, "bk": 1, "s": 2, "w": 3, "dbn": 0, "dbk": 1,
-                   "ds": 2, "dw": 3, "st": "num_stages", "cf": "columns_fastest", "mg": "kernel"}
+                   "ds": 2, "dw": 3, "st": "num_stages", "cf": "columns_fastest", "mg": "kernel",
+                   "pe": "persistent"}
 
 
 def parse_ffn_tuning(spec: str) -> dict:
     """"bm=128/bn=64/w=8/st=4" -> grouped_swiglu keyword arguments. Keys: bm (block_m), bn /
     bk / s / w (gate-up block_n, block_k, splits, warps), dbn / dbk / ds / dw (the same for
     down), st (num_stages), cf (columns_fastest: 1 runs column blocks fastest), mg (1: the
-    Mosaic-GPU kernels, 0: the Triton ones; bn, dbn and st apply to both)."""
+    Mosaic-GPU kernels, 0: the Triton ones; bn, dbn and st apply to both), pe (with mg=1:
+    1 for a persistent grid of one CTA per SM, or a CTA count)."""
     kw, gu, down = {}, [None] * 4, [None] * 4
     for item in filter(None, spec.split("/")):
         key, _, val = item.partition("=")
@@ -141,6 +143,8 @@ def parse_ffn_tuning(spec: str) -> dict:
         slot = FFN_TUNING_KEYS[key]
         if slot == "kernel":
             kw[slot] = "mosaic" if int(val) else "triton"
+        elif slot == "persistent":
+            kw[slot] = True if int(val) == 1 else int(val)
         elif isinstance(slot, str):
             kw[slot] = int(val)
         else:

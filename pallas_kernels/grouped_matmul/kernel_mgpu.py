@@ -38,101 +38,138 @@ WG_ROWS = 64
 SMEM_LIMIT = 227 * 1024
 
 
-def smem_bytes(n_weights: int, block_n: int, block_k: int, num_stages: int) -> int:
-    """Shared memory of one CTA: the ring (the output stage reuses it) and its barriers."""
+NUM_SMS = 132           # H100 / H200 SXM
+
+
+def smem_bytes(n_weights: int, block_n: int, block_k: int, num_stages: int,
+               persistent: bool = False) -> int:
+    """Shared memory of one CTA: the ring, the output stage (in the ring's memory unless
+    persistent: there the memory warpgroup runs ahead into the next item's blocks) and the
+    barriers."""
     ring = num_stages * 2 * block_k * (TILE_M + n_weights * block_n)
-    return max(ring, 2 * TILE_M * block_n) + 1024
+    out = 2 * TILE_M * block_n
+    return (ring + out if persistent else max(ring, out)) + 1024
 
 
 def _kernel(tile_group_ref, x_ref, *refs, n_weights, block_n, block_k, num_stages,
-            activation):
+            activation, num_ctas, num_cols, persistent):
+    """Work items (tile, column block) w = cta + j * num_ctas, column blocks fastest. Ring
+    slots and barrier phases run on over the CTA's items: slot = (steps before) % stages."""
     w_refs, out_ref, scoped = refs[:n_weights], refs[n_weights], refs[n_weights + 1]
     (x_smem, w_smem), out_smem = scoped[0]
     loaded, consumed, done = scoped[1]
-    col = lax.axis_index("col")
-    tile = lax.axis_index("tile")
+    cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
-    group = tile_group_ref[tile]
-    steps = jnp.where(group >= 0, x_ref.shape[1] // block_k, 0)
+    items = num_cols * (x_ref.shape[0] // TILE_M)
+    my_items = lax.div(items - cta + (num_ctas - 1), jnp.int32(num_ctas))
+    k_steps = x_ref.shape[1] // block_k
+
+    def item(j):
+        """(tile, column block, steps: 0 for an empty tile) of this CTA's j-th item."""
+        w = cta + j * num_ctas
+        tile, col = lax.div(w, jnp.int32(num_cols)), lax.rem(w, jnp.int32(num_cols))
+        group = tile_group_ref[tile]
+        return tile, col, group, jnp.where(group >= 0, k_steps, 0)
+
+    def slot_of(n):
+        return lax.rem(n, jnp.int32(num_stages))
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         rows = pl.ds(wg * WG_ROWS, WG_ROWS)
 
-        def with_accumulators(*accs):
-            def step(i, _):
-                slot = lax.rem(i, jnp.int32(num_stages))
-                plgpu.barrier_wait(loaded.at[slot])
-                for acc, w in zip(accs, range(n_weights)):
-                    plgpu.wgmma(acc, x_smem.at[slot, rows], w_smem.at[slot, w])
-                # Step i's products run while step i - 1's are waited for: then its slot
-                # is free for the memory warpgroup.
-                plgpu.wgmma_wait(n_weights)
+        def one_item(j, base):
+            tile, col, group, steps = item(j)
 
-                @pl.when(i > 0)
+            def with_accumulators(*accs):
+                def step(i, _):
+                    slot = slot_of(base + i)
+                    plgpu.barrier_wait(loaded.at[slot])
+                    for acc, w in zip(accs, range(n_weights)):
+                        plgpu.wgmma(acc, x_smem.at[slot, rows], w_smem.at[slot, w])
+                    # Step i's products run while step i - 1's are waited for: then its
+                    # slot is free for the memory warpgroup.
+                    plgpu.wgmma_wait(n_weights)
+
+                    @pl.when(i > 0)
+                    def _():
+                        plgpu.barrier_arrive(consumed.at[slot_of(base + i - 1)])
+
+                lax.fori_loop(0, steps, step, None)
+                plgpu.wgmma_wait(0)
+
+                @pl.when(steps > 0)
                 def _():
-                    plgpu.barrier_arrive(consumed.at[lax.rem(i - 1, jnp.int32(num_stages))])
+                    plgpu.barrier_arrive(consumed.at[slot_of(base + steps - 1)])
 
-            lax.fori_loop(0, steps, step, None)
-            plgpu.wgmma_wait(0)
+                @pl.when(group >= 0)
+                def _store():
+                    sums = [acc[...] for acc in accs]
+                    out = activation(sums[0]) * sums[1] if n_weights == 2 else sums[0]
+                    if persistent:      # the last item's store has read its stage
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    else:               # both warpgroups are past the ring out_smem reuses
+                        plgpu.barrier_arrive(done)
+                        plgpu.barrier_wait(done)
+                    stage = out_smem.at[wg]
+                    stage[...] = out.astype(stage.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        stage, out_ref.at[pl.ds(tile * TILE_M + wg * WG_ROWS, WG_ROWS),
+                                          pl.ds(col * block_n, block_n)])
 
-            @pl.when(steps > 0)
-            def _():
-                plgpu.barrier_arrive(consumed.at[lax.rem(steps - 1, jnp.int32(num_stages))])
+            pl.run_scoped(with_accumulators,
+                          *[plgpu.ACC((WG_ROWS, block_n), jnp.float32)] * n_weights)
+            return base + steps
 
-            @pl.when(group >= 0)
-            def _store():
-                sums = [acc[...] for acc in accs]
-                out = activation(sums[0]) * sums[1] if n_weights == 2 else sums[0]
-                # Both warpgroups are past their last read of the ring, which out_smem reuses.
-                plgpu.barrier_arrive(done)
-                plgpu.barrier_wait(done)
-                stage = out_smem.at[wg]
-                stage[...] = out.astype(stage.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    stage, out_ref.at[pl.ds(tile * TILE_M + wg * WG_ROWS, WG_ROWS),
-                                      pl.ds(col * block_n, block_n)])
-                plgpu.wait_smem_to_gmem(0)
-
-        pl.run_scoped(with_accumulators,
-                      *[plgpu.ACC((WG_ROWS, block_n), jnp.float32)] * n_weights)
+        lax.fori_loop(0, my_items, one_item, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        g = jnp.maximum(group, 0)
 
-        @pl.loop(0, steps)
-        def _(i):
-            slot = lax.rem(i, jnp.int32(num_stages))
+        def one_item(j, base):
+            tile, col, group, steps = item(j)
+            g = jnp.maximum(group, 0)
 
-            @pl.when(i >= num_stages)
-            def _():
-                plgpu.barrier_wait(consumed.at[slot])
+            @pl.loop(0, steps)
+            def _(i):
+                slot = slot_of(base + i)
 
-            k = pl.ds(i * block_k, block_k)
-            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tile * TILE_M, TILE_M), k],
-                                    x_smem.at[slot], loaded.at[slot])
-            for w, w_ref in enumerate(w_refs):
-                plgpu.copy_gmem_to_smem(w_ref.at[g, k, pl.ds(col * block_n, block_n)],
-                                        w_smem.at[slot, w], loaded.at[slot])
+                @pl.when(base + i >= num_stages)
+                def _():
+                    plgpu.barrier_wait(consumed.at[slot])
+
+                k = pl.ds(i * block_k, block_k)
+                plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tile * TILE_M, TILE_M), k],
+                                        x_smem.at[slot], loaded.at[slot])
+                for w, w_ref in enumerate(w_refs):
+                    plgpu.copy_gmem_to_smem(w_ref.at[g, k, pl.ds(col * block_n, block_n)],
+                                            w_smem.at[slot, w], loaded.at[slot])
+            return base + steps
+
+        total = lax.fori_loop(0, my_items, one_item, jnp.int32(0))
 
         # Observe the last releases too (JAX's GPU interpreter checks that every phase of a
         # barrier was seen).
-        @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
-        def _(i):
-            plgpu.barrier_wait(consumed.at[lax.rem(i, jnp.int32(num_stages))])
+        @pl.loop(jnp.maximum(total - num_stages, 0), total)
+        def _(n):
+            plgpu.barrier_wait(consumed.at[slot_of(n)])
 
 
 def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
                         activation=None, block_n: int = 128, block_k: int = 64,
-                        num_stages: int = 4, interpret: bool = False) -> jax.Array:
+                        num_stages: int = 4, num_ctas: int | None = None,
+                        interpret: bool = False) -> jax.Array:
     """xp [Mp, K] (Mp a multiple of 128) times each tile's expert of one weight [G, K, N]
     -> [Mp, N], or of two (gate, up) -> activation(xp @ gate) * (xp @ up), float32 math, in
-    xp's dtype. See the module docstring for the layouts; ValueError for what the kernel
-    cannot take."""
+    xp's dtype. num_ctas: None, one CTA per (tile, column block); or a persistent grid of
+    that many CTAs (e.g. NUM_SMS) looping over the work items, whose memory warpgroup loads
+    the next item's first blocks while the compute warpgroups store the last (the output
+    stage then takes its own shared memory, fewer ring slots may fit). See the module
+    docstring for the layouts; ValueError for what the kernel cannot take."""
     n_weights = len(weights)
     Mp, K = xp.shape
     if n_weights not in (1, 2) or any(w.ndim != 3 or w.shape != weights[0].shape
@@ -154,20 +191,28 @@ def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
         raise ValueError(f"block_k must be 64 (a 128-byte swizzled row) dividing K={K}, and "
                          f"block_n a multiple of 64, <= 256, dividing N={N}; got block_k="
                          f"{block_k}, block_n={block_n}")
-    if num_stages < 2 or smem_bytes(n_weights, block_n, block_k, num_stages) > SMEM_LIMIT:
-        raise ValueError(f"num_stages={num_stages} with block_n={block_n} needs "
-                         f"{smem_bytes(n_weights, block_n, block_k, num_stages)} B of shared "
-                         f"memory; it takes >= 2 stages within {SMEM_LIMIT} B")
+    items = (Mp // TILE_M) * (N // block_n)
+    persistent = num_ctas is not None
+    if persistent and num_ctas < 1:
+        raise ValueError(f"num_ctas must be None or >= 1, got {num_ctas}")
+    num_ctas = min(num_ctas, items) if persistent else items
+    need = smem_bytes(n_weights, block_n, block_k, num_stages, persistent)
+    if num_stages < 2 or need > SMEM_LIMIT:
+        raise ValueError(f"num_stages={num_stages} with block_n={block_n} needs {need} B of "
+                         f"shared memory{' (persistent)' if persistent else ''}; it takes >= 2 "
+                         f"stages within {SMEM_LIMIT} B")
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     ring = (plgpu.SMEM((num_stages, TILE_M, block_k), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((num_stages, n_weights, block_k, block_n), jnp.bfloat16,
                        transforms=swizzled))
     output = plgpu.SMEM((2, WG_ROWS, block_n), jnp.bfloat16, transforms=swizzled)
-    # The ring, then (after the loop) the output stage, in the same shared memory. The
-    # interpreter has no RefUnion (nor a shared-memory limit): separate buffers there.
-    ring_then_output = (ring, output) if interpret else plgpu.RefUnion(ring, output)
+    # The ring, then (after the loop) the output stage, in the same shared memory; separate
+    # buffers on a persistent grid, and in the interpreter (no RefUnion, no memory limit).
+    ring_then_output = ((ring, output) if interpret or persistent
+                        else plgpu.RefUnion(ring, output))
     kernel = functools.partial(_kernel, n_weights=n_weights, block_n=block_n, block_k=block_k,
-                               num_stages=num_stages, activation=activation)
+                               num_stages=num_stages, activation=activation,
+                               num_ctas=num_ctas, num_cols=N // block_n, persistent=persistent)
 
     def entry(tile_group_ref, x_ref, *refs):
         pl.run_scoped(
@@ -184,11 +229,12 @@ def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((Mp, N), xp.dtype),
-        # Column blocks fastest: the CTAs that run side by side share a row tile (read from
-        # DRAM once). Mosaic GPU runs the grid's *last* axis fastest: with (cols, tiles) the
-        # gate/up kernel at 4096 V2-Lite tokens read 2.02 GB from DRAM (each row tile once
-        # per column block) against the Triton kernel's 0.99 GB (H100, Nsight Compute).
-        grid=(Mp // TILE_M, N // block_n), grid_names=("tile", "col"),
+        # One grid axis over the work items, column blocks fastest: the CTAs that run side by
+        # side share a row tile (read from DRAM once). A first version's 2-D grid (columns,
+        # tiles) ran the tiles fastest: at 4096 V2-Lite tokens its gate/up kernel read 2.02
+        # GB from DRAM, each row tile once per column block, against the Triton kernel's 0.99
+        # GB (H100, Nsight Compute, round 3 session 13).
+        grid=(num_ctas,), grid_names=("cta",),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpret else None,

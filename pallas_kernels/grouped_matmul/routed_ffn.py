@@ -29,7 +29,8 @@ from pallas_kernels.grouped_matmul.grouped_matmul import (check_ffn_weights, che
                                                           padded_grouped_matmul, resolve_blocks,
                                                           tile_layout, unpad_rows)
 from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel
-from pallas_kernels.grouped_matmul.kernel_mgpu import TILE_M, grouped_matmul_mgpu
+from pallas_kernels.grouped_matmul.kernel_mgpu import (NUM_SMS, SMEM_LIMIT, TILE_M,
+                                                       grouped_matmul_mgpu, smem_bytes)
 
 KERNELS = ("triton", "mosaic")
 KERNEL_ENV = "MTPJAX_MOE_KERNEL"
@@ -130,34 +131,46 @@ def default_kernel(x, w_gate, interpret: bool) -> str:
     return "mosaic" if on_hopper() else "triton"
 
 
+def _stages(n_weights, block_n, persistent):
+    """The most ring slots (<= 4) that fit beside the output stage."""
+    return max([n for n in (2, 3, 4)
+                if smem_bytes(n_weights, block_n, 64, n, persistent) <= SMEM_LIMIT] or [2])
+
+
 def _mosaic_swiglu(x, w_gate, w_up, w_down, sizes, *, activation, gate_up_blocks,
-                   down_blocks, num_stages, interpret):
+                   down_blocks, num_stages, persistent, interpret):
     """grouped_swiglu on the Mosaic-GPU kernels: 128-row tiles, gate/up columns in blocks of
     gate_up_blocks[0] (default 128), down columns in blocks of down_blocks[0] (default 256),
-    num_stages ring slots (default 4); the other block entries do not apply."""
+    num_stages ring slots (default: the most that fit, <= 4); the other block entries do not
+    apply. persistent: each kernel on a persistent grid of one CTA per SM (opt-in,
+    `grouped_matmul_mgpu`'s num_ctas)."""
     G, E, I = check_ffn_weights(w_gate, w_up, w_down)
     if not mosaic_fits(x, w_gate):
         raise ValueError(f"kernel='mosaic' takes bfloat16 x and weights with E and I multiples "
                          f"of 64, got {x.dtype} / {w_gate.dtype}, E={E}, I={I}")
     bn = (gate_up_blocks or (None,))[0] or _widest(I, 128)
     dbn = (down_blocks or (None,))[0] or _widest(E, 256)
+    ctas = NUM_SMS if persistent is True else (persistent or None)
     dest, tile_group, Mp = tile_layout(sizes, x.shape[0], TILE_M)
     xp = pad_rows(x, dest, Mp)
     hp = grouped_matmul_mgpu(xp, (w_gate, w_up), tile_group, activation=activation,
-                             block_n=bn, num_stages=num_stages or 4, interpret=interpret)
+                             block_n=bn, num_stages=num_stages or _stages(2, bn, ctas),
+                             num_ctas=ctas, interpret=interpret)
     yp = grouped_matmul_mgpu(hp, (w_down,), tile_group, block_n=dbn,
-                             num_stages=num_stages or 4, interpret=interpret)
+                             num_stages=num_stages or _stages(1, dbn, ctas), num_ctas=ctas,
+                             interpret=interpret)
     return unpad_rows(yp, dest, x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "block_m", "gate_up_blocks",
                                              "down_blocks", "num_stages", "columns_fastest",
-                                             "kernel", "interpret"))
+                                             "kernel", "persistent", "interpret"))
 def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                    sizes: jax.Array, *, activation=jax.nn.silu, block_m: int | None = None,
                    gate_up_blocks: tuple | None = None, down_blocks: tuple | None = None,
                    num_stages: int | None = None, columns_fastest: bool = True,
-                   kernel: str | None = None, interpret: bool = False) -> jax.Array:
+                   kernel: str | None = None, persistent: bool | int = False,
+                   interpret: bool = False) -> jax.Array:
     """x [M, E] rows sorted by expert, w_gate / w_up [G, E, I], w_down [G, I, E], sizes
     int32[G] (sum <= M) -> [M, E] in x's dtype; rows past sum(sizes) come out zero.
     gate_up_blocks / down_blocks: (block_n, block_k, num_splits, num_warps), any entry None
@@ -167,8 +180,9 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     run side by side share a row tile, read from DRAM once (at 4096 V2-Lite tokens, H200:
     1588 -> 1516 us alone, and what makes 128-row tiles pay). kernel: "triton" (`kernel.py`),
     "mosaic" (`kernel_mgpu.py`, Hopper warpgroups, bf16: `_mosaic_swiglu`) or None
-    (`default_kernel`: "mosaic" at prefill sizes on Hopper). ValueError for shapes, dtypes or
-    blocks the kernels cannot take."""
+    (`default_kernel`: "mosaic" at prefill sizes on Hopper). persistent (Mosaic only,
+    opt-in): True for a persistent grid of one CTA per SM, or a CTA count. ValueError for
+    shapes, dtypes or blocks the kernels cannot take."""
     M = x.shape[0]
     kernel = kernel or default_kernel(x, w_gate, interpret)
     if kernel not in KERNELS:
@@ -178,7 +192,10 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
             raise ValueError(f"kernel='mosaic' runs {TILE_M}-row tiles, got block_m={block_m}")
         return _mosaic_swiglu(x, w_gate, w_up, w_down, sizes, activation=activation,
                               gate_up_blocks=gate_up_blocks, down_blocks=down_blocks,
-                              num_stages=num_stages, interpret=interpret)
+                              num_stages=num_stages, persistent=persistent,
+                              interpret=interpret)
+    if persistent:
+        raise ValueError("persistent is an option of kernel='mosaic'")
     if block_m is None and is_prefill(M, w_gate.shape[0]):
         block_m, gate_up_blocks = prefill_tiles(gate_up_blocks, w_gate.shape[2])
     block_m, (bn, bk, splits, warps), (dbn, dbk, dsplits, dwarps) = resolve_ffn_blocks(
