@@ -29,8 +29,6 @@ from pallas_kernels.grouped_matmul.grouped_matmul import (check_ffn_weights, che
                                                           padded_grouped_matmul, resolve_blocks,
                                                           tile_layout, unpad_rows)
 from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel
-from pallas_kernels.grouped_matmul.kernel_mgpu import (NUM_SMS, SMEM_LIMIT, TILE_M,
-                                                       grouped_matmul_mgpu, smem_bytes)
 
 KERNELS = ("triton", "mosaic")
 KERNEL_ENV = "MTPJAX_MOE_KERNEL"
@@ -131,10 +129,20 @@ def default_kernel(x, w_gate, interpret: bool) -> str:
     return "mosaic" if on_hopper() else "triton"
 
 
+def _mgpu():
+    """The Mosaic-GPU kernel module (`kernel_mgpu.py`), imported on first use: importing
+    Mosaic GPU takes ~15 MB of host memory, which a checkpoint load (that never runs it)
+    should not pay (tests/test_checkpoint_memory.py: 107 -> 121 MB with the import at the
+    top)."""
+    from pallas_kernels.grouped_matmul import kernel_mgpu
+    return kernel_mgpu
+
+
 def _stages(n_weights, block_n, persistent):
     """The most ring slots (<= 4) that fit beside the output stage."""
-    return max([n for n in (2, 3, 4)
-                if smem_bytes(n_weights, block_n, 64, n, persistent) <= SMEM_LIMIT] or [2])
+    mgpu = _mgpu()
+    return max([n for n in (2, 3, 4) if mgpu.smem_bytes(n_weights, block_n, 64, n, persistent)
+                <= mgpu.SMEM_LIMIT] or [2])
 
 
 def _mosaic_swiglu(x, w_gate, w_up, w_down, sizes, *, activation, gate_up_blocks,
@@ -150,13 +158,14 @@ def _mosaic_swiglu(x, w_gate, w_up, w_down, sizes, *, activation, gate_up_blocks
                          f"of 64, got {x.dtype} / {w_gate.dtype}, E={E}, I={I}")
     bn = (gate_up_blocks or (None,))[0] or _widest(I, 128)
     dbn = (down_blocks or (None,))[0] or _widest(E, 256)
-    ctas = NUM_SMS if persistent is True else (persistent or None)
-    dest, tile_group, Mp = tile_layout(sizes, x.shape[0], TILE_M)
+    mgpu = _mgpu()
+    ctas = mgpu.NUM_SMS if persistent is True else (persistent or None)
+    dest, tile_group, Mp = tile_layout(sizes, x.shape[0], mgpu.TILE_M)
     xp = pad_rows(x, dest, Mp)
-    hp = grouped_matmul_mgpu(xp, (w_gate, w_up), tile_group, activation=activation,
+    hp = mgpu.grouped_matmul_mgpu(xp, (w_gate, w_up), tile_group, activation=activation,
                              block_n=bn, num_stages=num_stages or _stages(2, bn, ctas),
                              num_ctas=ctas, interpret=interpret)
-    yp = grouped_matmul_mgpu(hp, (w_down,), tile_group, block_n=dbn,
+    yp = mgpu.grouped_matmul_mgpu(hp, (w_down,), tile_group, block_n=dbn,
                              num_stages=num_stages or _stages(1, dbn, ctas), num_ctas=ctas,
                              interpret=interpret)
     return unpad_rows(yp, dest, x.dtype)
@@ -188,8 +197,9 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
     if kernel == "mosaic":
-        if block_m not in (None, TILE_M):
-            raise ValueError(f"kernel='mosaic' runs {TILE_M}-row tiles, got block_m={block_m}")
+        tile_m = _mgpu().TILE_M
+        if block_m not in (None, tile_m):
+            raise ValueError(f"kernel='mosaic' runs {tile_m}-row tiles, got block_m={block_m}")
         return _mosaic_swiglu(x, w_gate, w_up, w_down, sizes, activation=activation,
                               gate_up_blocks=gate_up_blocks, down_blocks=down_blocks,
                               num_stages=num_stages, persistent=persistent,
