@@ -163,11 +163,11 @@ def _mosaic_swiglu(x, w_gate, w_up, w_down, sizes, *, activation, gate_up_blocks
     dest, tile_group, Mp = tile_layout(sizes, x.shape[0], mgpu.TILE_M)
     xp = pad_rows(x, dest, Mp)
     hp = mgpu.grouped_matmul_mgpu(xp, (w_gate, w_up), tile_group, activation=activation,
-                             block_n=bn, num_stages=num_stages or _stages(2, bn, ctas),
-                             num_ctas=ctas, interpret=interpret)
+                                  block_n=bn, num_stages=num_stages or _stages(2, bn, ctas),
+                                  num_ctas=ctas, interpret=interpret)
     yp = mgpu.grouped_matmul_mgpu(hp, (w_down,), tile_group, block_n=dbn,
-                             num_stages=num_stages or _stages(1, dbn, ctas), num_ctas=ctas,
-                             interpret=interpret)
+                                  num_stages=num_stages or _stages(1, dbn, ctas),
+                                  num_ctas=ctas, interpret=interpret)
     return unpad_rows(yp, dest, x.dtype)
 
 
