@@ -109,7 +109,7 @@ def test_mosaic_bad_inputs_name_the_value():
                             interpret=True)
     groups = jnp.zeros((2,), jnp.int32)
     with pytest.raises(ValueError, match="block_n a multiple of 64, <= 256, dividing N=64; "
-                                         "got block_k=64, block_n=128"):
+                                         "got block_n=128"):
         grouped_matmul_mgpu(x, (wg,), groups, block_n=128, interpret=True)
     with pytest.raises(ValueError, match="num_stages=4 with block_n=256 needs 394240 B of "
                                          "shared memory \\(persistent\\)"):

@@ -11,7 +11,7 @@ gate/up tile holds two float32 accumulators that spill. Here a CTA runs three wa
              the next block's wgmma issued before the previous one is waited for; then the
              epilogue (activation(gate) * up with two weights, else the one product), staged
              in shared memory and TMA-stored.
-    wg 2     memory: TMA-copies x [128, block_k] and each weight's [block_k, block_n] block of
+    wg 2     memory: TMA-copies x [128, BLOCK_K] and each weight's [BLOCK_K, block_n] block of
              the tile's expert into a ring of `num_stages` slots, reusing a slot when both
              compute warpgroups have released it.
 
@@ -36,25 +36,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._hopper import interpret_params
+from pallas_kernels._hopper import aligned_copy, interpret_params
 
 TILE_M = 128            # rows per CTA: two compute warpgroups of wgmma's M = 64
+BLOCK_K = 64            # K per ring slot: one 128-byte swizzled row of bf16
 WG_ROWS = 64
 SMEM_LIMIT = 227 * 1024
 NUM_SMS = 132           # H100 / H200 SXM: the persistent grid's default CTA count
 
 
-def smem_bytes(n_weights: int, block_n: int, block_k: int, num_stages: int,
-               persistent: bool = False) -> int:
+def smem_bytes(n_weights: int, block_n: int, num_stages: int, persistent: bool = False) -> int:
     """Shared memory of one CTA: the ring, the output stage (in the ring's memory unless
     persistent: there the memory warpgroup runs ahead into the next item's blocks) and the
     barriers."""
-    ring = num_stages * 2 * block_k * (TILE_M + n_weights * block_n)
+    ring = num_stages * 2 * BLOCK_K * (TILE_M + n_weights * block_n)
     out = 2 * TILE_M * block_n
     return (ring + out if persistent else max(ring, out)) + 1024
 
 
-def _kernel(tile_group_ref, x_ref, *refs, n_weights, block_n, block_k, num_stages,
+def _kernel(tile_group_ref, x_ref, *refs, n_weights, block_n, num_stages,
             activation, num_ctas, num_cols, persistent):
     """Work items (tile, column block) w = cta + j * num_ctas, column blocks fastest. Ring
     slots and barrier phases run on over the CTA's items: slot = (steps before) % stages."""
@@ -65,7 +65,7 @@ def _kernel(tile_group_ref, x_ref, *refs, n_weights, block_n, block_k, num_stage
     wg = lax.axis_index("wg")
     items = num_cols * (x_ref.shape[0] // TILE_M)
     my_items = lax.div(items - cta + (num_ctas - 1), jnp.int32(num_ctas))
-    k_steps = x_ref.shape[1] // block_k
+    k_steps = x_ref.shape[1] // BLOCK_K
 
     def item(j):
         """(tile, column block, steps: 0 for an empty tile) of this CTA's j-th item."""
@@ -145,7 +145,7 @@ def _kernel(tile_group_ref, x_ref, *refs, n_weights, block_n, block_k, num_stage
                 def _():
                     plgpu.barrier_wait(consumed.at[slot])
 
-                k = pl.ds(i * block_k, block_k)
+                k = pl.ds(i * BLOCK_K, BLOCK_K)
                 plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tile * TILE_M, TILE_M), k],
                                         x_smem.at[slot], loaded.at[slot])
                 for w, w_ref in enumerate(w_refs):
@@ -163,9 +163,8 @@ def _kernel(tile_group_ref, x_ref, *refs, n_weights, block_n, block_k, num_stage
 
 
 def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
-                        activation=None, block_n: int = 128, block_k: int = 64,
-                        num_stages: int = 4, num_ctas: int | None = None,
-                        interpret: bool = False) -> jax.Array:
+                        activation=None, block_n: int = 128, num_stages: int = 4,
+                        num_ctas: int | None = None, interpret: bool = False) -> jax.Array:
     """xp [Mp, K] (Mp a multiple of 128) times each tile's expert of one weight [G, K, N]
     -> [Mp, N], or of two (gate, up) -> activation(xp @ gate) * (xp @ up), float32 math, in
     xp's dtype. num_ctas: None, one CTA per (tile, column block); or a persistent grid of
@@ -190,30 +189,30 @@ def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
     if Mp % TILE_M or tile_group.shape != (Mp // TILE_M,):
         raise ValueError(f"xp's rows ({Mp}) must be whole {TILE_M}-row tiles, one tile_group "
                          f"entry each, got tile_group {tuple(tile_group.shape)}")
-    if block_k != 64 or K % block_k or block_n % 64 or N % block_n or block_n > 256:
-        raise ValueError(f"block_k must be 64 (a 128-byte swizzled row) dividing K={K}, and "
-                         f"block_n a multiple of 64, <= 256, dividing N={N}; got block_k="
-                         f"{block_k}, block_n={block_n}")
+    if K % BLOCK_K or block_n % 64 or N % block_n or block_n > 256:
+        raise ValueError(f"K={K} must be a multiple of {BLOCK_K} (a 128-byte swizzled row), and "
+                         f"block_n a multiple of 64, <= 256, dividing N={N}; got block_n="
+                         f"{block_n}")
     items = (Mp // TILE_M) * (N // block_n)
     persistent = num_ctas is not None
     if persistent and num_ctas < 1:
         raise ValueError(f"num_ctas must be None or >= 1, got {num_ctas}")
     num_ctas = min(num_ctas, items) if persistent else items
-    need = smem_bytes(n_weights, block_n, block_k, num_stages, persistent)
+    need = smem_bytes(n_weights, block_n, num_stages, persistent)
     if num_stages < 2 or need > SMEM_LIMIT:
         raise ValueError(f"num_stages={num_stages} with block_n={block_n} needs {need} B of "
                          f"shared memory{' (persistent)' if persistent else ''}; it takes >= 2 "
                          f"stages within {SMEM_LIMIT} B")
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    ring = (plgpu.SMEM((num_stages, TILE_M, block_k), jnp.bfloat16, transforms=swizzled),
-            plgpu.SMEM((num_stages, n_weights, block_k, block_n), jnp.bfloat16,
+    ring = (plgpu.SMEM((num_stages, TILE_M, BLOCK_K), jnp.bfloat16, transforms=swizzled),
+            plgpu.SMEM((num_stages, n_weights, BLOCK_K, block_n), jnp.bfloat16,
                        transforms=swizzled))
     output = plgpu.SMEM((2, WG_ROWS, block_n), jnp.bfloat16, transforms=swizzled)
     # The ring, then (after the loop) the output stage, in the same shared memory; separate
     # buffers on a persistent grid, and in the interpreter (no RefUnion, no memory limit).
     ring_then_output = ((ring, output) if interpret or persistent
                         else plgpu.RefUnion(ring, output))
-    kernel = functools.partial(_kernel, n_weights=n_weights, block_n=block_n, block_k=block_k,
+    kernel = functools.partial(_kernel, n_weights=n_weights, block_n=block_n,
                                num_stages=num_stages, activation=activation,
                                num_ctas=num_ctas, num_cols=N // block_n, persistent=persistent)
 
@@ -223,12 +222,10 @@ def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
             ring_then_output,
             (plgpu.Barrier(num_arrivals=1 + n_weights, num_barriers=num_stages),
              plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
-             plgpu.Barrier(num_arrivals=2)),
+             None if persistent else plgpu.Barrier(num_arrivals=2)),
             collective_axes="wg")
 
-    # Mosaic-GPU calls take only 256-byte aligned buffers: a padded copy of the (small,
-    # often sliced) tile groups is a buffer of its own.
-    groups = jnp.pad(tile_group.astype(jnp.int32), (0, 64))
+    groups = aligned_copy(tile_group.astype(jnp.int32))
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((Mp, N), xp.dtype),

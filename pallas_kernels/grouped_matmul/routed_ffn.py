@@ -141,7 +141,7 @@ def _mgpu():
 def _stages(n_weights, block_n, persistent):
     """The most ring slots (<= 4) that fit beside the output stage."""
     mgpu = _mgpu()
-    return max([n for n in (2, 3, 4) if mgpu.smem_bytes(n_weights, block_n, 64, n, persistent)
+    return max([n for n in (2, 3, 4) if mgpu.smem_bytes(n_weights, block_n, n, persistent)
                 <= mgpu.SMEM_LIMIT] or [2])
 
 

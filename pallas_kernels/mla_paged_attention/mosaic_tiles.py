@@ -13,6 +13,7 @@ import functools
 
 import jax.numpy as jnp
 
+from pallas_kernels._hopper import aligned_copy
 from pallas_kernels.mla_paged_attention.kernel_mgpu import TILE_ROWS, mla_tiles_mgpu
 from pallas_kernels.mla_paged_attention.work_items import item_ends, max_items
 from pallas_kernels.paged_reference import ragged_token_rows
@@ -50,10 +51,7 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
     groups = h // block_h
     live = block_q * block_h
     rows = -(-live // 8) * 8 if compact else TILE_ROWS
-    # Mosaic-GPU kernels take only 256-byte aligned buffers. Inside a larger program XLA
-    # may hand a slice of the engine's tables over as an offset pointer (an unaligned one
-    # failed at batch 32); a padded copy is a buffer of its own.
-    tables = jnp.pad(block_tables, ((0, 1), (0, 0)))
+    tables = aligned_copy(block_tables)
     kernel = functools.partial(
         mla_tiles_mgpu, rank=rank, block_h=block_h, sm_scale=sm_scale, block_kv=block_kv,
         num_splits=num_splits, num_stages=num_stages, share_logits=share_logits,
