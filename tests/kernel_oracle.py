@@ -13,6 +13,14 @@ def interpret_mode() -> bool:
     return os.environ.get("MTPJAX_KERNELS_ON_DEVICE", "0") != "1"
 
 
+def draw_seeds(case: int) -> tuple[int, ...]:
+    """Random draws for case number `case` of an interpreted Mosaic-GPU kernel test: one on
+    the CPU, distinct across cases (the GPU interpreter steps every op of every warpgroup in
+    Python, 20-50 s a call here whatever the shapes, so a second draw of the same shapes
+    doubles a case's cost), three when the kernel runs compiled on a GPU."""
+    return (case,) if interpret_mode() else (case, case + 10, case + 20)
+
+
 def random_paged_cache(rng, kv_lens, num_kv_heads, page_size, head_dim, max_pages,
                        extra_pages=3):
     """k/v pages [KVH, P, S, D] float32 and a randomly permuted block table [N, M].
