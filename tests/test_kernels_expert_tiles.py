@@ -34,7 +34,9 @@ def reference(x, ids, wg, wu, wd, activation=jax.nn.silu):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("N,k,G,gu,down", [
-    (1, 2, 8, None, None),
+    (1, 2, 8, None, None),              # one token: the static layout
+    (1, 3, 8, (16, 32, 2, None), (16, 16, 2, None)),     # ... with split-K on both kernels
+    (1, 4, 4, None, None),              # one token touching every expert
     (5, 3, 6, None, None),              # more pairs than experts: tiles = G, shared tiles
     (16, 2, 4, None, None),             # the 16-row limit, every tile full
     (4, 2, 8, (16, 32, 2, None), (16, 16, 2, None)),     # split-K on both kernels
@@ -103,6 +105,24 @@ def test_lowers_to_triton_for_cuda():
     assert 'name = "expert_tiles_gate_up' in text and 'name = "expert_tiles_down' in text
     assert "stablehlo.sort" not in text                           # the point of the layout
     assert "stablehlo.scatter" not in text     # each scatter: a fill and a scatter kernel
+
+
+def test_one_token_layout_is_static():
+    """One token (batch-1 decode): tiles are the token's k slots, so the export holds no
+    gather, no sort and no scatter around the two kernels (each is a small GPU kernel; the
+    1-token V2-Lite layer ran seven of them beside its two matmuls, H100, round 3)."""
+    from jax import export
+    args = (jax.ShapeDtypeStruct((1, 256), jnp.bfloat16), jax.ShapeDtypeStruct((1, 6), jnp.int32),
+            jax.ShapeDtypeStruct((16, 256, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((16, 256, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((16, 128, 256), jnp.bfloat16))
+    for blocks in (None, (64, 64, 2, None)):                     # with and without split-K
+        f = jax.jit(lambda *a, b=blocks: expert_tile_swiglu(*a, gate_up_blocks=b, down_blocks=b))
+        text = export.export(f, platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+        assert 'name = "expert_tiles_gate_up' in text and 'name = "expert_tiles_down' in text
+        for op in ("gather", "sort", "scatter"):
+            assert f"stablehlo.{op}" not in text, (blocks, op)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -19,6 +19,11 @@ min(P, G); tiles past the touched experts have group -1 and do nothing (kernel.p
 
 Split-K partials are summed only over the pairs' rows (gathered first): the partials of
 empty tiles are never written nor read.
+
+One token (batch-1 decode) needs no layout at all: its k experts are distinct, so pair p owns
+tile p. Its rows are a broadcast and its outputs a strided slice, and nothing but the two
+kernels and two or three elementwise fusions runs (a guard test checks the export holds no
+gather, sort or scatter).
 """
 from __future__ import annotations
 
@@ -76,6 +81,13 @@ def _pair_rows(out: jax.Array, slot: jax.Array, num_splits: int) -> jax.Array:
     return out[:, s].sum(0)
 
 
+def _tile_first_rows(out: jax.Array, num_splits: int) -> jax.Array:
+    """Each tile's first row of a kernel output ([Mp, N], or [S, Mp, N] split-K partials,
+    summed) -> float32 [Mp / TILE_ROWS, N]: the one-token layout's pair rows."""
+    first = out[..., ::TILE_ROWS, :].astype(jnp.float32)
+    return first if num_splits == 1 else first.sum(0)
+
+
 @functools.partial(jax.jit, static_argnames=("activation", "gate_up_blocks", "down_blocks",
                                              "num_stages", "interpret"))
 def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -102,8 +114,28 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
     G, E, I = w_gate.shape
 
     experts = ids.reshape(P).astype(jnp.int32)
-    slot, tile_group, source = expert_tile_layout(experts, G)
-    xp = gather_rows(x, jnp.where(source >= 0, source // k, -1))   # pair p is token p // k
+    real = (experts >= 0) & (experts < G)
+    one_token = N == 1 and P <= G
+    if one_token:
+        # Batch-1 decode: the token's k experts are distinct, so pair p has tile p to itself
+        # and the layout is static. Every row of a tile holds the pair's row (a broadcast, not
+        # a gather), the kernels' outputs are read at each tile's first row (a strided
+        # slice): no comparisons, cumulative sums or gathers around the kernels.
+        tile_group = jnp.where(real, experts, -1)
+
+        def to_layout(rows):                    # [P, D] per pair -> [P * TILE_ROWS, D]
+            return jnp.repeat(rows, TILE_ROWS, axis=0)
+
+        pair_rows = _tile_first_rows
+        xp = to_layout(jnp.broadcast_to(x, (P, E)))
+    else:
+        slot, tile_group, source = expert_tile_layout(experts, G)
+
+        def to_layout(rows):
+            return gather_rows(rows, source)
+
+        pair_rows = functools.partial(_pair_rows, slot=slot)
+        xp = gather_rows(x, jnp.where(source >= 0, source // k, -1))   # pair p: token p // k
     call = functools.partial(grouped_pallas_call, num_stages=num_stages, interpret=interpret,
                              block_m=TILE_ROWS)
     gate_up = functools.partial(grouped_gate_up_kernel, block_k=bk, block_n=bn,
@@ -113,11 +145,11 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
     if splits == 1:
         hp = out[0]
     else:                            # the pairs' rows only, summed, back into the layout
-        h = activation(_pair_rows(out[0], slot, splits)) * _pair_rows(out[1], slot, splits)
-        hp = gather_rows(h.astype(x.dtype), source)
+        h = activation(pair_rows(out[0], num_splits=splits)) * pair_rows(out[1],
+                                                                         num_splits=splits)
+        hp = to_layout(h.astype(x.dtype))
     down = functools.partial(grouped_matmul_kernel, block_k=dbk, block_n=dbn, num_splits=dsplits)
     yp, = call(down, hp, (w_down,), tile_group, N=E, n_outputs=1, block_n=dbn,
                num_splits=dsplits, num_warps=dwarps, name="expert_tiles_down")
-    y = _pair_rows(yp, slot, dsplits)                         # [P, E]
-    real = (experts >= 0) & (experts < G)
+    y = pair_rows(yp, num_splits=dsplits)                     # [P, E]
     return jnp.where(real[:, None], y, 0.0).reshape(N, k, E)
