@@ -51,6 +51,9 @@ def _model_args(p: argparse.ArgumentParser):
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--min-token-bucket", type=int, default=8,
+                   help="smallest step shape, a power of two (1: batch-1 decodes run unpadded, "
+                        "three more compiles)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention", choices=["auto", "reference", "pallas"], default="auto")
     g.add_argument("--seed", type=int, default=0)
@@ -94,7 +97,7 @@ def _build(args):
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=not args.no_prefix_caching, tokenizer=tokenizer,
               eos_token_id=eos_token_id, attention_impl=args.attention, seed=args.seed,
-              fuse_projections=args.fuse_projections)
+              fuse_projections=args.fuse_projections, min_token_bucket=args.min_token_bucket)
     if args.replicas > 1:
         return cfg, mtpjax.DataParallelLLM(params, cfg, spec, data_parallel=args.replicas,
                                            tensor_parallel=args.tensor_parallel, **kw)

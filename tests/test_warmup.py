@@ -23,14 +23,14 @@ def _count_compiles(name, seconds, **kw):
 jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
-def _reachable(max_tokens, max_rows, window):
+def _reachable(max_tokens, max_rows, window, minimum=8):
     """(T, F) of every mix of 1..max_rows rows of q >= 1 tokens, sum(q) <= max_tokens (a decode
     row is q = K + 1 <= W, the same as a chunk of K + 1 tokens)."""
     out = set()
 
     def add(q_min, rows, S, first_pass):
         if rows:
-            out.add((bucket_size(S), bucket_size(first_pass)))
+            out.add((bucket_size(S, minimum), bucket_size(first_pass, minimum)))
         if rows < max_rows:
             for q in range(q_min, max_tokens - S + 1):
                 add(q, rows + 1, S + q, first_pass + max(window, q))
@@ -41,9 +41,10 @@ def _reachable(max_tokens, max_rows, window):
 @pytest.mark.parametrize("max_tokens", [3, 8, 9, 16, 20, 33])
 @pytest.mark.parametrize("max_rows", [1, 3, 5])
 @pytest.mark.parametrize("window", [1, 2, 4, 6])     # no spec; chain K=1, 3; multi_layer K=3
-def test_step_buckets_are_exactly_the_reachable_shapes(max_tokens, max_rows, window):
-    assert set(step_buckets(max_tokens, max_rows, window)) == _reachable(max_tokens, max_rows,
-                                                                          window)
+@pytest.mark.parametrize("minimum", [8, 1, 2])         # LLM(min_token_bucket=...)
+def test_step_buckets_are_exactly_the_reachable_shapes(max_tokens, max_rows, window, minimum):
+    assert set(step_buckets(max_tokens, max_rows, window, minimum)) == _reachable(
+        max_tokens, max_rows, window, minimum)
 
 
 def test_no_compilation_after_warmup_and_same_tokens(monkeypatch):
@@ -79,3 +80,36 @@ def test_no_compilation_after_warmup_and_same_tokens(monkeypatch):
 
     cold = mtpjax.LLM(params, cfg, spec, warmup=False, **kw)
     assert [o.token_ids for o in cold.generate(prompts, sps)] == [o.token_ids for o in outs]
+
+
+def test_min_token_bucket_one_runs_batch_one_unpadded_with_the_same_tokens():
+    """LLM(min_token_bucket=1): a batch-1 decode step is T = 1 (plain) or K + 1 = 2 (MTP K=1)
+    tokens, not 8, and the tokens equal the default engine's; a value that is not a power of
+    two is refused by name."""
+    cfg = tiny_config(vocab_size=48)
+    params = random_params(cfg, seed=3)
+    kw = dict(num_pages=40, page_size=4, max_num_seqs=2, max_num_batched_tokens=8,
+              warmup=False)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 48, 5).tolist(), rng.integers(0, 48, 11).tolist()]
+    sp = SamplingParams(max_tokens=7)
+    for spec, decode_T in ((None, 1), (SpecConfig(num_speculative_tokens=1), 2)):
+        want = [o.token_ids for o in mtpjax.LLM(params, cfg, spec, **kw).generate(prompts, sp)]
+        llm = mtpjax.LLM(params, cfg, spec, min_token_bucket=1, **kw)
+        shapes = []
+        pack = llm.runner.pack
+
+        def spy(out, num_drafts=None):
+            batch, F = pack(out, num_drafts)
+            shapes.append((len(out.requests), batch.tokens.shape[0], F))
+            return batch, F
+        llm.runner.pack = spy
+        got = [llm.generate([p], sp)[0].token_ids for p in prompts]     # batch 1 each
+        assert got == want, spec
+        decodes = {(T, F) for n, T, F in shapes if T < 8}
+        assert (decode_T, decode_T) in decodes, (spec, shapes)
+    with pytest.raises(ValueError, match="min_token_bucket must be a power of two, got "
+                                         "min_token_bucket=3"):
+        mtpjax.LLM(params, cfg, min_token_bucket=3, **kw)
+    with pytest.raises(ValueError, match="min_token_bucket must be an int >= 1"):
+        mtpjax.LLM(params, cfg, min_token_bucket=0, **kw)

@@ -277,7 +277,7 @@ def engine_kwargs(args, batch: int) -> dict:
     mnbt = args.max_num_batched_tokens or 1 << (budget - 1).bit_length()
     return dict(num_pages=batch * (math.ceil(tokens / PAGE_SIZE) + 1) + 4, page_size=PAGE_SIZE,
                 max_num_seqs=batch, max_num_batched_tokens=mnbt, enable_prefix_caching=False,
-                max_model_len=tokens)
+                max_model_len=tokens, min_token_bucket=args.min_token_bucket)
 
 
 def draft_vocab_of(spec):
@@ -501,6 +501,8 @@ def run_child(args, role: str, batch: int, env_extra: dict | None = None) -> dic
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.fuse_projections:
         cmd += ["--fuse-projections", args.fuse_projections]
+    if args.min_token_bucket != 8:
+        cmd += ["--min-token-bucket", str(args.min_token_bucket)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=args.child_timeout)
@@ -577,6 +579,8 @@ def parse_args(argv):
                     help="engine token budget (default: the largest of batch x (K+1), "
                          "min(batch x prompt, 2048) and the prompt, rounded up to a power of "
                          "two)")
+    ap.add_argument("--min-token-bucket", type=int, default=8,
+                    help="the engine's smallest step shape (LLM min_token_bucket)")
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth copy")
     ap.add_argument("--cache-dir", default=None,
                     help="persistent compilation cache folder (default: a fresh temporary one, "

@@ -212,6 +212,10 @@ class LLM:
     fuse_projections: serve with q/k/v and gate/up weights concatenated once (one GEMM each;
     `model/fused.py`; one device only; the fused matrices are new arrays beside the caller's):
     True / "all" both groups, "qkv" only q/k/v.
+    min_token_bucket: the smallest step shape, a power of two (default 8). A step's tokens and
+    its MTP first pass are padded to powers of two >= it, each compiled once; 1 adds the
+    buckets 1, 2 and 4 (three more compiles per first-pass size) and lets a batch-1 decode run
+    unpadded (docs/engine.md, "Step buckets").
 
     Thread-safe: one lock serializes engine operations; several threads may call generate at once
     and share the batch. Errors and interrupts: see the module docstring and docs/engine.md.
@@ -225,7 +229,7 @@ class LLM:
                  max_waiting_requests: int | None = 1024, warmup: bool | None = None,
                  max_logprobs: int = 0, adaptive_k: AdaptiveK | None = None, mesh=None,
                  draft_vocab=None, executable_cache: str | bool | None = None,
-                 fuse_projections: bool | str = False):
+                 fuse_projections: bool | str = False, min_token_bucket: int = 8):
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         if spec is not None:
@@ -243,6 +247,10 @@ class LLM:
                                              none_ok=True)
         seed = check_seed("seed", seed)
         max_logprobs = _int_arg("max_logprobs", max_logprobs, 0, cfg.vocab_size)
+        min_token_bucket = _int_arg("min_token_bucket", min_token_bucket, 1)
+        if min_token_bucket & (min_token_bucket - 1):
+            raise ValueError(f"min_token_bucket must be a power of two, got "
+                             f"min_token_bucket={min_token_bucket}")
         if adaptive_k is not None and not isinstance(adaptive_k, AdaptiveK):
             raise ValueError(f"adaptive_k must be an AdaptiveK or None, got "
                              f"{type(adaptive_k).__name__}")
@@ -290,7 +298,7 @@ class LLM:
                                   seed=seed, attention_impl=attention_impl,
                                   max_logprobs=max_logprobs, mesh=mesh, draft_vocab=vocab_ids,
                                   fuse_projections=fuse_projections,
-                                  executable_store=store)
+                                  executable_store=store, min_token_bucket=min_token_bucket)
         self.max_logprobs = max_logprobs
         self.adaptive_k = adaptive_k
         self._acceptance = AcceptanceTable(self.spec.num_speculative_tokens if self.spec else 0)
@@ -316,7 +324,8 @@ class LLM:
         self.num_preemptions = 0
 
     def _warmup(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
-        buckets = step_buckets(max_num_batched_tokens, max_num_seqs, self.runner.W)
+        buckets = step_buckets(max_num_batched_tokens, max_num_seqs, self.runner.W,
+                               self.runner.min_bucket)
         threads = int(os.environ.get("MTPJAX_WARMUP_THREADS", min(4, os.cpu_count() or 1)))
         # loading a stored executable is file reading and GPU module loading, not compiling:
         # more of them at once (measured at the 8B shape: 44 programs, 4 threads -> 14.6 s)

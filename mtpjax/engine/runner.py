@@ -101,8 +101,12 @@ class ModelRunner:
     def __init__(self, params, cfg: ModelConfig, spec: SpecConfig | None, *, num_pages: int,
                  page_size: int, max_num_seqs: int, max_blocks_per_seq: int, seed: int = 0,
                  attention_impl="auto", cache_dtype=None, max_logprobs: int = 0, mesh=None,
-                 draft_vocab=None, executable_store=None, fuse_projections: bool | str = False):
+                 draft_vocab=None, executable_store=None, fuse_projections: bool | str = False,
+                 min_token_bucket: int = 8):
         self.params, self.cfg, self.spec = params, cfg, spec
+        # the smallest step bucket (T and F): 8 keeps the compiled programs few; 1 lets a
+        # batch-1 decode run unpadded
+        self.min_bucket = min_token_bucket
         self.max_logprobs = max_logprobs              # n compiled into the step (0: no logprobs)
         self.K, self.W = draft_shape(spec)
         self.max_num_seqs = max_num_seqs
@@ -174,7 +178,7 @@ class ModelRunner:
         if len(reqs) > R:
             raise ValueError(f"step has {len(reqs)} requests, more than max_num_seqs={R}")
         q = [r.num_query_tokens for r in reqs]
-        T = bucket_size(sum(q))
+        T = bucket_size(sum(q), self.min_bucket)
         tokens = np.zeros(T, np.int32)
         positions = np.full(T, -1, np.int32)
         seq_ids = np.zeros(T, np.int32)
@@ -236,7 +240,7 @@ class ModelRunner:
             block_tables=tables, slots=slots, kinds=kinds, next_tokens=next_tokens,
             thinking=thinking, hist_from=hist_from, num_drafts=row_k, want_logprobs=want_lp,
             sampling=SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, keys=keys))
-        return batch, bucket_size(first_pass)
+        return batch, bucket_size(first_pass, self.min_bucket)
 
     def device_inputs(self, batch: MixedBatch):
         """The packed batch as one device array, and the static shape (T, R, M) to unpack it."""

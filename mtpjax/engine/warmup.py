@@ -2,7 +2,8 @@
 them at start-up (`LLM(..., warmup=True)`, `ModelRunner.warmup`).
 
 A step is compiled once per (T, F): T = bucketed query tokens, F = bucketed MTP first-pass
-length (both `bucket_size`, powers of two >= 8; rows, block-table width and everything else are
+length (both `bucket_size`, powers of two >= the engine's min_token_bucket, 8 by default;
+rows, block-table width and everything else are
 fixed per engine). The scheduler puts S <= max_num_batched_tokens query tokens in at most
 max_num_seqs rows: a decode row has K + 1 tokens, a prefill chunk 1..S. The runner's first pass
 (`ModelRunner.pack`) takes max(W, q) entries per row (W = first-pass window, 1 without
@@ -25,18 +26,20 @@ import time
 from mtpjax.generate import bucket_size
 
 
-def step_buckets(max_num_batched_tokens: int, max_num_seqs: int,
-                 window: int) -> list[tuple[int, int]]:
-    """Every (T, F) step shape an engine with these limits can dispatch, sorted."""
+def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, window: int,
+                 minimum: int = 8) -> list[tuple[int, int]]:
+    """Every (T, F) step shape an engine with these limits can dispatch, sorted. minimum: the
+    smallest bucket (the engine's min_token_bucket)."""
     B, R, W = max_num_batched_tokens, max_num_seqs, window
     out = []
-    T = bucket_size(1)
+    T = bucket_size(1, minimum)
     while True:
-        lo, hi = (1 if T == bucket_size(1) else T // 2 + 1), min(T, B)
+        lo, hi = (1 if T == bucket_size(1, minimum) else T // 2 + 1), min(T, B)
         if lo > hi:
             return out
         m = min(R, hi)
-        F, f_hi = bucket_size(max(W, lo)), bucket_size((m - 1) * W + max(W, hi - m + 1))
+        F = bucket_size(max(W, lo), minimum)
+        f_hi = bucket_size((m - 1) * W + max(W, hi - m + 1), minimum)
         while F <= f_hi:
             out.append((T, F))
             F *= 2
