@@ -81,20 +81,6 @@ def _pair_rows(out: jax.Array, slot: jax.Array, num_splits: int) -> jax.Array:
     return out[:, s].sum(0)
 
 
-ONE_TOKEN_BLOCK_N = 32
-
-
-def _one_token_blocks(blocks: tuple | None, n: int) -> tuple | None:
-    """One token's default (block_n, block_k, num_splits, num_warps): 32 columns, no split-K,
-    where nothing was given and 32 divides the n output columns. The k experts' narrow column
-    blocks give every SM programs without split-K, whose partial sums would take a fusion and a
-    broadcast of their own. V2-Lite, 1 token, H100 (round 3, session 14, same process): 56 us
-    against 68 with the 4- and 2-way split-K of the 16-token default."""
-    if blocks is not None and any(b is not None for b in blocks):
-        return blocks
-    return (ONE_TOKEN_BLOCK_N, None, 1, None) if n % ONE_TOKEN_BLOCK_N == 0 else blocks
-
-
 def _tile_first_rows(out: jax.Array, num_splits: int) -> jax.Array:
     """Each tile's first row of a kernel output ([Mp, N], or [S, Mp, N] split-K partials,
     summed) -> float32 [Mp / TILE_ROWS, N]: the one-token layout's pair rows."""
@@ -122,17 +108,14 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"ids must be integers, got {ids.dtype}")
     P = N * k
-    G, E, I = w_gate.shape
-    one_token = N == 1 and P <= G
-    if one_token:
-        gate_up_blocks = _one_token_blocks(gate_up_blocks, I)
-        down_blocks = _one_token_blocks(down_blocks, E)
     _, (bn, bk, splits, warps), (dbn, dbk, dsplits, dwarps) = resolve_ffn_blocks(
         x, w_gate, w_up, w_down, None, P, TILE_ROWS, gate_up_blocks, down_blocks,
-        tiles=min(k, G))
+        tiles=min(k, w_gate.shape[0]))
+    G, E, I = w_gate.shape
 
     experts = ids.reshape(P).astype(jnp.int32)
     real = (experts >= 0) & (experts < G)
+    one_token = N == 1 and P <= G
     if one_token:
         # Batch-1 decode: the token's k experts are distinct, so pair p has tile p to itself
         # and the layout is static. Every row of a tile holds the pair's row (a broadcast, not
