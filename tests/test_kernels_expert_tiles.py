@@ -1,4 +1,5 @@
-"""`expert_tile_swiglu` (one tile per touched expert, no sort; interpret mode here) against a
+"""`expert_tile_swiglu` (one tile per touched expert, no sort; interpret mode here, compiled on a
+GPU with MTPJAX_KERNELS_ON_DEVICE=1) against a
 per-pair float32 reference, its layout's invariants, its errors, and the MoE layer on it."""
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import pytest
 
 from pallas_kernels.grouped_matmul.expert_tiles import (TILE_ROWS, expert_tile_layout,
                                                         expert_tile_swiglu)
+from tests.kernel_oracle import interpret_mode
 
 
 def case(seed, N, k, G, E, I, dtype=jnp.float32, none_frac=0.2):
@@ -44,7 +46,7 @@ def reference(x, ids, wg, wu, wd, activation=jax.nn.silu):
 def test_equals_per_pair_reference(seed, N, k, G, gu, down):
     x, ids, wg, wu, wd = case(seed, N, k, G, 64, 32)
     got = expert_tile_swiglu(x, jnp.asarray(ids), wg, wu, wd, gate_up_blocks=gu,
-                             down_blocks=down, interpret=True)
+                             down_blocks=down, interpret=interpret_mode())
     assert got.shape == (N, k, 64) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), reference(x, ids, wg, wu, wd), rtol=1e-4,
                                atol=1e-4)
@@ -54,7 +56,7 @@ def test_equals_per_pair_reference(seed, N, k, G, gu, down):
 def test_bf16_and_gelu(seed):
     x, ids, wg, wu, wd = case(seed, 3, 2, 8, 64, 32, jnp.bfloat16)
     got = expert_tile_swiglu(x, jnp.asarray(ids), wg, wu, wd, activation=jax.nn.gelu,
-                             interpret=True)
+                             interpret=interpret_mode())
     want = reference(x, ids, wg, wu, wd, jax.nn.gelu)
     np.testing.assert_allclose(np.asarray(got), want, rtol=4e-2, atol=4e-2)
 
