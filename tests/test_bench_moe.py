@@ -93,3 +93,18 @@ def test_independent_calls_time_the_same_layer(capsys):
     assert moe.main(["--shapes", "tiny", "--tokens", "2", "--variants", "ragged_dot",
                      "--independent"]) == 0
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("| tiny | 2 |")
+
+
+def test_gemv_peer_rows_have_the_experts_bytes_and_bad_shapes_are_named():
+    """bench.gemv_peer (the one-token layer's GPU-time peer) on the tiny shape: one row per
+    matrix with the k experts' bytes and a positive time; an unknown shape is refused."""
+    from mtpjax.bench import gemv_peer
+    s = moe.SHAPES["tiny"]
+    rows = gemv_peer.gemv_rows("tiny", repeats=2)
+    assert [r["matrix"] for r in rows] == ["gate/up", "down"]
+    want_mb = [s["k"] * s["hidden"] * 2 * s["width"] * 2 / 1e6,
+               s["k"] * s["width"] * s["hidden"] * 2 / 1e6]
+    assert [r["MB"] for r in rows] == pytest.approx(want_mb)
+    assert all(math.isfinite(r["us"]) and r["us"] > 0 for r in rows)
+    with pytest.raises(SystemExit, match="--shapes takes .* got \\['v9'\\]"):
+        gemv_peer.main(["--shapes", "v9"])
