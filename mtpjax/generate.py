@@ -104,7 +104,10 @@ def plan_pages(needed_tokens: Sequence[int], page_size: int, num_pages: int | No
     return tables, num_pages
 
 
-def bucket_size(n: int, minimum: int = 8) -> int:
+MIN_TOKEN_BUCKET = 8    # the default smallest step shape (LLM min_token_bucket): few programs
+
+
+def bucket_size(n: int, minimum: int = MIN_TOKEN_BUCKET) -> int:
     """Smallest power of two >= n (and >= minimum): padded shapes compile only a few programs."""
     return max(minimum, 1 << (n - 1).bit_length())
 

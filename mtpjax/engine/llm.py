@@ -37,6 +37,7 @@ from mtpjax.engine.runner import ModelRunner
 from mtpjax.engine.scheduler import Scheduler
 from mtpjax.engine.sequence import Sequence, SequenceStatus
 from mtpjax.engine.warmup import WarmupProgress, step_buckets
+from mtpjax.generate import MIN_TOKEN_BUCKET
 from mtpjax.speculative.adaptive import AcceptanceTable, AdaptiveK
 from mtpjax.speculative.draft_vocab import resolve_ids as draft_vocab_ids
 
@@ -229,7 +230,8 @@ class LLM:
                  max_waiting_requests: int | None = 1024, warmup: bool | None = None,
                  max_logprobs: int = 0, adaptive_k: AdaptiveK | None = None, mesh=None,
                  draft_vocab=None, executable_cache: str | bool | None = None,
-                 fuse_projections: bool | str = False, min_token_bucket: int = 8):
+                 fuse_projections: bool | str = False,
+                 min_token_bucket: int = MIN_TOKEN_BUCKET):
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         if spec is not None:

@@ -20,7 +20,7 @@ import numpy as np
 from mtpjax.cache import init_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.engine.scheduler import SchedulerOutput
-from mtpjax.generate import bucket_size
+from mtpjax.generate import MIN_TOKEN_BUCKET, bucket_size
 from mtpjax.model.backend import resolve_backend
 from mtpjax.model.fused import fuse_projections as fuse, fusion_groups
 from mtpjax.parallel import check_mesh, create_sharded, replicate, shard_params
@@ -102,7 +102,7 @@ class ModelRunner:
                  page_size: int, max_num_seqs: int, max_blocks_per_seq: int, seed: int = 0,
                  attention_impl="auto", cache_dtype=None, max_logprobs: int = 0, mesh=None,
                  draft_vocab=None, executable_store=None, fuse_projections: bool | str = False,
-                 min_token_bucket: int = 8):
+                 min_token_bucket: int = MIN_TOKEN_BUCKET):
         self.params, self.cfg, self.spec = params, cfg, spec
         # the smallest step bucket (T and F): 8 keeps the compiled programs few; 1 lets a
         # batch-1 decode run unpadded

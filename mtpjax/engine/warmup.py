@@ -23,11 +23,11 @@ from __future__ import annotations
 import sys
 import time
 
-from mtpjax.generate import bucket_size
+from mtpjax.generate import MIN_TOKEN_BUCKET, bucket_size
 
 
 def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, window: int,
-                 minimum: int = 8) -> list[tuple[int, int]]:
+                 minimum: int = MIN_TOKEN_BUCKET) -> list[tuple[int, int]]:
     """Every (T, F) step shape an engine with these limits can dispatch, sorted. minimum: the
     smallest bucket (the engine's min_token_bucket)."""
     B, R, W = max_num_batched_tokens, max_num_seqs, window
