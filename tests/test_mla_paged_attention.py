@@ -115,11 +115,11 @@ MOSAIC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(MOSAIC_CASES)))
-def test_mosaic_kernel_matches_reference(case):
-  h, page, q_lens, kv_lens, max_pages, tuning = MOSAIC_CASES[case]
+@pytest.mark.parametrize("index", range(len(MOSAIC_CASES)))
+def test_mosaic_kernel_matches_reference(index):
+  h, page, q_lens, kv_lens, max_pages, tuning = MOSAIC_CASES[index]
   rank, rope = 128, 64
-  for seed in draw_seeds(case):
+  for seed in draw_seeds(index):
     case = _case(seed, q_lens, kv_lens, h, rank, rope, page, max_pages=max_pages)
     args = _args(case, "bfloat16")
     out = mla_paged_attention(*args, kv_lora_rank=rank, sm_scale=0.1,
@@ -139,7 +139,7 @@ def test_mosaic_uniform_batch_tiles_are_a_reshape(h, q_len, kv_lens, splits):
   """compact + uniform_q_len (what the model's dispatch passes for decode / verify steps):
   the tiles are a reshape of q, no gathers, and the result is the reference's."""
   rank, rope, page = 128, 64, 16
-  for seed in draw_seeds(5 + q_len):
+  for seed in draw_seeds(5 + q_len):      # draws apart from the cases' above (0-2)
     case = _case(seed, [q_len] * len(kv_lens), kv_lens, h, rank, rope, page, max_pages=9,
                  pad_seqs=0, pad_tokens=0)
     args = _args(case, "bfloat16")
