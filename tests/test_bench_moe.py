@@ -32,7 +32,7 @@ def test_bench_moe_tiny_prints_finite_rows(capsys, tmp_path):
     assert moe.main(["--shapes", "tiny", "--tokens", "1,16", "--out", str(tmp_path), "--variants",
                      "ragged_dot,tiled,pallas,pallas:16/32/16/2,pallas_ffn,pallas_ffn_sorted,"
                      "pallas_ffn:bm=16/bn=32/bk=32/s=2/st=2,pallas_tiles:bk=32/s=2/st=2,"
-                     "gather"]) == 0
+                     "pallas_fused,pallas_fused:bn=32/bk=32/be=32,gather"]) == 0
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1].startswith("| tiny | 16 |")
     assert "| pallas:16/32/16/2 us (x floor) |" in out
@@ -45,6 +45,9 @@ def test_bench_moe_tiny_prints_finite_rows(capsys, tmp_path):
         for v in ("tiled", "pallas", "pallas:16/32/16/2", "pallas_ffn", "pallas_ffn_sorted",
                   "pallas_ffn:bm=16/bn=32/bk=32/s=2/st=2", "pallas_tiles:bk=32/s=2/st=2"):
             assert r[f"{v}_err"] < 2e-2, v
+    for v in ("pallas_fused", "pallas_fused:bn=32/bk=32/be=32"):     # one token only
+        assert rows[0][f"{v}_err"] < 2e-2, v
+        assert "pallas_fused takes one token, got 16" in rows[1][f"{v}_error"]
 
 
 def test_ncu_targets_of_the_moe_layer_run_and_bad_names_are_refused(capsys):
@@ -66,6 +69,10 @@ def test_ffn_tuning_parses_and_names_a_bad_key():
         moe.parse_ffn_tuning("bm=64/warps=8")
     with pytest.raises(ValueError, match="'pallas_tiles:bm=16/s=2': expert tiles take no bm"):
         moe.pallas_variants(["pallas_tiles:bm=16/s=2"])
+    assert moe.parse_fused_tuning("bn=32/bk=256/w=8") == dict(block_n=32, block_k=256,
+                                                               num_warps=8)
+    with pytest.raises(ValueError, match="'s=2': expected KEY=INT with KEY in"):
+        moe.parse_fused_tuning("bn=32/s=2")
 
 
 def test_padded_batch_gives_the_real_tokens_rows(capsys):

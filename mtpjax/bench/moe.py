@@ -6,7 +6,8 @@ decode sizes (few tokens per expert: weight-read bound) and prefill sizes (compu
                                [--pad-to ROWS] [--independent]
                                [--variants ragged_dot,tiled,pallas,pallas:BM/BN/BK[/S],pallas_ffn,
                                            pallas_ffn_sorted,pallas_ffn:KEY=V/...,
-                                           pallas_tiles:KEY=V/...,mgpu,gather]
+                                           pallas_tiles:KEY=V/...,pallas_fused,
+                                           pallas_fused:KEY=V/...,mgpu,gather]
 
 Shapes (bf16 random weights, routing uniform random top-k without repeats per token):
   v2-lite   DeepSeek-V2-Lite: 64 routed experts, 6 per token, hidden 2048, expert width 1408
@@ -27,6 +28,10 @@ Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pai
               pallas_ffn:bm=128/bn=64/w=8/dbn=128/dw=8/st=4 (keys: `parse_ffn_tuning`)
   pallas_tiles:KEY=V/...  up to 16 tokens, the expert tiles with explicit tuning (the same
               keys but bm and cf), e.g. pallas_tiles:s=8/st=4
+  pallas_fused  one token only: the model's path with `one_token_expert_ffn` (the whole FFN in
+              one kernel: each program a block of one expert's hidden columns, through down)
+  pallas_fused:KEY=V/...  the same with explicit blocks, e.g. pallas_fused:bn=32/bk=128/be=256/w=4/st=3
+              (keys: FUSED_TUNING_KEYS)
   mgpu        the same sort/scatter with ragged_dot_mgpu (Hopper WGMMA + TMA) for the matmuls
   gather      w[ids] per (token, slot) and batched matvecs: reads each chosen expert once per
               token (duplicates at larger N); decode sizes only
@@ -174,6 +179,35 @@ def experts_pallas_tiles_tuned(x, p, ids, w, tuning: dict):
                               tile_swiglu=lambda *a: tiles(*a[:5], activation=a[5]))
 
 
+FUSED_TUNING_KEYS = {"bn": "block_n", "bk": "block_k", "be": "block_e", "w": "num_warps",
+                     "st": "num_stages"}
+
+
+def parse_fused_tuning(spec: str) -> dict:
+    """"bn=32/bk=128/w=4" -> one_token_expert_ffn keyword arguments (FUSED_TUNING_KEYS)."""
+    kw = {}
+    for item in filter(None, spec.split("/")):
+        key, _, val = item.partition("=")
+        if key not in FUSED_TUNING_KEYS or not val.isdigit():
+            raise ValueError(f"pallas_fused tuning {item!r}: expected KEY=INT with KEY in "
+                             f"{sorted(FUSED_TUNING_KEYS)}")
+        kw[FUSED_TUNING_KEYS[key]] = int(val)
+    return kw
+
+
+def experts_pallas_fused(x, p, ids, w, tuning=None):
+    """The model's path with one token's experts in one kernel (`one_token_expert_ffn`)."""
+    from mtpjax.model.grouped_matmul import forced_path
+    from pallas_kernels.grouped_matmul.fused_ffn import one_token_expert_ffn
+    if x.shape[0] != 1:
+        raise ValueError(f"pallas_fused takes one token, got {x.shape[0]}")
+    fused = functools.partial(one_token_expert_ffn, interpret=jax.default_backend() != "gpu",
+                              **(tuning or {}))
+    with forced_path("pallas"):
+        return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu,
+                              tile_swiglu=lambda *a: fused(*a[:5], activation=a[5]))
+
+
 def pallas_variants(use) -> list:
     """("pallas", fn) and one ("pallas:BM/BN/BK[/S]", fn) per such entry of `use` (S: split-K);
     "pallas_ffn", "pallas_ffn_sorted", and one ("pallas_ffn:KEY=V/...", fn) or
@@ -183,7 +217,12 @@ def pallas_variants(use) -> list:
         out.append(("pallas_ffn", experts_pallas_ffn))
     if "pallas_ffn_sorted" in use:
         out.append(("pallas_ffn_sorted", experts_pallas_ffn_sorted))
+    if "pallas_fused" in use:
+        out.append(("pallas_fused", experts_pallas_fused))
     for v in use:
+        if v.startswith("pallas_fused:"):
+            out.append((v, functools.partial(experts_pallas_fused,
+                                              tuning=parse_fused_tuning(v.split(":", 1)[1]))))
         if v.startswith("pallas_tiles:"):
             tuning = parse_ffn_tuning(v.split(":", 1)[1])
             if set(tuning) - {"gate_up_blocks", "down_blocks", "num_stages"}:

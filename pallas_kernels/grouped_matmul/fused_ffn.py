@@ -1,0 +1,151 @@
+"""One token's routed experts, the whole SwiGLU FFN in one kernel (batch-1 decode):
+
+    y[0, j] = w_down[e](activation(x @ w_gate[e]) * (x @ w_up[e])),  e = ids[0, j]
+
+x [1, E], ids int32[1, k] (an id < 0 or >= the number of experts: routed nowhere, its row is
+zero), w_gate / w_up [G, E, I], w_down [G, I, E] -> y float32[1, k, E], each expert's output,
+unweighted (`expert_tile_swiglu`'s contract).
+
+Program (j, c) owns expert ids[j]'s hidden columns [c * block_n, (c + 1) * block_n): it reads
+those columns of the gate and up weights (all E rows: the hidden values are complete), applies
+the activation, and multiplies its block_n hidden values by the same rows of the down weight,
+writing a float32 partial [E] of the expert's output. The wrapper sums the I / block_n
+partials. So every weight byte is read once, by one program, and the layer is one launch: at
+one DeepSeek-V2-Lite token, k x I / block_n = 6 x 22 = 132 programs (one per H100 SM) read
+104 MB in one wave, where the two-kernel form (`expert_tile_swiglu`) pays each kernel's
+ramp-up and tail and the split-K sums between them (round 3 session 14, docs/kernels.md).
+H100, round 3 session 15, kernel time alone: 38.1 us for those 104 MB, 2.72 TB/s (92% of
+the copy rate); the two kernels of the tiles took 33.6 + 16.8 us.
+
+Triton's dot takes at least 16 rows, so each x block is widened in registers to 16 rows, x then
+15 zero rows (no padding kernel before the launch): their hidden values are activation(0) x 0
+= 0 and their outputs zero, and each partial is the sum of its rows (row 0 plus exact zeros)
+with no value slicing in the kernel.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.grouped_matmul.grouped_matmul import check_ffn_weights
+
+DOT_ROWS = 16                   # Triton's smallest dot: x's one row, then zero rows
+TARGET_PROGRAMS = 128           # about one per SM of an H100 (132 SMs; 128 leaves 3% idle)
+STAGE_BYTES = 64 * 1024         # gate + up weight bytes per pipeline step (bf16)
+
+
+def _largest_dividing(dim: int, cap: int, floor: int = 16) -> int:
+    """The largest power of two in [floor, cap] dividing dim, or 0."""
+    b = cap
+    while b >= floor and dim % b:
+        b //= 2
+    return b if b >= floor else 0
+
+
+def default_blocks(k: int, E: int, I: int) -> tuple[int, int, int]:
+    """(block_n, block_k, block_e). block_n: hidden columns per program, halved from 128 until
+    the k x I / block_n programs reach TARGET_PROGRAMS (every SM must share the weight read).
+    block_k: rows of E per gate/up step, as many as fit STAGE_BYTES (256 at 64 columns).
+    block_e: 256 output columns per down step.
+
+    Measured on the H100, round 3 session 15, kernel time alone (CUPTI, `jax.profiler`),
+    one V2-Lite token (104 MB): 64 columns with 128 / 256 / 512 rows per step took 44.4 /
+    38.1 / 41.4 us (3 / 3 / 2 stages; 256 rows with 2 stages 40.8), 32 columns with 256
+    rows 40.5. A wide step, not a deep pipeline, keeps enough bytes in flight: with 128-row
+    steps, 2 stages ran faster than 3, 4 or 5 (Nsight Compute: 43.0 against 45.4 / 46.4 /
+    48.0 us). The V3 slice (8 of 128 experts, 705 MB; `bench moe`, whole layer): 128 columns
+    246 us against 275 at 64."""
+    bn = _largest_dividing(I, 128)
+    while bn > 16 and k * (I // bn) < TARGET_PROGRAMS and I % (bn // 2) == 0:
+        bn //= 2
+    rows = max(16, STAGE_BYTES // (2 * 2 * bn))
+    return bn, _largest_dividing(E, min(rows, 256)), _largest_dividing(E, 256)
+
+
+def fused_ffn_kernel(x_ref, wg_ref, wu_ref, wd_ref, ids_ref, o_ref, *, block_n: int,
+                     block_k: int, block_e: int, activation):
+    """Program (j, c): o_ref [E] = the float32 partial of pair j's output over hidden block c."""
+    G, E, _ = wg_ref.shape
+    j, c = pl.program_id(0), pl.program_id(1)
+    g = ids_ref[j]
+    routed = (g >= 0) & (g < G)
+    g = jnp.where(routed, g, 0)
+    cols = pl.ds(c * block_n, block_n)
+    # float32 inputs: full-precision dots (Triton would use TF32), as the f32 tests compare
+    precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+    # int32 bounds on both ends: Triton's scf.for needs one type (expert_tiles' kernel.py)
+    zero_i = jnp.int32(0)
+
+    first_row = lax.broadcasted_iota(jnp.int32, (DOT_ROWS, block_k), 0) == 0
+
+    def gate_up(i, accs):
+        rows = pl.ds(i * block_k, block_k)
+        x = jnp.broadcast_to(x_ref[:, rows], (DOT_ROWS, block_k))
+        x = jnp.where(first_row, x, jnp.zeros((), x.dtype))            # [16, block_k]
+        return (accs[0] + plgpu.dot(x, wg_ref[g, rows, cols], precision=precision),
+                accs[1] + plgpu.dot(x, wu_ref[g, rows, cols], precision=precision))
+
+    zero = jnp.zeros((DOT_ROWS, block_n), jnp.float32)
+    n_k = jnp.where(routed, jnp.int32(E // block_k), zero_i)   # routed nowhere: no reads
+    gate, up = lax.fori_loop(zero_i, n_k, gate_up, (zero, zero))
+    h = (activation(gate) * up).astype(x_ref.dtype)                     # [16, block_n]
+
+    def down(i, carry):
+        out = pl.ds(i * block_e, block_e)
+        y = plgpu.dot(h, wd_ref[g, cols, out], precision=precision)     # [16, block_e]
+        o_ref[out] = jnp.sum(y, axis=0)                                 # row 0 + zeros
+        return carry
+
+    n_e = jnp.where(routed, jnp.int32(E // block_e), zero_i)   # unwritten: masked by the caller
+    lax.fori_loop(zero_i, n_e, down, zero_i)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "block_n", "block_k", "block_e",
+                                             "num_warps", "num_stages", "interpret"))
+def one_token_expert_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                         w_down: jax.Array, *, activation=jax.nn.silu,
+                         block_n: int | None = None, block_k: int | None = None,
+                         block_e: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                         interpret: bool = False) -> jax.Array:
+    """See the module docstring. Blocks not given come from `default_blocks`. ValueError for
+    shapes, dtypes or blocks the kernel cannot take."""
+    G, E, I = check_ffn_weights(w_gate, w_up, w_down)
+    if x.ndim != 2 or x.shape[0] != 1 or x.shape[1] != E:
+        raise ValueError(f"x must be [1, E={E}] (one token), got {tuple(x.shape)}")
+    if ids.ndim != 2 or ids.shape[0] != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"ids must be integers [1, k], got {ids.dtype}{list(ids.shape)}")
+    if x.dtype not in (jnp.bfloat16, jnp.float32) or {w.dtype for w in
+                                                       (w_gate, w_up, w_down)} != {x.dtype}:
+        raise ValueError(f"x and the weights must all be bfloat16 or all float32, got x "
+                         f"{x.dtype}, weights {w_gate.dtype} / {w_up.dtype} / {w_down.dtype}")
+    k = ids.shape[1]
+    auto = default_blocks(k, E, I)
+    block_n, block_k, block_e = (b or a for b, a in zip((block_n, block_k, block_e), auto))
+    for name, b, dim, dim_name in (("block_n", block_n, I, "I"), ("block_k", block_k, E, "E"),
+                                   ("block_e", block_e, E, "E")):
+        if b < 16 or b & (b - 1) or dim % b:
+            raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton's dot) dividing "
+                             f"{dim_name}={dim}")
+    n_cols = I // block_n
+    experts = ids.reshape(k).astype(jnp.int32)
+    kernel = functools.partial(fused_ffn_kernel, block_n=block_n, block_k=block_k,
+                               block_e=block_e, activation=activation)
+    partials = pl.pallas_call(
+        kernel,
+        grid=(k, n_cols),
+        in_specs=[pl.BlockSpec((1, E), lambda j, c: (0, 0))]
+        + [pl.BlockSpec(memory_space=pl.ANY)] * 4,
+        out_specs=pl.BlockSpec((None, None, E), lambda j, c: (j, c, 0)),
+        out_shape=jax.ShapeDtypeStruct((k, n_cols, E), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="one_token_expert_ffn",
+    )(x, w_gate, w_up, w_down, experts)
+    routed = (experts >= 0) & (experts < G)
+    y = jnp.where(routed[:, None], partials.sum(1), 0.0)    # unrouted pairs' rows: unwritten
+    return y.reshape(1, k, E)
