@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped_matmul.fused_ffn import default_blocks, one_token_expert_ffn
+from pallas_kernels.grouped_matmul.fused_ffn import (default_blocks, one_token_expert_ffn,
+                                                     one_token_moe_ffn)
 from tests.kernel_oracle import interpret_mode
 from tests.test_kernels_expert_tiles import case, reference
 
@@ -33,6 +34,19 @@ def test_bf16_and_gelu(seed):
                                interpret=interpret_mode())
     np.testing.assert_allclose(np.asarray(got), reference(x, ids, wg, wu, wd, jax.nn.gelu),
                                rtol=4e-2, atol=4e-2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_weighted_sum_equals_the_reference(seed):
+    """one_token_moe_ffn: the routing-weighted sum of the pairs' outputs, pairs routed nowhere
+    adding nothing (their partials are never written: NaN there must not leak)."""
+    x, ids, wg, wu, wd = case(seed, 1, 4, 8, 64, 64, none_frac=0.3)
+    w = jax.random.uniform(jax.random.PRNGKey(seed + 10), (1, 4))
+    got = one_token_moe_ffn(x, jnp.asarray(ids), w, wg, wu, wd, block_n=16,
+                            interpret=interpret_mode())
+    want = np.einsum("nk,nke->ne", np.asarray(w, np.float64), reference(x, ids, wg, wu, wd))
+    assert got.shape == (1, 64) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
 def test_unrouted_token_is_zero():
@@ -65,6 +79,8 @@ def test_bad_inputs_name_the_value():
     with pytest.raises(ValueError, match="block_e=128 .* dividing E=64"):
         one_token_expert_ffn(x[:1], jnp.asarray(ids[:1]), wg, wu, wd, block_e=128,
                              interpret=True)
+    with pytest.raises(ValueError, match=r"weights must be \[1, k=2\] like ids, got \(2,\)"):
+        one_token_moe_ffn(x[:1], jnp.asarray(ids[:1]), jnp.ones(2), wg, wu, wd, interpret=True)
     with pytest.raises(ValueError, match="must all be bfloat16 or all float32, got x float32, weights float32 / float32 / bfloat16"):
         one_token_expert_ffn(x[:1], jnp.asarray(ids[:1]), wg, wu, wd.astype(jnp.bfloat16),
                              interpret=True)
@@ -78,9 +94,35 @@ def test_one_launch_and_no_layout_ops():
             jax.ShapeDtypeStruct((16, 256, 128), jnp.bfloat16),
             jax.ShapeDtypeStruct((16, 256, 128), jnp.bfloat16),
             jax.ShapeDtypeStruct((16, 128, 256), jnp.bfloat16))
-    text = export.export(jax.jit(one_token_expert_ffn), platforms=["cuda"], disabled_checks=[
-        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
-    assert text.count("__gpu$xla.gpu.triton") == 1
-    assert 'name = "one_token_expert_ffn' in text
-    for op in ("gather", "sort", "scatter"):
-        assert f"stablehlo.{op}" not in text, op
+    weights = jax.ShapeDtypeStruct((1, 6), jnp.float32)
+    for f, a in ((one_token_expert_ffn, args),
+                 (one_token_moe_ffn, args[:2] + (weights,) + args[2:])):
+        text = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*a).mlir_module()
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        assert 'name = "one_token_expert_ffn' in text
+        for op in ("gather", "sort", "scatter"):
+            assert f"stablehlo.{op}" not in text, op
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_moe_layer_at_one_token_takes_the_fused_kernel(seed):
+    """The MoE layer at one token (forced onto the Pallas path, interpreted) runs the fused
+    kernel, and equals the sorted layout's output; a padding token (valid False) gives 0."""
+    from mtpjax.model.grouped_matmul import forced_path
+    from mtpjax.model.moe import routed_experts
+    x, ids, wg, wu, wd = case(seed, 1, 3, 8, 64, 32, none_frac=0.0)
+    p = {"w_gate": wg, "w_up": wu, "w_down": wd}
+    w = jax.random.uniform(jax.random.PRNGKey(seed), (1, 3))
+    for valid in (jnp.asarray([True]), jnp.asarray([False])):
+        with forced_path("pallas"):
+            fused = routed_experts(p, x, jnp.asarray(ids), w, valid, jax.nn.silu)
+            text = str(jax.make_jaxpr(lambda x: routed_experts(p, x, jnp.asarray(ids), w, valid,
+                                                               jax.nn.silu))(x))
+            sorted_ = routed_experts(p, x, jnp.asarray(ids), w, valid, jax.nn.silu,
+                                     expert_tiles=False)
+        assert "one_token_expert_ffn" in text and "expert_tiles_gate_up" not in text
+        np.testing.assert_allclose(np.asarray(fused), np.asarray(sorted_), rtol=1e-4,
+                                   atol=1e-4)
+        if not bool(valid[0]):
+            np.testing.assert_array_equal(np.asarray(fused), 0.0)

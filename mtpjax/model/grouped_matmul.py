@@ -128,14 +128,18 @@ def uses_expert_tiles(tokens: int, groups: int, per_device: bool = False) -> boo
 
 def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                        w_down: jax.Array, activation) -> jax.Array:
-    """`pallas_kernels.grouped_matmul.expert_tile_swiglu`, or for one token (a batch-1 decode)
-    `one_token_expert_ffn` (the whole FFN in one kernel: H100, round 3 session 15, `bench moe`
-    one V2-Lite token 53 us against the tiles' 63; the V3 slice's 267 against 264);
-    interpreted off the GPU (there only when forced): x [N, E], ids int32[N, k] (-1: none) ->
-    float32 [N, k, E]."""
+    """`pallas_kernels.grouped_matmul.expert_tile_swiglu`, interpreted off the GPU (there only
+    when forced): x [N, E], ids int32[N, k] (-1: none) -> float32 [N, k, E]."""
     from pallas_kernels.grouped_matmul.expert_tiles import expert_tile_swiglu as kernel_ffn
-    from pallas_kernels.grouped_matmul.fused_ffn import one_token_expert_ffn
-    if x.shape[0] == 1:
-        kernel_ffn = one_token_expert_ffn
     return kernel_ffn(x, ids, w_gate, w_up, w_down, activation=activation,
+                      interpret=jax.default_backend() != "gpu")
+
+
+def one_token_moe_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
+                      w_up: jax.Array, w_down: jax.Array, activation) -> jax.Array:
+    """`pallas_kernels.grouped_matmul.one_token_moe_ffn` (one token's routed experts and their
+    weighted sum in one kernel and one reduction), interpreted off the GPU (there only when
+    forced): x [1, E], ids int32[1, k] (-1: none), weights f32[1, k] -> float32 [1, E]."""
+    from pallas_kernels.grouped_matmul.fused_ffn import one_token_moe_ffn as kernel_ffn
+    return kernel_ffn(x, ids, weights, w_gate, w_up, w_down, activation=activation,
                       interpret=jax.default_backend() != "gpu")

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from mtpjax.model.dense_ffn import swiglu
-from mtpjax.model.grouped_matmul import expert_tile_swiglu, grouped_swiglu, uses_expert_tiles
+from mtpjax.model.grouped_matmul import (expert_tile_swiglu, grouped_swiglu, one_token_moe_ffn,
+                                         uses_expert_tiles)
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
 
 
@@ -69,18 +70,24 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     grouped matmul(rows, w, sizes) for each of the three projections (the MoE bench passes
     one). per_device: inside the expert-parallel `shard_map` (this device's experts only).
     expert_tiles: on the Pallas path, up to 16 tokens go through `expert_tile_swiglu` (one tile
-    per touched expert, no sort); False keeps the sorted layout (the MoE bench compares them).
+    per touched expert, no sort), and one token through `one_token_moe_ffn` (the FFN and the
+    weighted sum in one kernel); False keeps the sorted layout (the MoE bench compares them).
     swiglu: None for the model's, or the whole routed SwiGLU over the sorted rows,
     swiglu(rows, w_gate, w_up, w_down, sizes) (the MoE bench passes tuned kernels).
     tile_swiglu: None for `expert_tile_swiglu`, or a function of its arguments (x, ids,
-    w_gate, w_up, w_down, activation) used in its place (the MoE bench's tuned tiles)."""
+    w_gate, w_up, w_down, activation) used in its place, one token included (the MoE bench's
+    tuned tiles)."""
     N, k = ids.shape
     X = p["w_gate"].shape[0]
     model_path = matmul is None and swiglu is None
     if model_path and expert_tiles and uses_expert_tiles(N, X, per_device):
-        none = ~valid[:, None] | (ids >= X)
+        ids = jnp.where(~valid[:, None] | (ids >= X), -1, ids)     # -1: routed nowhere
+        if N == 1 and tile_swiglu is None:      # batch-1 decode: the FFN and the sum in one
+            y = one_token_moe_ffn(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"],
+                                  activation)                     # f32 [1, E]
+            return y.astype(out_dtype or x.dtype)
         y = (tile_swiglu or expert_tile_swiglu)(
-            x, jnp.where(none, -1, ids), p["w_gate"], p["w_up"], p["w_down"],
+            x, ids, p["w_gate"], p["w_up"], p["w_down"],
             activation)                                           # f32 [N, k, E], 0 for none
         return _weighted_sum(y, weights).astype(out_dtype or x.dtype)
     expert = jnp.where(valid[:, None] & (ids < X), ids, X).reshape(-1)   # -> past every group

@@ -67,9 +67,10 @@ def default_blocks(k: int, E: int, I: int) -> tuple[int, int, int]:
     return bn, _largest_dividing(E, min(rows, 256)), _largest_dividing(E, 256)
 
 
-def fused_ffn_kernel(x_ref, wg_ref, wu_ref, wd_ref, ids_ref, o_ref, *, block_n: int,
+def fused_ffn_kernel(x_ref, wg_ref, wu_ref, wd_ref, ids_ref, scale_ref, o_ref, *, block_n: int,
                      block_k: int, block_e: int, activation):
-    """Program (j, c): o_ref [E] = the float32 partial of pair j's output over hidden block c."""
+    """Program (j, c): o_ref [E] = the float32 partial of pair j's output over hidden block c,
+    times scale_ref[j] (the routing weight, or 1)."""
     G, E, _ = wg_ref.shape
     j, c = pl.program_id(0), pl.program_id(1)
     g = ids_ref[j]
@@ -98,22 +99,19 @@ def fused_ffn_kernel(x_ref, wg_ref, wu_ref, wd_ref, ids_ref, o_ref, *, block_n: 
     def down(i, carry):
         out = pl.ds(i * block_e, block_e)
         y = plgpu.dot(h, wd_ref[g, cols, out], precision=precision)     # [16, block_e]
-        o_ref[out] = jnp.sum(y, axis=0)                                 # row 0 + zeros
+        o_ref[out] = jnp.sum(y, axis=0) * scale                         # row 0 + zeros
         return carry
 
+    scale = scale_ref[j]
     n_e = jnp.where(routed, jnp.int32(E // block_e), zero_i)   # unwritten: masked by the caller
     lax.fori_loop(zero_i, n_e, down, zero_i)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "block_n", "block_k", "block_e",
-                                             "num_warps", "num_stages", "interpret"))
-def one_token_expert_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                         w_down: jax.Array, *, activation=jax.nn.silu,
-                         block_n: int | None = None, block_k: int | None = None,
-                         block_e: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                         interpret: bool = False) -> jax.Array:
-    """See the module docstring. Blocks not given come from `default_blocks`. ValueError for
-    shapes, dtypes or blocks the kernel cannot take."""
+def _routed_partials(x, ids, scale, w_gate, w_up, w_down, *, activation, block_n, block_k,
+                     block_e, num_warps, num_stages, interpret):
+    """The kernel's float32 partials [k, I / block_n, E] (rows of pairs routed nowhere are
+    unwritten) and routed bool[k], after checking the operands (ValueError naming the bad
+    one)."""
     G, E, I = check_ffn_weights(w_gate, w_up, w_down)
     if x.ndim != 2 or x.shape[0] != 1 or x.shape[1] != E:
         raise ValueError(f"x must be [1, E={E}] (one token), got {tuple(x.shape)}")
@@ -124,6 +122,8 @@ def one_token_expert_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: 
         raise ValueError(f"x and the weights must all be bfloat16 or all float32, got x "
                          f"{x.dtype}, weights {w_gate.dtype} / {w_up.dtype} / {w_down.dtype}")
     k = ids.shape[1]
+    if scale.shape != (1, k):
+        raise ValueError(f"weights must be [1, k={k}] like ids, got {tuple(scale.shape)}")
     auto = default_blocks(k, E, I)
     block_n, block_k, block_e = (b or a for b, a in zip((block_n, block_k, block_e), auto))
     for name, b, dim, dim_name in (("block_n", block_n, I, "I"), ("block_k", block_k, E, "E"),
@@ -139,13 +139,51 @@ def one_token_expert_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: 
         kernel,
         grid=(k, n_cols),
         in_specs=[pl.BlockSpec((1, E), lambda j, c: (0, 0))]
-        + [pl.BlockSpec(memory_space=pl.ANY)] * 4,
+        + [pl.BlockSpec(memory_space=pl.ANY)] * 5,
         out_specs=pl.BlockSpec((None, None, E), lambda j, c: (j, c, 0)),
         out_shape=jax.ShapeDtypeStruct((k, n_cols, E), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="one_token_expert_ffn",
-    )(x, w_gate, w_up, w_down, experts)
-    routed = (experts >= 0) & (experts < G)
+    )(x, w_gate, w_up, w_down, experts, scale.reshape(k).astype(jnp.float32))
+    return partials, (experts >= 0) & (experts < G)
+
+
+_STATIC = ("activation", "block_n", "block_k", "block_e", "num_warps", "num_stages",
+           "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def one_token_expert_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                         w_down: jax.Array, *, activation=jax.nn.silu,
+                         block_n: int | None = None, block_k: int | None = None,
+                         block_e: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                         interpret: bool = False) -> jax.Array:
+    """See the module docstring: y float32[1, k, E], each pair's output unweighted. Blocks not
+    given come from `default_blocks`. ValueError for shapes, dtypes or blocks the kernel
+    cannot take."""
+    ones = jnp.ones((1, ids.shape[-1]), jnp.float32)
+    partials, routed = _routed_partials(
+        x, ids, ones, w_gate, w_up, w_down, activation=activation, block_n=block_n,
+        block_k=block_k, block_e=block_e, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret)
     y = jnp.where(routed[:, None], partials.sum(1), 0.0)    # unrouted pairs' rows: unwritten
-    return y.reshape(1, k, E)
+    return y[None]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def one_token_moe_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
+                      w_up: jax.Array, w_down: jax.Array, *, activation=jax.nn.silu,
+                      block_n: int | None = None, block_k: int | None = None,
+                      block_e: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                      interpret: bool = False) -> jax.Array:
+    """The routed experts' weighted sum for one token: sum_j weights[0, j] * y[0, j] ->
+    float32 [1, E] (weights float [1, k]). The kernel scales each partial by its pair's
+    weight, so the partials' sum is the layer's output: one reduction after the launch, where
+    the unweighted form's sum, weighting and sum over k were two or three small kernels
+    (Nsight Compute, H100, round 3 session 15). ValueError as `one_token_expert_ffn`."""
+    partials, routed = _routed_partials(
+        x, ids, weights, w_gate, w_up, w_down, activation=activation, block_n=block_n,
+        block_k=block_k, block_e=block_e, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret)
+    return jnp.where(routed[:, None, None], partials, 0.0).sum((0, 1))[None]
