@@ -102,17 +102,24 @@ def fused_ffn_kernel(x_ref, wg_ref, wu_ref, wd_ref, ids_ref, scale_ref, o_ref, *
         o_ref[out] = jnp.sum(y, axis=0) * scale                         # row 0 + zeros
         return carry
 
+    def zeros(i, carry):
+        o_ref[pl.ds(i * block_e, block_e)] = jnp.zeros((block_e,), jnp.float32)
+        return carry
+
     scale = scale_ref[j]
-    n_e = jnp.where(routed, jnp.int32(E // block_e), zero_i)   # unwritten: masked by the caller
+    # A pair routed nowhere writes zeros without reading a weight: the partials need no mask
+    # (a select before the sum was its own small kernel on the H100), and a dynamic trip
+    # count, not a branch, keeps the down loop's loads pipelined.
+    n_e = jnp.where(routed, jnp.int32(E // block_e), zero_i)
     lax.fori_loop(zero_i, n_e, down, zero_i)
+    lax.fori_loop(zero_i, jnp.int32(E // block_e) - n_e, zeros, zero_i)
 
 
 def _routed_partials(x, ids, scale, w_gate, w_up, w_down, *, activation, block_n, block_k,
                      block_e, num_warps, num_stages, interpret):
-    """The kernel's float32 partials [k, I / block_n, E] (rows of pairs routed nowhere are
-    unwritten) and routed bool[k], after checking the operands (ValueError naming the bad
-    one)."""
-    G, E, I = check_ffn_weights(w_gate, w_up, w_down)
+    """The kernel's float32 partials [k, I / block_n, E] (zero for pairs routed nowhere),
+    after checking the operands (ValueError naming the bad one)."""
+    _, E, I = check_ffn_weights(w_gate, w_up, w_down)
     if x.ndim != 2 or x.shape[0] != 1 or x.shape[1] != E:
         raise ValueError(f"x must be [1, E={E}] (one token), got {tuple(x.shape)}")
     if ids.ndim != 2 or ids.shape[0] != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -146,7 +153,7 @@ def _routed_partials(x, ids, scale, w_gate, w_up, w_down, *, activation, block_n
         interpret=interpret,
         name="one_token_expert_ffn",
     )(x, w_gate, w_up, w_down, experts, scale.reshape(k).astype(jnp.float32))
-    return partials, (experts >= 0) & (experts < G)
+    return partials
 
 
 _STATIC = ("activation", "block_n", "block_k", "block_e", "num_warps", "num_stages",
@@ -163,12 +170,11 @@ def one_token_expert_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: 
     given come from `default_blocks`. ValueError for shapes, dtypes or blocks the kernel
     cannot take."""
     ones = jnp.ones((1, ids.shape[-1]), jnp.float32)
-    partials, routed = _routed_partials(
+    partials = _routed_partials(
         x, ids, ones, w_gate, w_up, w_down, activation=activation, block_n=block_n,
         block_k=block_k, block_e=block_e, num_warps=num_warps, num_stages=num_stages,
         interpret=interpret)
-    y = jnp.where(routed[:, None], partials.sum(1), 0.0)    # unrouted pairs' rows: unwritten
-    return y[None]
+    return partials.sum(1)[None]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -182,8 +188,8 @@ def one_token_moe_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: 
     weight, so the partials' sum is the layer's output: one reduction after the launch, where
     the unweighted form's sum, weighting and sum over k were two or three small kernels
     (Nsight Compute, H100, round 3 session 15). ValueError as `one_token_expert_ffn`."""
-    partials, routed = _routed_partials(
+    partials = _routed_partials(
         x, ids, weights, w_gate, w_up, w_down, activation=activation, block_n=block_n,
         block_k=block_k, block_e=block_e, num_warps=num_warps, num_stages=num_stages,
         interpret=interpret)
-    return jnp.where(routed[:, None, None], partials, 0.0).sum((0, 1))[None]
+    return partials.sum((0, 1))[None]
