@@ -115,3 +115,18 @@ def test_gemv_peer_rows_have_the_experts_bytes_and_bad_shapes_are_named():
     assert all(math.isfinite(r["us"]) and r["us"] > 0 for r in rows)
     with pytest.raises(SystemExit, match="--shapes takes .* got \\['v9'\\]"):
         gemv_peer.main(["--shapes", "v9"])
+
+
+def test_timeline_off_the_gpu_keeps_the_wall_clock_rows(capsys):
+    """--timeline reads the kernels' timestamps; off the GPU there are none, so the rows keep
+    only the wall-clock columns (and the run does not fail)."""
+    from mtpjax.bench.kernels import chained_gpu_time
+    assert chained_gpu_time(lambda q, w: q @ w, [jnp.ones((4, 4))] * 8,
+                            (jnp.eye(4),)) is None
+    assert moe.main(["--shapes", "tiny", "--tokens", "1", "--variants", "pallas_ffn",
+                     "--timeline"]) == 0
+    out = capsys.readouterr().out
+    assert "| tiny | 1 |" in out and "GPU" not in out.splitlines()[-1]
+    row = {"shape": "v2-lite", "tokens": 1, "touched": 6, "floor_us": 35.0, "pallas_ffn_us": 70.0,
+           "pallas_ffn_x_floor": 2.0, "pallas_ffn_gpu_us": 42.0, "pallas_ffn_gpu_kernels": 3.0}
+    assert "| 70 (2.00x); GPU 42.0 (1.20x, 3 kernels) |" in moe.table([row])

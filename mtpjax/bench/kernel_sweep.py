@@ -273,25 +273,9 @@ def _device_timeline(fn, args, label):
     """Runs fn(*args) once under jax.profiler and returns the GPU kernel timeline of
     that call (CUPTI activity through the XLA profiler): kernel count, summed kernel
     time, span from first start to last end, and the idle gaps between kernels."""
-    import glob
-    import tempfile
-    d = tempfile.mkdtemp()
-    jax.block_until_ready(fn(*args))
-    jax.profiler.start_trace(d)
-    jax.block_until_ready(fn(*args))
-    jax.profiler.stop_trace()
-    pd = jax.profiler.ProfileData.from_file(glob.glob(d + "/**/*.xplane.pb", recursive=True)[0])
-    evs = []
-    for plane in pd.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
-                continue
-            evs += [(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
-    evs.sort()
+    evs = bench.gpu_kernel_events(fn, args)
     if not evs:
-        bench.log(label, "no GPU events; planes:", [p.name for p in pd.planes])
+        bench.log(label, "no GPU events")
         return
     gaps = sorted(b[0] - (a[0] + a[1]) for a, b in zip(evs, evs[1:]))
     names = {}

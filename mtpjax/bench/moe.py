@@ -3,7 +3,7 @@
 decode sizes (few tokens per expert: weight-read bound) and prefill sizes (compute bound).
 
     python -m mtpjax.bench.moe [--shapes v2-lite,v3-slice] [--tokens 1,32,256,4096] [--out DIR]
-                               [--pad-to ROWS] [--independent]
+                               [--pad-to ROWS] [--independent] [--timeline]
                                [--variants ragged_dot,tiled,pallas,pallas:BM/BN/BK[/S],pallas_ffn,
                                            pallas_ffn_sorted,pallas_ffn:KEY=V/...,
                                            pallas_tiles:KEY=V/...,pallas_fused,
@@ -39,7 +39,9 @@ Floors: decode = bytes of the distinct experts touched (3 matrices each) / same-
 bandwidth; prefill = FLOPs (2 * N * k * 3 * E * I) / same-run dense bf16 matmul rate
 (max of the two is reported). Times: marginal per call in one jit of many calls
 (`mtpjax.bench.kernels.timeit`), each call with its own routing, chained as a model's layers
-are (a call's input is the previous call's output). GPU only for `mgpu`; the rest runs
+are (a call's input is the previous call's output); with --timeline also the GPU time per
+call from the kernels' timestamps (`kernels.chained_gpu_time`: at one token, steadier than
+the wall-clock difference). GPU only for `mgpu`; the rest runs
 anywhere (`--shapes tiny` is the CPU smoke test).
 """
 from __future__ import annotations
@@ -55,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtpjax.bench.kernels import copy_bandwidth, matmul_rate, rel_err, timeit
+from mtpjax.bench.kernels import chained_gpu_time, copy_bandwidth, matmul_rate, rel_err, timeit
 from mtpjax.model.grouped_matmul import tiled_grouped_matmul
 from mtpjax.model.moe import routed_experts
 from mtpjax.step_jit import STEP_COMPILER_OPTIONS
@@ -294,10 +296,12 @@ def pad_routing(shape: dict, ids, w, pad_to: int):
 
 def run(shape_names, token_counts, out_dir=None,
         use=("ragged_dot", "tiled", "pallas", "pallas_ffn", "mgpu", "gather"), pad_to: int = 0,
-        independent: bool = False):
+        independent: bool = False, timeline: bool = False):
     """pad_to: run each token count in a batch of this many rows, the rest padding (as the
     engine's token buckets do; floors count the real tokens). `mgpu` and `gather` then skip.
-    independent: time independent calls (the method before round 3 session 11), not chained."""
+    independent: time independent calls (the method before round 3 session 11), not chained.
+    timeline: also the GPU time per call from the kernels' own timestamps
+    (`kernels.chained_gpu_time`: the span of the same calls, host dispatch excluded)."""
     on_gpu = jax.default_backend() == "gpu"
     copy_bw, _ = copy_bandwidth() if on_gpu else (1e11, {})
     flops = matmul_rate(8192 if on_gpu else 256, reps=2 if on_gpu else 1)
@@ -339,10 +343,15 @@ def run(shape_names, token_counts, out_dir=None,
                     # XLA's dot merger (off in the model's steps) would merge the calls'
                     # dense ragged_dots into one that reads the experts once for all
                     # (ragged_dot measured 0.55x its floor on the H100 that way)
-                    t, out = timeit(lambda q, p: fn(q[0], p, q[1], q[2]), xs, (p,),
-                                    repeats=15 if on_gpu else 2,
-                                    compiler_options=STEP_COMPILER_OPTIONS,
-                                    chain=None if independent else lambda q, y: (y, *q[1:]))
+                    layer = lambda q, p: fn(q[0], p, q[1], q[2])          # noqa: E731
+                    chain = None if independent else lambda q, y: (y, *q[1:])  # noqa: E731
+                    t, out = timeit(layer, xs, (p,), repeats=15 if on_gpu else 2,
+                                    compiler_options=STEP_COMPILER_OPTIONS, chain=chain)
+                    gpu = chained_gpu_time(layer, xs, (p,), STEP_COMPILER_OPTIONS,
+                                           chain) if timeline else None
+                    if gpu:
+                        row[f"{vname}_gpu_us"] = gpu["span_us"]
+                        row[f"{vname}_gpu_kernels"] = gpu["kernels"]
                     err = 0.0 if ref is None else rel_err(out, ref)
                     ref = out if ref is None else ref
                     row[f"{vname}_us"] = t * 1e6
@@ -368,7 +377,7 @@ def table(rows) -> str:
     for r in rows:
         for key in r:
             for suffix in ("_us", "_error"):
-                if key.endswith(suffix) and key != "floor_us":
+                if key.endswith(suffix) and key != "floor_us" and not key.endswith("_gpu_us"):
                     name = key[:-len(suffix)]
                     if name not in names:
                         names.append(name)
@@ -376,7 +385,12 @@ def table(rows) -> str:
     def cell(r, v):
         if f"{v}_us" not in r:
             return "fail" if f"{v}_error" in r else "-"
-        return f"{r[f'{v}_us']:.0f} ({r[f'{v}_x_floor']:.2f}x)"
+        wall = f"{r[f'{v}_us']:.0f} ({r[f'{v}_x_floor']:.2f}x)"
+        if f"{v}_gpu_us" not in r:
+            return wall
+        g = r[f"{v}_gpu_us"]
+        return (f"{wall}; GPU {g:.1f} ({g / r['floor_us']:.2f}x, "
+                f"{r[f'{v}_gpu_kernels']:.0f} kernels)")
     lines = ["| shape | tokens | experts touched | floor us | "
              + " | ".join(f"{v} us (x floor)" for v in names) + " |",
              "|---|---|---|---|" + "---|" * len(names)]
@@ -400,11 +414,14 @@ def main(argv=None):
                     help="time independent calls, not each call on the previous one's output "
                          "(the method before round 3 session 11; XLA then interleaves the "
                          "calls' layout ops)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also each variant's GPU time per call from its kernels' timestamps "
+                         "(span of the chained calls, host dispatch excluded; GPU only)")
     a = ap.parse_args(argv)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
     run(a.shapes.split(","), [int(t) for t in a.tokens.split(",")], a.out,
-        tuple(a.variants.split(",")), a.pad_to, a.independent)
+        tuple(a.variants.split(",")), a.pad_to, a.independent, a.timeline)
     return 0
 
 
