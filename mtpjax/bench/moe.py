@@ -28,7 +28,7 @@ Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pai
               pallas_ffn:bm=128/bn=64/w=8/dbn=128/dw=8/st=4 (keys: `parse_ffn_tuning`)
   pallas_tiles:KEY=V/...  up to 16 tokens, the expert tiles with explicit tuning (the same
               keys but bm and cf), e.g. pallas_tiles:s=8/st=4
-  pallas_fused  one token only: the model's path with `one_token_expert_ffn` (the whole FFN in
+  pallas_fused  one or two tokens: the model's path with `fused_expert_ffn` (the whole FFN in
               one kernel: each program a block of one expert's hidden columns, through down)
   pallas_fused:KEY=V/...  the same with explicit blocks, e.g. pallas_fused:bn=32/bk=128/be=256/w=4/st=3
               (keys: FUSED_TUNING_KEYS)
@@ -186,7 +186,7 @@ FUSED_TUNING_KEYS = {"bn": "block_n", "bk": "block_k", "be": "block_e", "w": "nu
 
 
 def parse_fused_tuning(spec: str) -> dict:
-    """"bn=32/bk=128/w=4" -> one_token_expert_ffn keyword arguments (FUSED_TUNING_KEYS)."""
+    """"bn=32/bk=128/w=4" -> fused_expert_ffn keyword arguments (FUSED_TUNING_KEYS)."""
     kw = {}
     for item in filter(None, spec.split("/")):
         key, _, val = item.partition("=")
@@ -198,12 +198,13 @@ def parse_fused_tuning(spec: str) -> dict:
 
 
 def experts_pallas_fused(x, p, ids, w, tuning=None):
-    """The model's path with one token's experts in one kernel (`one_token_expert_ffn`)."""
+    """The model's path with a token or two's experts in one kernel (`fused_expert_ffn`)."""
     from mtpjax.model.grouped_matmul import forced_path
-    from pallas_kernels.grouped_matmul.fused_ffn import one_token_expert_ffn
-    if x.shape[0] != 1:
-        raise ValueError(f"pallas_fused takes one token, got {x.shape[0]}")
-    fused = functools.partial(one_token_expert_ffn, interpret=jax.default_backend() != "gpu",
+    from pallas_kernels.grouped_matmul.fused_ffn import fused_expert_ffn
+    from pallas_kernels.grouped_matmul.fused_ffn import MAX_TOKENS
+    if x.shape[0] > MAX_TOKENS:
+        raise ValueError(f"pallas_fused takes at most {MAX_TOKENS} tokens, got {x.shape[0]}")
+    fused = functools.partial(fused_expert_ffn, interpret=jax.default_backend() != "gpu",
                               **(tuning or {}))
     with forced_path("pallas"):
         return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu,

@@ -30,6 +30,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.grouped_matmul.fused_ffn import MAX_TOKENS as FUSED_MAX_TOKENS
 from pallas_kernels.grouped_matmul.grouped_matmul import pad_rows, tile_layout
 
 ENV = "MTPJAX_MOE_MATMUL"
@@ -135,11 +136,12 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
                       interpret=jax.default_backend() != "gpu")
 
 
-def one_token_moe_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                      w_up: jax.Array, w_down: jax.Array, activation) -> jax.Array:
-    """`pallas_kernels.grouped_matmul.one_token_moe_ffn` (one token's routed experts and their
-    weighted sum in one kernel and one reduction), interpreted off the GPU (there only when
-    forced): x [1, E], ids int32[1, k] (-1: none), weights f32[1, k] -> float32 [1, E]."""
-    from pallas_kernels.grouped_matmul.fused_ffn import one_token_moe_ffn as kernel_ffn
+def fused_moe_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
+                  w_up: jax.Array, w_down: jax.Array, activation) -> jax.Array:
+    """`pallas_kernels.grouped_matmul.fused_moe_ffn` (a token or two's routed experts and
+    their weighted sum in one kernel and one reduction), interpreted off the GPU (there only
+    when forced): x [N, E] (N <= FUSED_MAX_TOKENS), ids int32[N, k] (-1: none), weights
+    f32[N, k] -> float32 [N, E]."""
+    from pallas_kernels.grouped_matmul.fused_ffn import fused_moe_ffn as kernel_ffn
     return kernel_ffn(x, ids, weights, w_gate, w_up, w_down, activation=activation,
                       interpret=jax.default_backend() != "gpu")

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from mtpjax.model.dense_ffn import swiglu
-from mtpjax.model.grouped_matmul import (expert_tile_swiglu, grouped_swiglu, one_token_moe_ffn,
-                                         uses_expert_tiles)
+from mtpjax.model.grouped_matmul import (FUSED_MAX_TOKENS, expert_tile_swiglu, fused_moe_ffn,
+                                         grouped_swiglu, uses_expert_tiles)
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
 
 
@@ -70,8 +70,8 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     grouped matmul(rows, w, sizes) for each of the three projections (the MoE bench passes
     one). per_device: inside the expert-parallel `shard_map` (this device's experts only).
     expert_tiles: on the Pallas path, up to 16 tokens go through `expert_tile_swiglu` (one tile
-    per touched expert, no sort), and one token through `one_token_moe_ffn` (the FFN and the
-    weighted sum in one kernel); False keeps the sorted layout (the MoE bench compares them).
+    per touched expert, no sort), and up to FUSED_MAX_TOKENS (2) through `fused_moe_ffn` (the
+    FFN and the weighted sum in one kernel); False keeps the sorted layout (the MoE bench compares them).
     swiglu: None for the model's, or the whole routed SwiGLU over the sorted rows,
     swiglu(rows, w_gate, w_up, w_down, sizes) (the MoE bench passes tuned kernels).
     tile_swiglu: None for `expert_tile_swiglu`, or a function of its arguments (x, ids,
@@ -82,9 +82,9 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     model_path = matmul is None and swiglu is None
     if model_path and expert_tiles and uses_expert_tiles(N, X, per_device):
         ids = jnp.where(~valid[:, None] | (ids >= X), -1, ids)     # -1: routed nowhere
-        if N == 1 and tile_swiglu is None:      # batch-1 decode: the FFN and the sum in one
-            y = one_token_moe_ffn(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"],
-                                  activation)                     # f32 [1, E]
+        if N <= FUSED_MAX_TOKENS and tile_swiglu is None:   # batch-1 decode: FFN + sum in one
+            y = fused_moe_ffn(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"],
+                                  activation)                     # f32 [N, E]
             return y.astype(out_dtype or x.dtype)
         y = (tile_swiglu or expert_tile_swiglu)(
             x, ids, p["w_gate"], p["w_up"], p["w_down"],

@@ -1,12 +1,13 @@
-"""One token's routed experts, the whole SwiGLU FFN in one kernel (batch-1 decode):
+"""A token or two's routed experts, the whole SwiGLU FFN in one kernel (batch-1 decode):
 
-    y[0, j] = w_down[e](activation(x @ w_gate[e]) * (x @ w_up[e])),  e = ids[0, j]
+    y[n, j] = w_down[e](activation(x[n] @ w_gate[e]) * (x[n] @ w_up[e])),  e = ids[n, j]
 
-x [1, E], ids int32[1, k] (an id < 0 or >= the number of experts: routed nowhere, its row is
-zero), w_gate / w_up [G, E, I], w_down [G, I, E] -> y float32[1, k, E], each expert's output,
-unweighted (`expert_tile_swiglu`'s contract).
+x [N, E] (N <= MAX_TOKENS), ids int32[N, k] (an id < 0 or >= the number of experts: routed
+nowhere, its row is zero), w_gate / w_up [G, E, I], w_down [G, I, E] -> y float32[N, k, E],
+each pair's output, unweighted (`expert_tile_swiglu`'s contract); `fused_moe_ffn` returns
+the routing-weighted sum [N, E].
 
-Program (j, c) owns expert ids[j]'s hidden columns [c * block_n, (c + 1) * block_n): it reads
+Program (p, c) owns pair p's expert and its hidden columns [c * block_n, (c + 1) * block_n): it reads
 those columns of the gate and up weights (all E rows: the hidden values are complete), applies
 the activation, and multiplies its block_n hidden values by the same rows of the down weight,
 writing a float32 partial [E] of the expert's output. The wrapper sums the I / block_n
@@ -16,6 +17,11 @@ one DeepSeek-V2-Lite token, k x I / block_n = 6 x 22 = 132 programs (one per H10
 ramp-up and tail and the split-K sums between them (round 3 session 14, docs/kernels.md).
 H100, round 3 session 15, kernel time alone: 38.1 us for those 104 MB, 2.72 TB/s (92% of
 the copy rate); the two kernels of the tiles took 33.6 + 16.8 us.
+
+Two tokens because `generate` runs a batch of one as two rows (the second a padding row:
+mtpjax/generate.py); the padding row's pairs are routed nowhere and cost a zero write. Each
+pair reads its expert on its own, so two tokens that chose one expert read it twice: beyond
+a few tokens `expert_tile_swiglu` (one tile per touched expert) reads fewer bytes.
 
 Triton's dot takes at least 16 rows, so each x block is widened in registers to 16 rows, x then
 15 zero rows (no padding kernel before the launch): their hidden values are activation(0) x 0
@@ -35,6 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.grouped_matmul.grouped_matmul import check_ffn_weights
 
 DOT_ROWS = 16                   # Triton's smallest dot: x's one row, then zero rows
+MAX_TOKENS = 2                  # batch-1 decode: one row, or `generate`'s two
 TARGET_PROGRAMS = 128           # about one per SM of an H100 (132 SMs; 128 leaves 3% idle)
 STAGE_BYTES = 64 * 1024         # gate + up weight bytes per pipeline step (bf16)
 
@@ -70,7 +77,7 @@ def default_blocks(k: int, E: int, I: int) -> tuple[int, int, int]:
 def fused_ffn_kernel(x_ref, wg_ref, wu_ref, wd_ref, ids_ref, scale_ref, o_ref, *, block_n: int,
                      block_k: int, block_e: int, activation):
     """Program (j, c): o_ref [E] = the float32 partial of pair j's output over hidden block c,
-    times scale_ref[j] (the routing weight, or 1)."""
+    times scale_ref[j] (the routing weight, or 1); x_ref [1, E] is pair j's token."""
     G, E, _ = wg_ref.shape
     j, c = pl.program_id(0), pl.program_id(1)
     g = ids_ref[j]
@@ -117,21 +124,23 @@ def fused_ffn_kernel(x_ref, wg_ref, wu_ref, wd_ref, ids_ref, scale_ref, o_ref, *
 
 def _routed_partials(x, ids, scale, w_gate, w_up, w_down, *, activation, block_n, block_k,
                      block_e, num_warps, num_stages, interpret):
-    """The kernel's float32 partials [k, I / block_n, E] (zero for pairs routed nowhere),
+    """The kernel's float32 partials [N * k, I / block_n, E] (zero for pairs routed nowhere),
     after checking the operands (ValueError naming the bad one)."""
     _, E, I = check_ffn_weights(w_gate, w_up, w_down)
-    if x.ndim != 2 or x.shape[0] != 1 or x.shape[1] != E:
-        raise ValueError(f"x must be [1, E={E}] (one token), got {tuple(x.shape)}")
-    if ids.ndim != 2 or ids.shape[0] != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ValueError(f"ids must be integers [1, k], got {ids.dtype}{list(ids.shape)}")
+    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_TOKENS or x.shape[1] != E:
+        raise ValueError(f"x must be [N, E={E}] with 1 <= N <= {MAX_TOKENS} tokens, got "
+                         f"{tuple(x.shape)}")
+    N = x.shape[0]
+    if ids.ndim != 2 or ids.shape[0] != N or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"ids must be integers [N={N}, k], got {ids.dtype}{list(ids.shape)}")
     if x.dtype not in (jnp.bfloat16, jnp.float32) or {w.dtype for w in
                                                        (w_gate, w_up, w_down)} != {x.dtype}:
         raise ValueError(f"x and the weights must all be bfloat16 or all float32, got x "
                          f"{x.dtype}, weights {w_gate.dtype} / {w_up.dtype} / {w_down.dtype}")
     k = ids.shape[1]
-    if scale.shape != (1, k):
-        raise ValueError(f"weights must be [1, k={k}] like ids, got {tuple(scale.shape)}")
-    auto = default_blocks(k, E, I)
+    if scale.shape != (N, k):
+        raise ValueError(f"weights must be [N={N}, k={k}] like ids, got {tuple(scale.shape)}")
+    auto = default_blocks(k, E, I)      # one token's pairs fill the GPU (the others: padding)
     block_n, block_k, block_e = (b or a for b, a in zip((block_n, block_k, block_e), auto))
     for name, b, dim, dim_name in (("block_n", block_n, I, "I"), ("block_k", block_k, E, "E"),
                                    ("block_e", block_e, E, "E")):
@@ -139,20 +148,21 @@ def _routed_partials(x, ids, scale, w_gate, w_up, w_down, *, activation, block_n
             raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton's dot) dividing "
                              f"{dim_name}={dim}")
     n_cols = I // block_n
-    experts = ids.reshape(k).astype(jnp.int32)
+    P = N * k
+    experts = ids.reshape(P).astype(jnp.int32)
     kernel = functools.partial(fused_ffn_kernel, block_n=block_n, block_k=block_k,
                                block_e=block_e, activation=activation)
     partials = pl.pallas_call(
         kernel,
-        grid=(k, n_cols),
-        in_specs=[pl.BlockSpec((1, E), lambda j, c: (0, 0))]
+        grid=(P, n_cols),
+        in_specs=[pl.BlockSpec((None, 1, E), lambda j, c: (j // k, 0, 0))]
         + [pl.BlockSpec(memory_space=pl.ANY)] * 5,
         out_specs=pl.BlockSpec((None, None, E), lambda j, c: (j, c, 0)),
-        out_shape=jax.ShapeDtypeStruct((k, n_cols, E), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((P, n_cols, E), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="one_token_expert_ffn",
-    )(x, w_gate, w_up, w_down, experts, scale.reshape(k).astype(jnp.float32))
+        name="fused_expert_ffn",
+    )(x.reshape(N, 1, E), w_gate, w_up, w_down, experts, scale.reshape(P).astype(jnp.float32))
     return partials
 
 
@@ -161,35 +171,36 @@ _STATIC = ("activation", "block_n", "block_k", "block_e", "num_warps", "num_stag
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def one_token_expert_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+def fused_expert_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                          w_down: jax.Array, *, activation=jax.nn.silu,
                          block_n: int | None = None, block_k: int | None = None,
                          block_e: int | None = None, num_warps: int = 4, num_stages: int = 3,
                          interpret: bool = False) -> jax.Array:
-    """See the module docstring: y float32[1, k, E], each pair's output unweighted. Blocks not
+    """See the module docstring: y float32[N, k, E], each pair's output unweighted. Blocks not
     given come from `default_blocks`. ValueError for shapes, dtypes or blocks the kernel
     cannot take."""
-    ones = jnp.ones((1, ids.shape[-1]), jnp.float32)
+    ones = jnp.ones(ids.shape, jnp.float32)
     partials = _routed_partials(
         x, ids, ones, w_gate, w_up, w_down, activation=activation, block_n=block_n,
         block_k=block_k, block_e=block_e, num_warps=num_warps, num_stages=num_stages,
         interpret=interpret)
-    return partials.sum(1)[None]
+    return partials.sum(1).reshape(ids.shape + (w_gate.shape[1],))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def one_token_moe_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
+def fused_moe_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
                       w_up: jax.Array, w_down: jax.Array, *, activation=jax.nn.silu,
                       block_n: int | None = None, block_k: int | None = None,
                       block_e: int | None = None, num_warps: int = 4, num_stages: int = 3,
                       interpret: bool = False) -> jax.Array:
-    """The routed experts' weighted sum for one token: sum_j weights[0, j] * y[0, j] ->
-    float32 [1, E] (weights float [1, k]). The kernel scales each partial by its pair's
+    """The routed experts' weighted sum: sum_j weights[n, j] * y[n, j] -> float32 [N, E]
+    (weights float [N, k]). The kernel scales each partial by its pair's
     weight, so the partials' sum is the layer's output: one reduction after the launch, where
     the unweighted form's sum, weighting and sum over k were two or three small kernels
-    (Nsight Compute, H100, round 3 session 15). ValueError as `one_token_expert_ffn`."""
+    (Nsight Compute, H100, round 3 session 15). ValueError as `fused_expert_ffn`."""
     partials = _routed_partials(
         x, ids, weights, w_gate, w_up, w_down, activation=activation, block_n=block_n,
         block_k=block_k, block_e=block_e, num_warps=num_warps, num_stages=num_stages,
         interpret=interpret)
-    return partials.sum((0, 1))[None]
+    N, k = ids.shape
+    return partials.reshape(N, k, -1, partials.shape[-1]).sum((1, 2))
