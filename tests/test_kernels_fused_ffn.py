@@ -32,7 +32,7 @@ def test_equals_per_pair_reference(seed, N, k, G, E, I, blocks):
 def test_bf16_and_gelu(seed):
     x, ids, wg, wu, wd = case(seed, 1, 3, 8, 64, 32, jnp.bfloat16)
     got = fused_expert_ffn(x, jnp.asarray(ids), wg, wu, wd, activation=jax.nn.gelu,
-                               interpret=interpret_mode())
+                           interpret=interpret_mode())
     np.testing.assert_allclose(np.asarray(got), reference(x, ids, wg, wu, wd, jax.nn.gelu),
                                rtol=4e-2, atol=4e-2)
 
@@ -79,18 +79,19 @@ def test_bad_inputs_name_the_value():
         fused_expert_ffn(x, jnp.asarray(ids[:1]), wg, wu, wd, interpret=True)
     with pytest.raises(ValueError, match="ids must be integers"):
         fused_expert_ffn(x[:1], jnp.asarray(ids[:1], jnp.float32), wg, wu, wd,
-                             interpret=True)
+                         interpret=True)
     with pytest.raises(ValueError, match="block_n=24 must be a power of two"):
         fused_expert_ffn(x[:1], jnp.asarray(ids[:1]), wg, wu, wd, block_n=24,
-                             interpret=True)
+                         interpret=True)
     with pytest.raises(ValueError, match="block_e=128 .* dividing E=64"):
         fused_expert_ffn(x[:1], jnp.asarray(ids[:1]), wg, wu, wd, block_e=128,
-                             interpret=True)
+                         interpret=True)
     with pytest.raises(ValueError, match=r"weights must be \[N=1, k=2\] like ids, got \(2,\)"):
         fused_moe_ffn(x[:1], jnp.asarray(ids[:1]), jnp.ones(2), wg, wu, wd, interpret=True)
-    with pytest.raises(ValueError, match="must all be bfloat16 or all float32, got x float32, weights float32 / float32 / bfloat16"):
+    with pytest.raises(ValueError, match="must all be bfloat16 or all float32, got x float32, "
+                                         "weights float32 / float32 / bfloat16"):
         fused_expert_ffn(x[:1], jnp.asarray(ids[:1]), wg, wu, wd.astype(jnp.bfloat16),
-                             interpret=True)
+                         interpret=True)
 
 
 def test_one_launch_and_no_layout_ops():

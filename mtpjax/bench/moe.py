@@ -30,8 +30,8 @@ Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pai
               keys but bm and cf), e.g. pallas_tiles:s=8/st=4
   pallas_fused  one or two tokens: the model's path with `fused_expert_ffn` (the whole FFN in
               one kernel: each program a block of one expert's hidden columns, through down)
-  pallas_fused:KEY=V/...  the same with explicit blocks, e.g. pallas_fused:bn=32/bk=128/be=256/w=4/st=3
-              (keys: FUSED_TUNING_KEYS)
+  pallas_fused:KEY=V/...  the same with explicit blocks, e.g.
+              pallas_fused:bn=32/bk=128/be=256/w=4/st=3 (keys: FUSED_TUNING_KEYS)
   mgpu        the same sort/scatter with ragged_dot_mgpu (Hopper WGMMA + TMA) for the matmuls
   gather      w[ids] per (token, slot) and batched matvecs: reads each chosen expert once per
               token (duplicates at larger N); decode sizes only

@@ -71,12 +71,13 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     one). per_device: inside the expert-parallel `shard_map` (this device's experts only).
     expert_tiles: on the Pallas path, up to 16 tokens go through `expert_tile_swiglu` (one tile
     per touched expert, no sort), and up to FUSED_MAX_TOKENS (2) through `fused_moe_ffn` (the
-    FFN and the weighted sum in one kernel); False keeps the sorted layout (the MoE bench compares them).
+    FFN and the weighted sum in one kernel); False keeps the sorted layout (the MoE bench
+    compares them).
     swiglu: None for the model's, or the whole routed SwiGLU over the sorted rows,
     swiglu(rows, w_gate, w_up, w_down, sizes) (the MoE bench passes tuned kernels).
     tile_swiglu: None for `expert_tile_swiglu`, or a function of its arguments (x, ids,
-    w_gate, w_up, w_down, activation) used in its place, one token included (the MoE bench's
-    tuned tiles)."""
+    w_gate, w_up, w_down, activation) used in its place, at one or two tokens too (the MoE
+    bench's tuned tiles)."""
     N, k = ids.shape
     X = p["w_gate"].shape[0]
     model_path = matmul is None and swiglu is None
@@ -84,7 +85,7 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
         ids = jnp.where(~valid[:, None] | (ids >= X), -1, ids)     # -1: routed nowhere
         if N <= FUSED_MAX_TOKENS and tile_swiglu is None:   # batch-1 decode: FFN + sum in one
             y = fused_moe_ffn(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"],
-                                  activation)                     # f32 [N, E]
+                              activation)                         # f32 [N, E]
             return y.astype(out_dtype or x.dtype)
         y = (tile_swiglu or expert_tile_swiglu)(
             x, ids, p["w_gate"], p["w_up"], p["w_down"],

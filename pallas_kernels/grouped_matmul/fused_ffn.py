@@ -7,24 +7,24 @@ nowhere, its row is zero), w_gate / w_up [G, E, I], w_down [G, I, E] -> y float3
 each pair's output, unweighted (`expert_tile_swiglu`'s contract); `fused_moe_ffn` returns
 the routing-weighted sum [N, E].
 
-Program (p, c) owns pair p's expert and its hidden columns [c * block_n, (c + 1) * block_n): it reads
-those columns of the gate and up weights (all E rows: the hidden values are complete), applies
-the activation, and multiplies its block_n hidden values by the same rows of the down weight,
-writing a float32 partial [E] of the expert's output. The wrapper sums the I / block_n
-partials. So every weight byte is read once, by one program, and the layer is one launch: at
-one DeepSeek-V2-Lite token, k x I / block_n = 6 x 22 = 132 programs (one per H100 SM) read
-104 MB in one wave, where the two-kernel form (`expert_tile_swiglu`) pays each kernel's
-ramp-up and tail and the split-K sums between them (round 3 session 14, docs/kernels.md).
-H100, round 3 session 15, kernel time alone: 38.1 us for those 104 MB, 2.72 TB/s (92% of
-the copy rate); the two kernels of the tiles took 33.6 + 16.8 us.
+Program (p, c) owns pair p's expert and its hidden columns [c * block_n, (c + 1) * block_n):
+it reads those columns of the gate and up weights (all E rows: the hidden values are
+complete), applies the activation, and multiplies its block_n hidden values by the same rows
+of the down weight, writing a float32 partial [E] of the expert's output. The wrapper sums
+the I / block_n partials. So every weight byte is read once, by one program, and the layer
+is one launch: at one DeepSeek-V2-Lite token, k x I / block_n = 6 x 22 = 132 programs (one
+per H100 SM) read 104 MB in one wave, where the two-kernel form (`expert_tile_swiglu`) pays
+each kernel's ramp-up and tail and the split-K sums between them (round 3 session 14,
+docs/kernels.md). H100, round 3 session 15, kernel time alone: 38.1 us for those 104 MB,
+2.72 TB/s (92% of the copy rate); the two kernels of the tiles took 33.6 + 16.8 us.
 
 Two tokens because `generate` runs a batch of one as two rows (the second a padding row:
 mtpjax/generate.py); the padding row's pairs are routed nowhere and cost a zero write. Each
 pair reads its expert on its own, so two tokens that chose one expert read it twice: beyond
 a few tokens `expert_tile_swiglu` (one tile per touched expert) reads fewer bytes.
 
-Triton's dot takes at least 16 rows, so each x block is widened in registers to 16 rows, x then
-15 zero rows (no padding kernel before the launch): their hidden values are activation(0) x 0
+Triton's dot takes at least 16 rows, so each x block is widened in registers to 16 rows, x
+then 15 zero rows (no padding kernel before the launch): their hidden values are activation(0) x 0
 = 0 and their outputs zero, and each partial is the sum of its rows (row 0 plus exact zeros)
 with no value slicing in the kernel.
 """
@@ -172,10 +172,10 @@ _STATIC = ("activation", "block_n", "block_k", "block_e", "num_warps", "num_stag
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def fused_expert_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                         w_down: jax.Array, *, activation=jax.nn.silu,
-                         block_n: int | None = None, block_k: int | None = None,
-                         block_e: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                         interpret: bool = False) -> jax.Array:
+                     w_down: jax.Array, *, activation=jax.nn.silu, block_n: int | None = None,
+                     block_k: int | None = None, block_e: int | None = None,
+                     num_warps: int = 4, num_stages: int = 3,
+                     interpret: bool = False) -> jax.Array:
     """See the module docstring: y float32[N, k, E], each pair's output unweighted. Blocks not
     given come from `default_blocks`. ValueError for shapes, dtypes or blocks the kernel
     cannot take."""
@@ -189,15 +189,15 @@ def fused_expert_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def fused_moe_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                      w_up: jax.Array, w_down: jax.Array, *, activation=jax.nn.silu,
-                      block_n: int | None = None, block_k: int | None = None,
-                      block_e: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                      interpret: bool = False) -> jax.Array:
+                  w_up: jax.Array, w_down: jax.Array, *, activation=jax.nn.silu,
+                  block_n: int | None = None, block_k: int | None = None,
+                  block_e: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                  interpret: bool = False) -> jax.Array:
     """The routed experts' weighted sum: sum_j weights[n, j] * y[n, j] -> float32 [N, E]
-    (weights float [N, k]). The kernel scales each partial by its pair's
-    weight, so the partials' sum is the layer's output: one reduction after the launch, where
-    the unweighted form's sum, weighting and sum over k were two or three small kernels
-    (Nsight Compute, H100, round 3 session 15). ValueError as `fused_expert_ffn`."""
+    (weights float [N, k]). The kernel scales each partial by its pair's weight, so the
+    partials' sum is the layer's output: one reduction after the launch, where the unweighted
+    form's sum, weighting and sum over k were two or three small kernels (Nsight Compute,
+    H100, round 3 session 15). ValueError as `fused_expert_ffn`."""
     partials = _routed_partials(
         x, ids, weights, w_gate, w_up, w_down, activation=activation, block_n=block_n,
         block_k=block_k, block_e=block_e, num_warps=num_warps, num_stages=num_stages,
