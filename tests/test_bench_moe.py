@@ -130,3 +130,15 @@ def test_timeline_off_the_gpu_keeps_the_wall_clock_rows(capsys):
     row = {"shape": "v2-lite", "tokens": 1, "touched": 6, "floor_us": 35.0, "pallas_ffn_us": 70.0,
            "pallas_ffn_x_floor": 2.0, "pallas_ffn_gpu_us": 42.0, "pallas_ffn_gpu_kernels": 3.0}
     assert "| 70 (2.00x); GPU 42.0 (1.20x, 3 kernels) |" in moe.table([row])
+
+
+def test_median_run_splits_runs_at_the_host_gaps():
+    """chained_gpu_time's split of a trace into runs: three runs of kernels (2, 3 and 2) with
+    small gaps inside and wide host gaps between; the median span's run is reported."""
+    from mtpjax.bench.kernels import median_run
+    us = 1000
+    evs = [(0, 10 * us, "a"), (12 * us, 5 * us, "b"),                         # span 17
+           (500 * us, 4 * us, "a"), (505 * us, 4 * us, "b"), (510 * us, 10 * us, "c"),  # 20
+           (900 * us, 10 * us, "a"), (911 * us, 3 * us, "b")]                 # span 14
+    assert median_run(evs, 3) == (17.0, 15.0, 2)
+    assert median_run(evs[2:5], 1) == (20.0, 18.0, 3)

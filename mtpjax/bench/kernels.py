@@ -103,13 +103,19 @@ def chained_gpu_time(fn, qs, rest, compiler_options=None, chain=None, runs: int 
                             (qs, *rest), runs)
     if len(evs) < runs:
         return None
-    # the runs are separated by host synchronisation: split at the runs - 1 widest gaps
+    span, busy, n = median_run(evs, runs)
+    return {"span_us": span / len(qs), "busy_us": busy / len(qs), "kernels": n / len(qs)}
+
+
+def median_run(evs: list, runs: int) -> tuple[float, float, int]:
+    """(span us, busy us, kernel count) of the run with the median span, of `runs` back-to-back
+    runs' kernel events [(start_ns, duration_ns, name)] sorted by start. The runs are
+    separated by host synchronisation, so they are split at the runs - 1 widest gaps."""
     gap = lambda i: evs[i][0] - (evs[i - 1][0] + evs[i - 1][1])           # noqa: E731
     cuts = [0] + sorted(sorted(range(1, len(evs)), key=gap)[len(evs) - runs:]) + [len(evs)]
     per_run = sorted(((e[-1][0] + e[-1][1] - e[0][0]) / 1e3, sum(x[1] for x in e) / 1e3, len(e))
                      for e in (evs[a:b] for a, b in zip(cuts, cuts[1:])))
-    span, busy, n = per_run[len(per_run) // 2]
-    return {"span_us": span / len(qs), "busy_us": busy / len(qs), "kernels": n / len(qs)}
+    return per_run[len(per_run) // 2]
 
 
 def timeit(fn, qs, rest, repeats=15, compiler_options=None, chain=None):
