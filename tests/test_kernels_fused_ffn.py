@@ -1,6 +1,7 @@
-"""`fused_expert_ffn` (one token's routed experts, the whole SwiGLU FFN in one kernel;
-interpret mode here, compiled on a GPU with MTPJAX_KERNELS_ON_DEVICE=1) against a per-pair
-float64 reference, its errors, its one launch, and the MoE layer on it."""
+"""`fused_expert_ffn` / `fused_moe_ffn` (one or two tokens' routed experts, the whole SwiGLU
+FFN in one kernel; interpret mode here, compiled on a GPU with MTPJAX_KERNELS_ON_DEVICE=1)
+against a per-pair float64 reference, their errors, their one launch, and the MoE layer and
+`generate` on them."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,3 +137,37 @@ def test_moe_layer_takes_the_fused_kernel_up_to_two_tokens(seed, N):
         np.testing.assert_allclose(np.asarray(fused), np.asarray(sorted_), rtol=1e-4,
                                    atol=1e-4)
         np.testing.assert_array_equal(np.asarray(fused)[~np.asarray(valid)], 0.0)
+
+
+def test_generate_at_batch_one_decodes_through_the_fused_kernel(monkeypatch):
+    """`generate` runs a batch of one as two rows (a padding row), so its decode steps' MoE
+    layers see two tokens: they must take the fused kernel (what made it take two tokens; a
+    change to generate's padding would silently lose it). The kernels are replaced by a
+    jnp stand-in that records the token counts (interpreting them here adds nothing)."""
+    import mtpjax
+    import mtpjax.model.moe as moe
+    from mtpjax.model.grouped_matmul import forced_path
+    from tests.test_deepseek import _ds_params, ds_config
+
+    seen = []
+
+    def stand_in(kind):
+        def ffn(x, ids, *rest):
+            seen.append((kind, x.shape[0]))
+            weights = rest[0] if kind == "fused" else None
+            wg, wu, wd, activation = rest[-4:]
+            real = (ids >= 0) & (ids < wg.shape[0])
+            e = jnp.where(real, ids, 0)
+            h = activation(jnp.einsum("ne,nkei->nki", x, wg[e])) * jnp.einsum(
+                "ne,nkei->nki", x, wu[e])
+            y = jnp.where(real[..., None], jnp.einsum("nki,nkie->nke", h, wd[e]), 0.0)
+            return y if weights is None else jnp.einsum("nk,nke->ne", weights, y)
+        return ffn
+
+    monkeypatch.setattr(moe, "fused_moe_ffn", stand_in("fused"))
+    monkeypatch.setattr(moe, "expert_tile_swiglu", stand_in("tiles"))
+    cfg = ds_config(num_mtp_layers=0)
+    with forced_path("pallas"):
+        mtpjax.generate(_ds_params(cfg, 0), cfg, [[5, 6, 7, 8, 9]], max_new_tokens=3)
+    assert any(kind == "fused" for kind, _ in seen), seen     # the decode steps
+    assert all(n <= 2 for kind, n in seen if kind == "fused"), seen
