@@ -200,8 +200,7 @@ def parse_fused_tuning(spec: str) -> dict:
 def experts_pallas_fused(x, p, ids, w, tuning=None):
     """The model's path with a token or two's experts in one kernel (`fused_expert_ffn`)."""
     from mtpjax.model.grouped_matmul import forced_path
-    from pallas_kernels.grouped_matmul.fused_ffn import fused_expert_ffn
-    from pallas_kernels.grouped_matmul.fused_ffn import MAX_TOKENS
+    from pallas_kernels.grouped_matmul.fused_ffn import MAX_TOKENS, fused_expert_ffn
     if x.shape[0] > MAX_TOKENS:
         raise ValueError(f"pallas_fused takes at most {MAX_TOKENS} tokens, got {x.shape[0]}")
     fused = functools.partial(fused_expert_ffn, interpret=jax.default_backend() != "gpu",

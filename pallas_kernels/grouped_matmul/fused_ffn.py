@@ -24,9 +24,9 @@ pair reads its expert on its own, so two tokens that chose one expert read it tw
 a few tokens `expert_tile_swiglu` (one tile per touched expert) reads fewer bytes.
 
 Triton's dot takes at least 16 rows, so each x block is widened in registers to 16 rows, x
-then 15 zero rows (no padding kernel before the launch): their hidden values are activation(0) x 0
-= 0 and their outputs zero, and each partial is the sum of its rows (row 0 plus exact zeros)
-with no value slicing in the kernel.
+then 15 zero rows (no padding kernel before the launch): their hidden values are
+activation(0) x 0 = 0 and their outputs zero, and each partial is the sum of its rows (row 0
+plus exact zeros) with no value slicing in the kernel.
 """
 from __future__ import annotations
 
@@ -38,20 +38,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.grouped_matmul.grouped_matmul import check_ffn_weights
+from pallas_kernels.grouped_matmul.grouped_matmul import (SUPPORTED_DTYPES, check_ffn_weights,
+                                                          largest_block)
 
 DOT_ROWS = 16                   # Triton's smallest dot: x's one row, then zero rows
 MAX_TOKENS = 2                  # batch-1 decode: one row, or `generate`'s two
 TARGET_PROGRAMS = 128           # about one per SM of an H100 (132 SMs; 128 leaves 3% idle)
 STAGE_BYTES = 64 * 1024         # gate + up weight bytes per pipeline step (bf16)
-
-
-def _largest_dividing(dim: int, cap: int, floor: int = 16) -> int:
-    """The largest power of two in [floor, cap] dividing dim, or 0."""
-    b = cap
-    while b >= floor and dim % b:
-        b //= 2
-    return b if b >= floor else 0
 
 
 def default_blocks(k: int, E: int, I: int) -> tuple[int, int, int]:
@@ -67,11 +60,11 @@ def default_blocks(k: int, E: int, I: int) -> tuple[int, int, int]:
     steps, 2 stages ran faster than 3, 4 or 5 (Nsight Compute: 43.0 against 45.4 / 46.4 /
     48.0 us). The V3 slice (8 of 128 experts, 705 MB; `bench moe`, whole layer): 128 columns
     246 us against 275 at 64."""
-    bn = _largest_dividing(I, 128)
+    bn = largest_block(I, 128)
     while bn > 16 and k * (I // bn) < TARGET_PROGRAMS and I % (bn // 2) == 0:
         bn //= 2
     rows = max(16, STAGE_BYTES // (2 * 2 * bn))
-    return bn, _largest_dividing(E, min(rows, 256)), _largest_dividing(E, 256)
+    return bn, largest_block(E, min(rows, 256)), largest_block(E, 256)
 
 
 def fused_ffn_kernel(x_ref, wg_ref, wu_ref, wd_ref, ids_ref, scale_ref, o_ref, *, block_n: int,
@@ -133,8 +126,8 @@ def _routed_partials(x, ids, scale, w_gate, w_up, w_down, *, activation, block_n
     N = x.shape[0]
     if ids.ndim != 2 or ids.shape[0] != N or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"ids must be integers [N={N}, k], got {ids.dtype}{list(ids.shape)}")
-    if x.dtype not in (jnp.bfloat16, jnp.float32) or {w.dtype for w in
-                                                       (w_gate, w_up, w_down)} != {x.dtype}:
+    if (jnp.dtype(x.dtype) not in SUPPORTED_DTYPES
+            or {w.dtype for w in (w_gate, w_up, w_down)} != {x.dtype}):
         raise ValueError(f"x and the weights must all be bfloat16 or all float32, got x "
                          f"{x.dtype}, weights {w_gate.dtype} / {w_up.dtype} / {w_down.dtype}")
     k = ids.shape[1]

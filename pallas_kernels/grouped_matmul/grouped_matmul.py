@@ -39,7 +39,7 @@ def default_block_m(M: int, G: int) -> int:
     return min(64, max(16, 1 << (mean - 1).bit_length()))
 
 
-def _largest_block(dim: int, cap: int) -> int:
+def largest_block(dim: int, cap: int) -> int:
     """Largest power of two <= cap dividing dim (0 if none >= 16)."""
     b = cap
     while b >= 16 and dim % b:
@@ -61,7 +61,7 @@ def default_blocks(M: int, G: int, K: int, N: int, block_m: int, block_k: int,
     column blocks of 32 ran at 0.4 TB/s, docs/benchmarks.md). tiles: the row tiles expected to
     hold rows, when the caller knows better than the bound."""
     tiles = tiles or -(-M // block_m) + min(G, M)
-    b = _largest_block(N, 128) or 128
+    b = largest_block(N, 128) or 128
     splits = 1
     while (tiles * (N // b) * splits < TARGET_PROGRAMS and splits < 8
            and K % (block_k * splits * 2) == 0 and K // (block_k * splits * 2) >= 2):
@@ -141,7 +141,7 @@ def resolve_blocks(M: int, G: int, K: int, N: int, block_m, block_n, block_k, nu
     default column blocks halve from 64 x 128 rows x columns so its two tiles hold what one
     128 x 128 tile does)."""
     block_m = block_m or default_block_m(M, G)
-    block_k = block_k or _largest_block(K, 64) or 64
+    block_k = block_k or largest_block(K, 64) or 64
     auto_n, auto_splits = default_blocks(M, G, K, N, block_m, block_k, tiles)
     if accumulators > 1 and not block_n:
         while (auto_n > 16 and block_m * auto_n * accumulators > 128 * 128
