@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from mtpjax.model.dense_ffn import swiglu
 from mtpjax.model.grouped_matmul import (FUSED_MAX_TOKENS, expert_tile_swiglu, fused_moe_ffn,
-                                         grouped_swiglu, uses_expert_tiles)
+                                         grouped_swiglu, matmul_choice, moe_swiglu,
+                                         uses_expert_tiles)
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
 
 
@@ -95,6 +96,12 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     order = jnp.argsort(expert, stable=True)                      # [N*k] pairs sorted by expert
     token = order // k
     sizes = jnp.zeros(X + 1, jnp.int32).at[expert].add(1)[:X]    # tokens per expert
+    slot = jnp.zeros(N * k, jnp.int32).at[order].set(jnp.arange(N * k, dtype=jnp.int32))
+    if model_path and matmul_choice(N * k, X, per_device) == "pallas":
+        # x's rows straight into the tile layout, and the weighted sum straight out of it
+        pair_rows = jnp.where(expert < X, slot, N * k).reshape(N, k)
+        return moe_swiglu(x, token, sizes, pair_rows, weights, p["w_gate"], p["w_up"],
+                          p["w_down"], activation, out_dtype or x.dtype)
     xs = x[token]                                                 # [N*k, E]
     if swiglu is not None:
         y = swiglu(xs, p["w_gate"], p["w_up"], p["w_down"], sizes)
@@ -107,7 +114,6 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     # Back to token order by a gather and a sum over each token's k rows in a fixed order. A
     # scatter-add (`.at[token].add`) lowers to float atomics on the GPU: the sum's order, and so
     # its rounding, changed from run to run, and greedy tokens with it.
-    slot = jnp.zeros(N * k, jnp.int32).at[order].set(jnp.arange(N * k, dtype=jnp.int32))
     y = y[slot].reshape(N, k, -1).astype(jnp.float32)             # [N, k, E]
     y = jnp.where((expert < X).reshape(N, k)[..., None], y, 0.0)
     return _weighted_sum(y, weights).astype(out_dtype or x.dtype)

@@ -29,6 +29,7 @@ from pallas_kernels.grouped_matmul.grouped_matmul import (check_ffn_weights, che
                                                           padded_grouped_matmul, resolve_blocks,
                                                           tile_layout, unpad_rows)
 from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel
+from pallas_kernels.grouped_matmul.row_moves import combine_rows, scatter_rows
 
 KERNELS = ("triton", "mosaic")
 KERNEL_ENV = "MTPJAX_MOE_KERNEL"
@@ -145,35 +146,75 @@ def _stages(n_weights, block_n, persistent):
                 <= mgpu.SMEM_LIMIT] or [2])
 
 
-def _mosaic_swiglu(x, w_gate, w_up, w_down, sizes, *, activation, gate_up_blocks,
-                   down_blocks, num_stages, persistent, interpret):
-    """grouped_swiglu on the Mosaic-GPU kernels: 128-row tiles, gate/up columns in blocks of
-    gate_up_blocks[0] (default 128), down columns in blocks of down_blocks[0] (default 256),
-    num_stages ring slots (default: the most that fit, <= 4); the other block entries do not
-    apply. persistent: each kernel on a persistent grid of one CTA per SM (opt-in,
-    `grouped_matmul_mgpu`'s num_ctas)."""
-    G, E, I = check_ffn_weights(w_gate, w_up, w_down)
-    if not mosaic_fits(x, w_gate):
-        raise ValueError(f"kernel='mosaic' takes bfloat16 x and weights with E and I multiples "
-                         f"of 64, got {x.dtype} / {w_gate.dtype}, E={E}, I={I}")
+def _mosaic_kernels(w_gate, w_up, w_down, *, activation, gate_up_blocks, down_blocks,
+                    num_stages, persistent, interpret):
+    """The Mosaic-GPU kernels as run(xp [Mp, E], tile_group) -> yp [Mp, E]: 128-row tiles,
+    gate/up columns in blocks of gate_up_blocks[0] (default 128), down columns in blocks of
+    down_blocks[0] (default 256), num_stages ring slots (default: the most that fit, <= 4);
+    the other block entries do not apply. persistent: each kernel on a persistent grid of one
+    CTA per SM (opt-in, `grouped_matmul_mgpu`'s num_ctas)."""
+    G, E, I = w_gate.shape
     bn = (gate_up_blocks or (None,))[0] or _widest(I, 128)
     dbn = (down_blocks or (None,))[0] or _widest(E, 256)
     mgpu = _mgpu()
     ctas = mgpu.NUM_SMS if persistent is True else (persistent or None)
-    dest, tile_group, Mp = tile_layout(sizes, x.shape[0], mgpu.TILE_M)
-    xp = pad_rows(x, dest, Mp)
-    hp = mgpu.grouped_matmul_mgpu(xp, (w_gate, w_up), tile_group, activation=activation,
-                                  block_n=bn, num_stages=num_stages or _stages(2, bn, ctas),
-                                  num_ctas=ctas, interpret=interpret)
-    yp = mgpu.grouped_matmul_mgpu(hp, (w_down,), tile_group, block_n=dbn,
-                                  num_stages=num_stages or _stages(1, dbn, ctas),
-                                  num_ctas=ctas, interpret=interpret)
-    return unpad_rows(yp, dest, x.dtype)
+
+    def run(xp, tile_group):
+        hp = mgpu.grouped_matmul_mgpu(xp, (w_gate, w_up), tile_group, activation=activation,
+                                      block_n=bn, num_stages=num_stages or _stages(2, bn, ctas),
+                                      num_ctas=ctas, interpret=interpret)
+        return mgpu.grouped_matmul_mgpu(hp, (w_down,), tile_group, block_n=dbn,
+                                        num_stages=num_stages or _stages(1, dbn, ctas),
+                                        num_ctas=ctas, interpret=interpret)
+    return mgpu.TILE_M, run
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "block_m", "gate_up_blocks",
-                                             "down_blocks", "num_stages", "columns_fastest",
-                                             "kernel", "persistent", "interpret"))
+def _kernels(x, w_gate, w_up, w_down, sizes, *, activation, block_m, gate_up_blocks,
+             down_blocks, num_stages, columns_fastest, kernel, persistent, interpret):
+    """The chosen kernels for M = x.shape[0] laid-out rows (x may be a ShapeDtypeStruct) as
+    (block_m, run), run(xp [Mp, E], tile_group) -> yp [Mp, E] in the tile layout of block_m
+    (`tile_layout`). ValueError for shapes, dtypes or blocks the kernels cannot take."""
+    M = x.shape[0]
+    kernel = kernel or default_kernel(x, w_gate, interpret)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
+    if kernel == "mosaic":
+        G, E, I = check_ffn_weights(w_gate, w_up, w_down)
+        if not mosaic_fits(x, w_gate):
+            raise ValueError(f"kernel='mosaic' takes bfloat16 x and weights with E and I "
+                             f"multiples of 64, got {x.dtype} / {w_gate.dtype}, E={E}, I={I}")
+        tile_m = _mgpu().TILE_M
+        if block_m not in (None, tile_m):
+            raise ValueError(f"kernel='mosaic' runs {tile_m}-row tiles, got block_m={block_m}")
+        return _mosaic_kernels(w_gate, w_up, w_down, activation=activation,
+                               gate_up_blocks=gate_up_blocks, down_blocks=down_blocks,
+                               num_stages=num_stages, persistent=persistent,
+                               interpret=interpret)
+    if persistent:
+        raise ValueError("persistent is an option of kernel='mosaic'")
+    if block_m is None and is_prefill(M, w_gate.shape[0]):
+        block_m, gate_up_blocks = prefill_tiles(gate_up_blocks, w_gate.shape[2])
+    block_m, (bn, bk, splits, warps), (dbn, dbk, dsplits, dwarps) = resolve_ffn_blocks(
+        x, w_gate, w_up, w_down, sizes, M, block_m, gate_up_blocks, down_blocks)
+    num_stages = num_stages or (4 if block_m == 64 else 3)
+
+    def run(xp, tile_group):
+        hp = _gate_up(xp, w_gate, w_up, tile_group, block_m=block_m, block_n=bn, block_k=bk,
+                      num_splits=splits, num_warps=warps, num_stages=num_stages,
+                      activation=activation, interpret=interpret,
+                      columns_fastest=columns_fastest)
+        return padded_grouped_matmul(hp, w_down, tile_group, block_m=block_m, block_n=dbn,
+                                     block_k=dbk, num_splits=dsplits, num_warps=dwarps,
+                                     num_stages=num_stages, interpret=interpret,
+                                     columns_fastest=columns_fastest)
+    return block_m, run
+
+
+_OPTIONS = ("activation", "block_m", "gate_up_blocks", "down_blocks", "num_stages",
+            "columns_fastest", "kernel", "persistent", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_OPTIONS)
 def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                    sizes: jax.Array, *, activation=jax.nn.silu, block_m: int | None = None,
                    gate_up_blocks: tuple | None = None, down_blocks: tuple | None = None,
@@ -188,37 +229,43 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     both kernels' grids run column blocks fastest (kernel.tile_and_column): the programs that
     run side by side share a row tile, read from DRAM once (at 4096 V2-Lite tokens, H200:
     1588 -> 1516 us alone, and what makes 128-row tiles pay). kernel: "triton" (`kernel.py`),
-    "mosaic" (`kernel_mgpu.py`, Hopper warpgroups, bf16: `_mosaic_swiglu`) or None
+    "mosaic" (`kernel_mgpu.py`, Hopper warpgroups, bf16: `_mosaic_kernels`) or None
     (`default_kernel`: "mosaic" at prefill sizes on Hopper). persistent (Mosaic only,
     opt-in): True for a persistent grid of one CTA per SM, or a CTA count. ValueError for
     shapes, dtypes or blocks the kernels cannot take."""
-    M = x.shape[0]
-    kernel = kernel or default_kernel(x, w_gate, interpret)
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
-    if kernel == "mosaic":
-        tile_m = _mgpu().TILE_M
-        if block_m not in (None, tile_m):
-            raise ValueError(f"kernel='mosaic' runs {tile_m}-row tiles, got block_m={block_m}")
-        return _mosaic_swiglu(x, w_gate, w_up, w_down, sizes, activation=activation,
-                              gate_up_blocks=gate_up_blocks, down_blocks=down_blocks,
-                              num_stages=num_stages, persistent=persistent,
-                              interpret=interpret)
-    if persistent:
-        raise ValueError("persistent is an option of kernel='mosaic'")
-    if block_m is None and is_prefill(M, w_gate.shape[0]):
-        block_m, gate_up_blocks = prefill_tiles(gate_up_blocks, w_gate.shape[2])
-    block_m, (bn, bk, splits, warps), (dbn, dbk, dsplits, dwarps) = resolve_ffn_blocks(
-        x, w_gate, w_up, w_down, sizes, M, block_m, gate_up_blocks, down_blocks)
-    num_stages = num_stages or (4 if block_m == 64 else 3)
+    block_m, run = _kernels(
+        x, w_gate, w_up, w_down, sizes, activation=activation, block_m=block_m,
+        gate_up_blocks=gate_up_blocks, down_blocks=down_blocks, num_stages=num_stages,
+        columns_fastest=columns_fastest, kernel=kernel, persistent=persistent,
+        interpret=interpret)
+    dest, tile_group, Mp = tile_layout(sizes, x.shape[0], block_m)
+    return unpad_rows(run(pad_rows(x, dest, Mp), tile_group), dest, x.dtype)
 
-    dest, tile_group, Mp = tile_layout(sizes, M, block_m)
-    xp = pad_rows(x, dest, Mp)
-    hp = _gate_up(xp, w_gate, w_up, tile_group, block_m=block_m, block_n=bn, block_k=bk,
-                  num_splits=splits, num_warps=warps, num_stages=num_stages,
-                  activation=activation, interpret=interpret, columns_fastest=columns_fastest)
-    yp = padded_grouped_matmul(hp, w_down, tile_group, block_m=block_m, block_n=dbn,
-                               block_k=dbk, num_splits=dsplits, num_warps=dwarps,
-                               num_stages=num_stages, interpret=interpret,
-                               columns_fastest=columns_fastest)
-    return unpad_rows(yp, dest, x.dtype)
+
+@functools.partial(jax.jit, static_argnames=_OPTIONS + ("out_dtype",))
+def moe_swiglu(x: jax.Array, token: jax.Array, sizes: jax.Array, pair_rows: jax.Array,
+               weights: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+               activation=jax.nn.silu, out_dtype=None, block_m: int | None = None,
+               gate_up_blocks: tuple | None = None, down_blocks: tuple | None = None,
+               num_stages: int | None = None, columns_fastest: bool = True,
+               kernel: str | None = None, persistent: bool | int = False,
+               interpret: bool = False) -> jax.Array:
+    """The routed MoE FFN from token order and back: `grouped_swiglu` over the M pairs' rows
+    x[token] (sorted by expert, `sizes` per expert), each token's output the weighted sum of
+    its pairs' rows, with the rows moved by `row_moves` (a kernel writes only the pairs' rows
+    of the tile layout, straight from x; one fused pass gathers and sums the outputs).
+
+    x [N, E]; token int32[M] (the token of each sorted pair); pair_rows int32[N, k] (pair
+    (n, j)'s sorted row; >= sum(sizes): routed nowhere, adds nothing); weights float32[N, k]
+    -> [N, E] in out_dtype (default x's): sum_j weights[n, j] * y[pair_rows[n, j]], in j order
+    with float32 sums. Options as for `grouped_swiglu`."""
+    M = token.shape[0]
+    block_m, run = _kernels(
+        jax.ShapeDtypeStruct((M, x.shape[1]), x.dtype), w_gate, w_up, w_down, sizes,
+        activation=activation, block_m=block_m, gate_up_blocks=gate_up_blocks,
+        down_blocks=down_blocks, num_stages=num_stages, columns_fastest=columns_fastest,
+        kernel=kernel, persistent=persistent, interpret=interpret)
+    dest, tile_group, Mp = tile_layout(sizes, M, block_m)        # dest Mp: in no group
+    yp = run(scatter_rows(x, token, dest, num_rows=Mp, interpret=interpret), tile_group)
+    rows = jnp.where(pair_rows < M, dest[jnp.clip(pair_rows, 0, M - 1)], Mp)
+    return combine_rows(yp, rows, weights, out_dtype or x.dtype)
