@@ -143,3 +143,14 @@ def test_median_run_splits_runs_at_the_host_gaps():
            (900 * us, 10 * us, "a"), (911 * us, 3 * us, "b")]                 # span 14
     assert median_run(evs, 3) == (17.0, 15.0, 2)
     assert median_run(evs[2:5], 1) == (20.0, 18.0, 3)
+
+
+def test_kernel_streams_are_kept_whatever_else_ran_on_them():
+    """The profiler names a stream by what ran on it; one that also copied device to device
+    still runs kernels (its kernels were once dropped by a filter on "memcpy")."""
+    from mtpjax.bench.kernels import is_compute_stream
+    assert is_compute_stream("Stream #14(Compute)")
+    assert is_compute_stream("Stream #14(Memset,Compute,MemcpyD2D)")
+    assert is_compute_stream("Stream #7")
+    assert not is_compute_stream("Stream #15(MemcpyH2D)")
+    assert not is_compute_stream("XLA Ops")
