@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped_matmul.grouped_matmul import tile_layout
+from pallas_kernels.grouped_matmul.grouped_matmul import pair_layout, tile_layout
 from pallas_kernels.grouped_matmul.routed_ffn import moe_swiglu
 from pallas_kernels.grouped_matmul.row_moves import combine_rows, scatter_rows
 from tests.kernel_oracle import interpret_mode
@@ -56,17 +56,25 @@ def test_combine_sums_the_pairs_rows_and_reads_no_other(seed):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
 
 
-def _routing(ids, G):
-    """The MoE layer's sort (`mtpjax.model.moe.routed_experts`): token int32[M], sizes [G],
-    pair_rows [N, k] (>= M: routed nowhere)."""
-    N, k = ids.shape
-    expert = np.where((ids >= 0) & (ids < G), ids, G).reshape(-1)
-    order = np.argsort(expert, kind="stable")
-    slot = np.empty(N * k, np.int32)
-    slot[order] = np.arange(N * k)
-    sizes = np.bincount(expert, minlength=G + 1)[:G].astype(np.int32)
-    pair_rows = np.where(expert < G, slot, N * k).reshape(N, k).astype(np.int32)
-    return (order // k).astype(np.int32), sizes, pair_rows
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_pair_layout_is_the_sorted_tile_layout(seed):
+    """`pair_layout` (ranks by a triangular matmul, no sort) puts each pair where the stable
+    sort by expert and `tile_layout` put it, with the same tiles and sizes; pairs routed
+    nowhere (< 0 or >= G) get no row. M spans several 256-pair rank blocks."""
+    rng = np.random.default_rng(seed)
+    M, G, block_m = int(rng.integers(1, 1400)), int(rng.integers(1, 40)), int(rng.choice([16, 64]))
+    expert = rng.integers(-2, G + 3, M).astype(np.int32)
+    dest, tile_group, Mp, sizes = pair_layout(jnp.asarray(expert), G, block_m)
+    e = np.where((expert >= 0) & (expert < G), expert, G)
+    want_sizes = np.bincount(e, minlength=G + 1)[:G]
+    sorted_dest, want_tiles, want_mp = tile_layout(jnp.asarray(want_sizes, jnp.int32), M,
+                                                   block_m)
+    slot = np.empty(M, np.int64)
+    slot[np.argsort(e, kind="stable")] = np.arange(M)
+    assert Mp == want_mp
+    np.testing.assert_array_equal(np.asarray(sizes), want_sizes)
+    np.testing.assert_array_equal(np.asarray(tile_group), np.asarray(want_tiles))
+    np.testing.assert_array_equal(np.asarray(dest), np.asarray(sorted_dest)[slot])
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -76,10 +84,9 @@ def _routing(ids, G):
 ])
 def test_moe_swiglu_equals_the_per_pair_reference(seed, N, k, G, E, I, dtype, tol):
     x, ids, wg, wu, wd = case(seed, N, k, G, E, I, dtype, none_frac=0.25)
-    token, sizes, pair_rows = _routing(ids, G)
     w = np.random.default_rng(seed + 7).random((N, k)).astype(np.float32)
-    got = moe_swiglu(x, jnp.asarray(token), jnp.asarray(sizes), jnp.asarray(pair_rows),
-                     jnp.asarray(w), wg, wu, wd, kernel="triton", interpret=interpret_mode())
+    got = moe_swiglu(x, jnp.asarray(ids), jnp.asarray(w), wg, wu, wd, kernel="triton",
+                     interpret=interpret_mode())
     assert got.shape == (N, E) and got.dtype == dtype
     want = (reference(x, ids, wg, wu, wd) * w[..., None]).sum(1)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
@@ -93,8 +100,7 @@ def test_bad_inputs_name_the_value():
                      interpret=True)
     wg = jnp.zeros((2, 32, 16))
     with pytest.raises(ValueError, match="w_down must be \\[experts=2, I=16, E=32\\]"):
-        moe_swiglu(x, jnp.zeros(4, jnp.int32), jnp.asarray([2, 2], jnp.int32),
-                   jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1)), wg, wg,
+        moe_swiglu(x, jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1)), wg, wg,
                    jnp.zeros((2, 32, 16)), interpret=True)
 
 
@@ -107,9 +113,9 @@ def _eqns(jaxpr):
 
 def test_the_prefill_moe_layer_moves_rows_by_the_kernel(monkeypatch):
     """Forced onto the Pallas path at prefill sizes, the MoE layer scatters x's rows into the
-    tile layout with `scatter_rows` (one kernel launch) and holds no XLA gather of [M, E] rows
-    (the sorted copy x[token], or the padded layout built by gathering it): what took 106 of
-    1086 us per 4096-token V2-Lite layer before (docs/benchmarks.md, session 16)."""
+    tile layout with `scatter_rows` (one kernel launch), holds no XLA gather of [M, E] rows
+    (the sorted copy x[token], or the padded layout built by gathering it: 106 of 1095 us per
+    4096-token V2-Lite layer before) and no sort (~42 us: docs/benchmarks.md, session 16)."""
     from mtpjax.model.grouped_matmul import forced_path
     from mtpjax.model.moe import routed_experts
     N, k, G, E, I = 48, 2, 4, 64, 32
@@ -124,3 +130,4 @@ def test_the_prefill_moe_layer_moves_rows_by_the_kernel(monkeypatch):
     row_gathers = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "gather"
                    and e.outvars[0].aval.ndim == 2 and e.outvars[0].aval.shape[1] == E]
     assert not row_gathers, [e.outvars[0].aval for e in row_gathers]
+    assert not [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "sort"]

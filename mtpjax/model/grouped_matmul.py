@@ -120,17 +120,15 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     return mm(activation(mm(x, w_gate)) * mm(x, w_up), w_down)
 
 
-def moe_swiglu(x: jax.Array, token: jax.Array, sizes: jax.Array, pair_rows: jax.Array,
-               weights: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-               activation, out_dtype) -> jax.Array:
-    """`pallas_kernels.grouped_matmul.moe_swiglu` (the routed FFN from token order and back:
-    the pairs' rows scattered into the tile layout and the weighted sum read out of it by two
-    row kernels), interpreted off the GPU (there only when forced): x [N, E], token int32[M],
-    sizes int32[G], pair_rows int32[N, k] (>= M: none), weights f32[N, k] -> [N, E]."""
+def moe_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
+               w_up: jax.Array, w_down: jax.Array, activation, out_dtype) -> jax.Array:
+    """`pallas_kernels.grouped_matmul.moe_swiglu` (the routed FFN from token order and back,
+    no sort: the pairs scattered into the tile layout by a row kernel, the weighted sum
+    gathered out of it in one pass), interpreted off the GPU (there only when forced): x
+    [N, E], ids int32[N, k] (outside [0, G): none), weights f32[N, k] -> [N, E]."""
     from pallas_kernels.grouped_matmul.routed_ffn import moe_swiglu as kernel_ffn
-    return kernel_ffn(x, token, sizes, pair_rows, weights, w_gate, w_up, w_down,
-                      activation=activation, out_dtype=out_dtype,
-                      interpret=jax.default_backend() != "gpu")
+    return kernel_ffn(x, ids, weights, w_gate, w_up, w_down, activation=activation,
+                      out_dtype=out_dtype, interpret=jax.default_backend() != "gpu")
 
 
 def uses_expert_tiles(tokens: int, groups: int, per_device: bool = False) -> bool:

@@ -92,16 +92,16 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
             x, ids, p["w_gate"], p["w_up"], p["w_down"],
             activation)                                           # f32 [N, k, E], 0 for none
         return _weighted_sum(y, weights).astype(out_dtype or x.dtype)
-    expert = jnp.where(valid[:, None] & (ids < X), ids, X).reshape(-1)   # -> past every group
+    expert = jnp.where(valid[:, None] & (ids < X), ids, X)          # X: past every group
+    if model_path and matmul_choice(N * k, X, per_device) == "pallas":
+        # no sort: x's rows straight into the tile layout, the weighted sum straight out
+        return moe_swiglu(x, expert, weights, p["w_gate"], p["w_up"], p["w_down"],
+                          activation, out_dtype or x.dtype)
+    expert = expert.reshape(-1)
     order = jnp.argsort(expert, stable=True)                      # [N*k] pairs sorted by expert
     token = order // k
     sizes = jnp.zeros(X + 1, jnp.int32).at[expert].add(1)[:X]    # tokens per expert
     slot = jnp.zeros(N * k, jnp.int32).at[order].set(jnp.arange(N * k, dtype=jnp.int32))
-    if model_path and matmul_choice(N * k, X, per_device) == "pallas":
-        # x's rows straight into the tile layout, and the weighted sum straight out of it
-        pair_rows = jnp.where(expert < X, slot, N * k).reshape(N, k)
-        return moe_swiglu(x, token, sizes, pair_rows, weights, p["w_gate"], p["w_up"],
-                          p["w_down"], activation, out_dtype or x.dtype)
     xs = x[token]                                                 # [N*k, E]
     if swiglu is not None:
         y = swiglu(xs, p["w_gate"], p["w_up"], p["w_down"], sizes)

@@ -26,8 +26,9 @@ from pallas_kernels._hopper import on_hopper
 from pallas_kernels.grouped_matmul.grouped_matmul import (check_ffn_weights, check_operands,
                                                           check_splits,
                                                           grouped_pallas_call, pad_rows,
-                                                          padded_grouped_matmul, resolve_blocks,
-                                                          tile_layout, unpad_rows)
+                                                          padded_grouped_matmul, pair_layout,
+                                                          resolve_blocks, tile_layout,
+                                                          unpad_rows)
 from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel
 from pallas_kernels.grouped_matmul.row_moves import combine_rows, scatter_rows
 
@@ -243,29 +244,31 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
 
 
 @functools.partial(jax.jit, static_argnames=_OPTIONS + ("out_dtype",))
-def moe_swiglu(x: jax.Array, token: jax.Array, sizes: jax.Array, pair_rows: jax.Array,
-               weights: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-               activation=jax.nn.silu, out_dtype=None, block_m: int | None = None,
-               gate_up_blocks: tuple | None = None, down_blocks: tuple | None = None,
-               num_stages: int | None = None, columns_fastest: bool = True,
-               kernel: str | None = None, persistent: bool | int = False,
-               interpret: bool = False) -> jax.Array:
-    """The routed MoE FFN from token order and back: `grouped_swiglu` over the M pairs' rows
-    x[token] (sorted by expert, `sizes` per expert), each token's output the weighted sum of
-    its pairs' rows, with the rows moved by `row_moves` (a kernel writes only the pairs' rows
-    of the tile layout, straight from x; one fused pass gathers and sums the outputs).
+def moe_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
+               w_up: jax.Array, w_down: jax.Array, *, activation=jax.nn.silu, out_dtype=None,
+               block_m: int | None = None, gate_up_blocks: tuple | None = None,
+               down_blocks: tuple | None = None, num_stages: int | None = None,
+               columns_fastest: bool = True, kernel: str | None = None,
+               persistent: bool | int = False, interpret: bool = False) -> jax.Array:
+    """The routed MoE FFN from token order and back, at prefill sizes:
 
-    x [N, E]; token int32[M] (the token of each sorted pair); pair_rows int32[N, k] (pair
-    (n, j)'s sorted row; >= sum(sizes): routed nowhere, adds nothing); weights float32[N, k]
-    -> [N, E] in out_dtype (default x's): sum_j weights[n, j] * y[pair_rows[n, j]], in j order
-    with float32 sums. Options as for `grouped_swiglu`."""
-    M = token.shape[0]
+        out[n] = sum_j weights[n, j] * expert_{ids[n, j]}(x[n])     (j in order, f32 sums)
+
+    x [N, E]; ids int32[N, k] (outside [0, G): routed nowhere, adds nothing); weights
+    float32[N, k] -> [N, E] in out_dtype (default x's). The pairs go to the tile layout of
+    `grouped_swiglu` without a sort (`pair_layout`), x's rows straight into it by a kernel
+    (`row_moves.scatter_rows`: no sorted copy of x, no zeroed padding rows), and the
+    outputs' gather and weighted sum are one fused pass (`row_moves.combine_rows`). Options
+    as for `grouped_swiglu`."""
+    N, k = ids.shape
+    M = N * k
     block_m, run = _kernels(
-        jax.ShapeDtypeStruct((M, x.shape[1]), x.dtype), w_gate, w_up, w_down, sizes,
-        activation=activation, block_m=block_m, gate_up_blocks=gate_up_blocks,
-        down_blocks=down_blocks, num_stages=num_stages, columns_fastest=columns_fastest,
-        kernel=kernel, persistent=persistent, interpret=interpret)
-    dest, tile_group, Mp = tile_layout(sizes, M, block_m)        # dest Mp: in no group
+        jax.ShapeDtypeStruct((M, x.shape[1]), x.dtype), w_gate, w_up, w_down,
+        jax.ShapeDtypeStruct((w_gate.shape[0],), jnp.int32), activation=activation,
+        block_m=block_m, gate_up_blocks=gate_up_blocks, down_blocks=down_blocks,
+        num_stages=num_stages, columns_fastest=columns_fastest, kernel=kernel,
+        persistent=persistent, interpret=interpret)
+    dest, tile_group, Mp, _ = pair_layout(ids.reshape(-1), w_gate.shape[0], block_m)
+    token = jnp.arange(M, dtype=jnp.int32) // k
     yp = run(scatter_rows(x, token, dest, num_rows=Mp, interpret=interpret), tile_group)
-    rows = jnp.where(pair_rows < M, dest[jnp.clip(pair_rows, 0, M - 1)], Mp)
-    return combine_rows(yp, rows, weights, out_dtype or x.dtype)
+    return combine_rows(yp, dest.reshape(N, k), weights, out_dtype or x.dtype)
