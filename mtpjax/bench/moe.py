@@ -160,12 +160,12 @@ def parse_ffn_tuning(spec: str) -> dict:
 
 
 def experts_pallas_ffn_tuned(x, p, ids, w, tuning: dict):
-    """`routed_experts`' sorted layout with `grouped_swiglu` given explicit tuning (a sweep of
-    the prefill tiles)."""
-    from pallas_kernels.grouped_matmul import grouped_swiglu
-    swiglu = functools.partial(grouped_swiglu, activation=jax.nn.silu,
-                               interpret=jax.default_backend() != "gpu", **tuning)
-    return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu, swiglu=swiglu)
+    """The model's prefill layout (`moe_swiglu`: no sort, the rows scattered into the tile
+    layout and the weighted sum read out of it) with the kernels given explicit tuning (a
+    sweep of the prefill tiles)."""
+    from pallas_kernels.grouped_matmul.routed_ffn import moe_swiglu
+    return moe_swiglu(x, ids, w, p["w_gate"], p["w_up"], p["w_down"], activation=jax.nn.silu,
+                      interpret=jax.default_backend() != "gpu", **tuning)
 
 
 def experts_pallas_tiles_tuned(x, p, ids, w, tuning: dict):
