@@ -36,6 +36,18 @@ def test_summary_counts_steps_busy_time_and_the_gap(tmp_path, capsys):
     assert "gap 200 us" in out and "cuGraphLaunch" in out
 
 
+def test_mla_steps_are_counted_by_the_mosaic_kernel(tmp_path):
+    # DeepSeek's MLA layers on Hopper: the attention kernel is the Mosaic-GPU one
+    kernels, t = [], 0.0
+    for _ in range(10):
+        for _ in range(3):
+            kernels += [("gemm_fusion", t, 20.0), ("entry_mosaic_gpu_kernel", t + 20, 15.0),
+                        ("one_token_expert_ffn", t + 35, 40.0)]
+            t += 75
+    write_trace(tmp_path, kernels)
+    assert step_profile.summarize(str(tmp_path), layers=3, name="engine")["steps"] == 7
+
+
 def test_no_gpu_trace_says_so(tmp_path, capsys):
     write_trace(tmp_path, [])
     assert step_profile.summarize(str(tmp_path), layers=2, name="engine")["per_kernel_us"] == {}
