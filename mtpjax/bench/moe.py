@@ -20,11 +20,12 @@ Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pai
   pallas      the same with mtpjax's Pallas (Triton) grouped-matmul kernel
               (`pallas_kernels.grouped_matmul`: each tile reads its expert's weights in place;
               interpreted off the GPU)
-  pallas_ffn  the model's own path on one GPU: `routed_experts` with `grouped_swiglu` forced to
-              the Pallas kernels (one row layout; gate and up in one kernel; up to 16 tokens
-              `expert_tile_swiglu`: one tile per touched expert, no sort)
-  pallas_ffn_sorted  the same with the sorted layout at every size
-  pallas_ffn:KEY=V/...  the sorted layout's kernels with explicit tuning, e.g.
+  pallas_ffn  the model's own path on one GPU, forced to the Pallas kernels: one or two
+              tokens `fused_moe_ffn`, up to 16 `expert_tile_swiglu` (one tile per touched
+              expert), beyond `moe_swiglu` (the tile layout without a sort: rows scattered in
+              by a kernel, gate and up in one kernel, the weighted sum in one fused gather)
+  pallas_ffn_sorted  the same with `moe_swiglu` from 1 token (no expert tiles)
+  pallas_ffn:KEY=V/...  `moe_swiglu`'s kernels with explicit tuning, e.g.
               pallas_ffn:bm=128/bn=64/w=8/dbn=128/dw=8/st=4 (keys: `parse_ffn_tuning`)
   pallas_tiles:KEY=V/...  up to 16 tokens, the expert tiles with explicit tuning (the same
               keys but bm and cf), e.g. pallas_tiles:s=8/st=4
@@ -122,8 +123,8 @@ def experts_pallas_ffn(x, p, ids, w):
 
 
 def experts_pallas_ffn_sorted(x, p, ids, w):
-    """`pallas_ffn` without the expert-tile layout of up to 16 tokens (the sorted layout at
-    every size)."""
+    """`pallas_ffn` without the expert tiles of up to 16 tokens (`moe_swiglu`'s tile layout
+    at every size)."""
     from mtpjax.model.grouped_matmul import forced_path
     with forced_path("pallas"):
         return routed_experts(p, x, ids, w, jnp.ones(x.shape[0], bool), jax.nn.silu,

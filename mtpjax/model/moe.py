@@ -67,12 +67,13 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
 
     x [N, E], ids int32[N, k] (an id >= the number of experts in p: routed nowhere), weights
     f32[N, k], valid bool[N] -> [N, E] in out_dtype (default x's). matmul: None for the
-    model's path (`grouped_swiglu`: the Pallas kernels on one GPU, ragged_dot elsewhere), or a
-    grouped matmul(rows, w, sizes) for each of the three projections (the MoE bench passes
-    one). per_device: inside the expert-parallel `shard_map` (this device's experts only).
+    model's path (on one GPU the Pallas kernels: `moe_swiglu`, the tile layout without a
+    sort; elsewhere ragged_dot over the pairs sorted by expert), or a grouped matmul(rows, w,
+    sizes) for each of the three projections (the MoE bench passes one). per_device: inside
+    the expert-parallel `shard_map` (this device's experts only).
     expert_tiles: on the Pallas path, up to 16 tokens go through `expert_tile_swiglu` (one tile
-    per touched expert, no sort), and up to FUSED_MAX_TOKENS (2) through `fused_moe_ffn` (the
-    FFN and the weighted sum in one kernel); False keeps the sorted layout (the MoE bench
+    per touched expert), and up to FUSED_MAX_TOKENS (2) through `fused_moe_ffn` (the FFN and
+    the weighted sum in one kernel); False takes `moe_swiglu` at every size (the MoE bench
     compares them).
     swiglu: None for the model's, or the whole routed SwiGLU over the sorted rows,
     swiglu(rows, w_gate, w_up, w_down, sizes) (the MoE bench passes tuned kernels).
