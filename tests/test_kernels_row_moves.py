@@ -99,6 +99,14 @@ def test_bad_inputs_name_the_value():
         scatter_rows(x, jnp.zeros(3, jnp.int32), jnp.zeros(2, jnp.int32), num_rows=8,
                      interpret=True)
     wg = jnp.zeros((2, 32, 16))
+    with pytest.raises(ValueError, match="ids must be an integer \\[N, k\\] and weights \\[N, k\\] "
+                                         "of its shape, got ids int32\\[4, 2\\] and weights "
+                                         "\\[4, 1\\]"):
+        moe_swiglu(x, jnp.zeros((4, 2), jnp.int32), jnp.ones((4, 1)), wg, wg,
+                   jnp.zeros((2, 16, 32)), interpret=True)
+    with pytest.raises(ValueError, match="x must be \\[N=3, E\\], got \\[4, 32\\]"):
+        moe_swiglu(x, jnp.zeros((3, 1), jnp.int32), jnp.ones((3, 1)), wg, wg,
+                   jnp.zeros((2, 16, 32)), interpret=True)
     with pytest.raises(ValueError, match="w_down must be \\[experts=2, I=16, E=32\\]"):
         moe_swiglu(x, jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1)), wg, wg,
                    jnp.zeros((2, 32, 16)), interpret=True)

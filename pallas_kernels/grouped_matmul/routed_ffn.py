@@ -13,6 +13,10 @@ layout ops saved are a large part of the layer (docs/benchmarks.md, round 3 sess
 three-call layer at one DeepSeek-V2-Lite token took 102 us for 35 us of weight bytes).
 The activation runs in float32 on the float32 sums (the three-call form rounds gate and up to
 x's dtype first): outputs agree to that rounding.
+
+`moe_swiglu` is the same FFN from token order and back, as the MoE layer calls it at prefill
+sizes: the tile layout without a sort (`pair_layout`), x's rows scattered in by a kernel and
+the weighted sum gathered out in one pass (`row_moves.py`).
 """
 from __future__ import annotations
 
@@ -260,6 +264,11 @@ def moe_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Arr
     (`row_moves.scatter_rows`: no sorted copy of x, no zeroed padding rows), and the
     outputs' gather and weighted sum are one fused pass (`row_moves.combine_rows`). Options
     as for `grouped_swiglu`."""
+    if ids.ndim != 2 or weights.shape != ids.shape or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"ids must be an integer [N, k] and weights [N, k] of its shape, got "
+                         f"ids {ids.dtype}{list(ids.shape)} and weights {list(weights.shape)}")
+    if x.ndim != 2 or x.shape[0] != ids.shape[0]:
+        raise ValueError(f"x must be [N={ids.shape[0]}, E], got {list(x.shape)}")
     N, k = ids.shape
     M = N * k
     block_m, run = _kernels(
