@@ -28,6 +28,7 @@ from mtpjax.model.grouped_matmul import (FUSED_MAX_TOKENS, expert_tile_swiglu, f
                                          grouped_swiglu, matmul_choice, moe_swiglu,
                                          uses_expert_tiles)
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
+from pallas_kernels.grouped_matmul.row_moves import combine_rows, weighted_sum
 
 
 def route(p: dict, x: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
@@ -92,7 +93,7 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
         y = (tile_swiglu or expert_tile_swiglu)(
             x, ids, p["w_gate"], p["w_up"], p["w_down"],
             activation)                                           # f32 [N, k, E], 0 for none
-        return _weighted_sum(y, weights).astype(out_dtype or x.dtype)
+        return weighted_sum(y, weights).astype(out_dtype or x.dtype)
     expert = jnp.where(valid[:, None] & (ids < X), ids, X)          # X: past every group
     if model_path and matmul_choice(N * k, X, per_device) == "pallas":
         # no sort: x's rows straight into the tile layout, the weighted sum straight out
@@ -112,21 +113,9 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     else:
         h = activation(matmul(xs, p["w_gate"], sizes)) * matmul(xs, p["w_up"], sizes)
         y = matmul(h, p["w_down"], sizes)                         # [N*k, E]
-    # Back to token order by a gather and a sum over each token's k rows in a fixed order. A
-    # scatter-add (`.at[token].add`) lowers to float atomics on the GPU: the sum's order, and so
-    # its rounding, changed from run to run, and greedy tokens with it.
-    y = y[slot].reshape(N, k, -1).astype(jnp.float32)             # [N, k, E]
-    y = jnp.where((expert < X).reshape(N, k)[..., None], y, 0.0)
-    return _weighted_sum(y, weights).astype(out_dtype or x.dtype)
-
-
-def _weighted_sum(y: jax.Array, weights: jax.Array) -> jax.Array:
-    """sum_j weights[n, j] * y[n, j] in a fixed order (deterministic): y f32[N, k, E] -> [N, E]."""
-    y = y * weights[..., None]
-    out = y[:, 0]
-    for j in range(1, y.shape[1]):
-        out = out + y[:, j]
-    return out
+    # Back to token order: each token's k rows gathered and summed in a fixed order
+    rows = jnp.where(expert < X, slot, N * k).reshape(N, k)       # N * k: routed nowhere
+    return combine_rows(y, rows, weights, out_dtype or x.dtype)
 
 
 def expert_parallel(p: dict, x: jax.Array, cfg, valid: jax.Array, mesh, activation):

@@ -39,12 +39,12 @@ def default_block_m(M: int, G: int) -> int:
     return min(64, max(16, 1 << (mean - 1).bit_length()))
 
 
-def largest_block(dim: int, cap: int) -> int:
-    """Largest power of two <= cap dividing dim (0 if none >= 16)."""
+def largest_block(dim: int, cap: int, floor: int = 16) -> int:
+    """Largest power of two <= cap dividing dim (0 if none >= floor; 16: Triton's dot)."""
     b = cap
-    while b >= 16 and dim % b:
+    while b >= floor and dim % b:
         b //= 2
-    return b if b >= 16 else 0
+    return b if b >= floor else 0
 
 
 TARGET_PROGRAMS = 264           # ~2 programs per SM of an H100 (132 SMs)
@@ -78,12 +78,9 @@ def tile_layout(sizes: jax.Array, M: int, block_m: int):
     tile_group int32[n_tiles]: each tile's group, -1 past the last group; Mp = n_tiles x
     block_m). n_tiles = ceil(M / block_m) + min(G, M) bounds the tiles any sizes can need."""
     G = sizes.shape[0]
-    n_tiles = -(-M // block_m) + min(G, M)
-    Mp = n_tiles * block_m
     sizes = sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)                                  # [G] end row of each group
-    padded = -(-sizes // block_m) * block_m
-    pends = jnp.cumsum(padded)                                # [G] end of each padded group
+    padded, pends, tile_group, Mp = _padded_groups(sizes, M, block_m)
     row = jnp.arange(M, dtype=jnp.int32)
     # compare_all, not searchsorted's default "scan": that is a while loop, and a while loop on
     # the GPU costs a device-to-host round trip per iteration; with it the H100's expert layer
@@ -92,10 +89,19 @@ def tile_layout(sizes: jax.Array, M: int, block_m: int):
                     G).astype(jnp.int32)
     gc = jnp.minimum(g, G - 1)
     dest = jnp.where(g < G, pends[gc] - padded[gc] + row - (ends[gc] - sizes[gc]), Mp)
+    return dest.astype(jnp.int32), tile_group, Mp
+
+
+def _padded_groups(sizes: jax.Array, M: int, block_m: int):
+    """Groups of `sizes` (int32[G], sum <= M) padded to whole tiles: (padded sizes [G], padded
+    ends [G], tile_group int32[n_tiles]: each tile's group, -1 past the last, Mp)."""
+    G = sizes.shape[0]
+    n_tiles = -(-M // block_m) + min(G, M)
+    padded = -(-sizes // block_m) * block_m
+    pends = jnp.cumsum(padded)                                # [G] end of each padded group
     tg = jnp.searchsorted(pends, jnp.arange(n_tiles, dtype=jnp.int32) * block_m, side="right",
                           method="compare_all")
-    tile_group = jnp.where(tg < G, tg, -1).astype(jnp.int32)
-    return dest.astype(jnp.int32), tile_group, Mp
+    return padded, pends, jnp.where(tg < G, tg, -1).astype(jnp.int32), n_tiles * block_m
 
 
 RANK_BLOCK = 256     # pairs per block of `pair_layout`'s triangular matmul
@@ -116,8 +122,6 @@ def pair_layout(expert: jax.Array, G: int, block_m: int):
     (cub's radix sort: 6 kernels and 6 memsets) took ~42 us of the 4096-token V2-Lite layer
     on the H100, and a cumulative sum over all M pairs lowers to an O(M^2) reduce window."""
     M = expert.shape[0]
-    n_tiles = -(-M // block_m) + min(G, M)
-    Mp = n_tiles * block_m
     valid = (expert >= 0) & (expert < G)
     e = jnp.where(valid, expert, G).astype(jnp.int32)
     pad = -M % RANK_BLOCK
@@ -132,12 +136,8 @@ def pair_layout(expert: jax.Array, G: int, block_m: int):
     ranks = (within + before[:, None]).reshape(-1, G)[:M]                  # [M, G] inclusive
     rank = jnp.take_along_axis(ranks, jnp.minimum(e, G - 1)[:, None], axis=1)[:, 0] - 1
     sizes = totals.sum(0)                                                  # [G]
-    padded = -(-sizes // block_m) * block_m
-    pends = jnp.cumsum(padded)
+    padded, pends, tile_group, Mp = _padded_groups(sizes, M, block_m)
     dest = jnp.where(valid, (pends - padded)[jnp.minimum(e, G - 1)] + rank, Mp)
-    tg = jnp.searchsorted(pends, jnp.arange(n_tiles, dtype=jnp.int32) * block_m, side="right",
-                          method="compare_all")
-    tile_group = jnp.where(tg < G, tg, -1).astype(jnp.int32)
     return dest.astype(jnp.int32), tile_group, Mp, sizes.astype(jnp.int32)
 
 

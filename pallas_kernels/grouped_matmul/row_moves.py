@@ -25,17 +25,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.grouped_matmul.grouped_matmul import largest_block
+
 ROW_BLOCK = 8           # rows per program
 COLUMN_BLOCK = 512      # columns per program (at most; a power of 2 dividing the width)
 NUM_WARPS = 4
-
-
-def column_block(width: int) -> int:
-    """The largest power of 2 <= COLUMN_BLOCK dividing width (Triton blocks are powers of 2)."""
-    b = COLUMN_BLOCK
-    while width % b:
-        b //= 2
-    return b
 
 
 def _scatter_kernel(src_ref, dest_ref, x_ref, o_ref, *, block_c, num_rows):
@@ -65,7 +59,7 @@ def scatter_rows(x: jax.Array, src: jax.Array, dest: jax.Array, *, num_rows: int
     pad = -m % ROW_BLOCK
     src = jnp.pad(jnp.clip(src.astype(jnp.int32), 0, n - 1), (0, pad))
     dest = jnp.pad(dest.astype(jnp.int32), (0, pad), constant_values=num_rows)
-    block_c = column_block(width)
+    block_c = largest_block(width, COLUMN_BLOCK, floor=1)      # Triton blocks: powers of 2
     return pl.pallas_call(
         functools.partial(_scatter_kernel, block_c=block_c, num_rows=num_rows),
         out_shape=jax.ShapeDtypeStruct((num_rows, width), x.dtype),
@@ -73,6 +67,17 @@ def scatter_rows(x: jax.Array, src: jax.Array, dest: jax.Array, *, num_rows: int
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret, name="moe_scatter_rows",
     )(src, dest, x)
+
+
+def weighted_sum(y: jax.Array, weights: jax.Array) -> jax.Array:
+    """sum_j weights[n, j] * y[n, j] in a fixed order, float32: y [N, k, E] -> [N, E]. A
+    scatter-add instead lowers to float atomics on the GPU, whose order (and so rounding, and
+    greedy tokens with it) changed from run to run."""
+    y = y.astype(jnp.float32) * weights[..., None].astype(jnp.float32)
+    out = y[:, 0]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j]
+    return out
 
 
 def combine_rows(y: jax.Array, rows: jax.Array, weights: jax.Array, out_dtype=None) -> jax.Array:
@@ -83,11 +88,7 @@ def combine_rows(y: jax.Array, rows: jax.Array, weights: jax.Array, out_dtype=No
     read); weights float32[N, k]. Plain jnp: XLA fuses the row gather into the weighted sum
     (one pass, 40 us for 4096 V2-Lite tokens' 117 MB on the H100), where a Triton kernel of
     the same loop took 44 us (round 3 session 16)."""
-    mp = y.shape[0]
-    has = rows < mp
+    has = rows < y.shape[0]
     vals = y[jnp.where(has, rows, 0)]                             # [N, k, E]
-    out = jnp.zeros((rows.shape[0], y.shape[1]), jnp.float32)
-    for j in range(rows.shape[1]):      # pairs in a fixed order: the sum rounds the same each run
-        out = out + jnp.where(has[:, j, None], vals[:, j].astype(jnp.float32)
-                              * weights[:, j, None].astype(jnp.float32), 0.0)
-    return out.astype(out_dtype or y.dtype)
+    vals = jnp.where(has[..., None], vals.astype(jnp.float32), 0.0)
+    return weighted_sum(vals, weights).astype(out_dtype or y.dtype)
