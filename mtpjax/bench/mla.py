@@ -2,6 +2,7 @@
 
     python -m mtpjax.bench.mla [--sections decode,verify,mixed] [--pages 64,16] [--heads 16,128]
                                [--sweep] [--variants "k=v,k=v;..."] [--budget-s 240] [--out DIR]
+                               [--no-xla-peer]
 
 Shapes: B=64 requests at context 4096, latent 576 = kv_lora_rank 512 + rope 64, bf16, random
 inputs and randomly permuted block tables. Decode = q_len 1, verify = q_len 4 (causal inside
@@ -168,6 +169,8 @@ def main(argv=None):
                          'e.g. "value_split=2,qk_chunk=128;value_split=2,num_stages=2"')
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="after this many seconds, time only each case's default variant")
+    ap.add_argument("--no-xla-peer", action="store_true",
+                    help="skip the plain-jnp peer (slow at H=128): kernel rows only")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
     extra = parse_variants(a.variants)
@@ -184,7 +187,7 @@ def main(argv=None):
             continue
         for h in (int(x) for x in a.heads.split(",")):
             for page in (int(x) for x in a.pages.split(",")):
-                peer = xla_peer(q_len, b) if page == 64 else None
+                peer = xla_peer(q_len, b) if page == 64 and not a.no_xla_peer else None
                 r = run_case(f"{sec} q{q_len}", [q_len] * b, [ctx] * b, h, page, copy_bw, mm,
                              variants_for(q_len, h, page, b, ctx, a.sweep, extra),
                              a.budget_s, peer)
