@@ -25,7 +25,6 @@ import time
 import jax
 import numpy as np
 
-from mtpjax.generate import MIN_TOKEN_BUCKET
 from mtpjax.model.fused import MODES as FUSION_MODES
 
 
@@ -52,9 +51,9 @@ def _model_args(p: argparse.ArgumentParser):
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--min-token-bucket", type=int, default=MIN_TOKEN_BUCKET,
+    g.add_argument("--min-token-bucket", type=int, default=None,
                    help="smallest step shape, a power of two (1: batch-1 decodes run unpadded, "
-                        "three more compiles)")
+                        "three more compiles; default 1 for MoE models, 8 for dense ones)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention", choices=["auto", "reference", "pallas"], default="auto")
     g.add_argument("--seed", type=int, default=0)

@@ -113,3 +113,29 @@ def test_min_token_bucket_one_runs_batch_one_unpadded_with_the_same_tokens():
         mtpjax.LLM(params, cfg, min_token_bucket=3, **kw)
     with pytest.raises(ValueError, match="min_token_bucket must be an int >= 1"):
         mtpjax.LLM(params, cfg, min_token_bucket=0, **kw)
+
+
+def test_default_min_token_bucket_is_one_for_moe_models_and_eight_for_dense_ones():
+    """LLM(min_token_bucket=None): MoE models get 1 (a padded token runs the experts), dense
+    ones 8 (fewer programs); a value given is kept either way."""
+    import dataclasses
+
+    from mtpjax.config import ModelConfig
+    from mtpjax.generate import default_min_token_bucket
+    dense = tiny_config(vocab_size=48)
+    moe = ModelConfig(model_type="deepseek_v3", vocab_size=48, hidden_size=32,
+                      intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=4,
+                      attention_kind="mla", q_lora_rank=24, kv_lora_rank=16,
+                      qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, ffn_kind="moe",
+                      n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                      moe_intermediate_size=16, first_k_dense_replace=1, n_group=4,
+                      topk_group=2, num_mtp_layers=1)
+    assert default_min_token_bucket(dense) == 8
+    assert default_min_token_bucket(moe) == 1
+    assert default_min_token_bucket(dataclasses.replace(moe, ffn_kind="dense")) == 8
+    kw = dict(num_pages=40, page_size=4, max_num_seqs=2, max_num_batched_tokens=8,
+              warmup=False)
+    for cfg, want in ((dense, 8), (moe, 1)):
+        params = mtpjax.init_params(cfg, jax.random.PRNGKey(0), std=0.02)
+        assert mtpjax.LLM(params, cfg, **kw).runner.min_bucket == want, cfg.ffn_kind
+        assert mtpjax.LLM(params, cfg, min_token_bucket=4, **kw).runner.min_bucket == 4

@@ -77,7 +77,6 @@ import tempfile
 import time
 import traceback
 
-from mtpjax.generate import MIN_TOKEN_BUCKET
 from mtpjax.model.fused import MODES as FUSION_MODES
 
 SHAPES = {
@@ -502,7 +501,7 @@ def run_child(args, role: str, batch: int, env_extra: dict | None = None) -> dic
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.fuse_projections:
         cmd += ["--fuse-projections", args.fuse_projections]
-    if args.min_token_bucket != MIN_TOKEN_BUCKET:
+    if args.min_token_bucket is not None:
         cmd += ["--min-token-bucket", str(args.min_token_bucket)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
@@ -580,8 +579,9 @@ def parse_args(argv):
                     help="engine token budget (default: the largest of batch x (K+1), "
                          "min(batch x prompt, 2048) and the prompt, rounded up to a power of "
                          "two)")
-    ap.add_argument("--min-token-bucket", type=int, default=MIN_TOKEN_BUCKET,
-                    help="the engine's smallest step shape (LLM min_token_bucket)")
+    ap.add_argument("--min-token-bucket", type=int, default=None,
+                    help="the engine's smallest step shape (LLM min_token_bucket; default: the "
+                         "engine's, 1 for MoE models and 8 for dense ones)")
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth copy")
     ap.add_argument("--cache-dir", default=None,
                     help="persistent compilation cache folder (default: a fresh temporary one, "

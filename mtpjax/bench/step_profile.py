@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         num_speculative_tokens=a.k, acceptance="synthetic", synthetic_accept_rate=0.8)
     engine_args = argparse.Namespace(k=max(a.k, 1), prompt_len=128, new_tokens=a.new_tokens,
                                      max_num_batched_tokens=None,
-                                     min_token_bucket=e2e.MIN_TOKEN_BUCKET)
+                                     min_token_bucket=None)    # the engine's default
     llm = mtpjax.LLM(params, cfg, spec, warmup=False, **e2e.engine_kwargs(engine_args, a.batch))
     sp = mtpjax.SamplingParams(max_tokens=a.new_tokens)
     paths = {

@@ -37,7 +37,7 @@ from mtpjax.engine.runner import ModelRunner
 from mtpjax.engine.scheduler import Scheduler
 from mtpjax.engine.sequence import Sequence, SequenceStatus
 from mtpjax.engine.warmup import WarmupProgress, step_buckets
-from mtpjax.generate import MIN_TOKEN_BUCKET
+from mtpjax.generate import default_min_token_bucket
 from mtpjax.speculative.adaptive import AcceptanceTable, AdaptiveK
 from mtpjax.speculative.draft_vocab import resolve_ids as draft_vocab_ids
 
@@ -213,10 +213,11 @@ class LLM:
     fuse_projections: serve with q/k/v and gate/up weights concatenated once (one GEMM each;
     `model/fused.py`; one device only; the fused matrices are new arrays beside the caller's):
     True / "all" both groups, "qkv" only q/k/v.
-    min_token_bucket: the smallest step shape, a power of two (default 8). A step's tokens and
-    its MTP first pass are padded to powers of two >= it, each compiled once; 1 adds the
-    buckets 1, 2 and 4 (three more compiles per first-pass size) and lets a batch-1 decode run
-    unpadded (docs/engine.md, "Step buckets").
+    min_token_bucket: the smallest step shape, a power of two. A step's tokens and its MTP
+    first pass are padded to powers of two >= it, each compiled once; 1 adds the buckets 1, 2
+    and 4 (three more compiles per first-pass size) and lets a batch-1 decode run unpadded.
+    None (default): 1 for MoE models, 8 for dense ones (`default_min_token_bucket`;
+    docs/engine.md, "Step buckets").
 
     Thread-safe: one lock serializes engine operations; several threads may call generate at once
     and share the batch. Errors and interrupts: see the module docstring and docs/engine.md.
@@ -231,7 +232,7 @@ class LLM:
                  max_logprobs: int = 0, adaptive_k: AdaptiveK | None = None, mesh=None,
                  draft_vocab=None, executable_cache: str | bool | None = None,
                  fuse_projections: bool | str = False,
-                 min_token_bucket: int = MIN_TOKEN_BUCKET):
+                 min_token_bucket: int | None = None):
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         if spec is not None:
@@ -249,6 +250,8 @@ class LLM:
                                              none_ok=True)
         seed = check_seed("seed", seed)
         max_logprobs = _int_arg("max_logprobs", max_logprobs, 0, cfg.vocab_size)
+        if min_token_bucket is None:
+            min_token_bucket = default_min_token_bucket(cfg)
         min_token_bucket = _int_arg("min_token_bucket", min_token_bucket, 1)
         if min_token_bucket & (min_token_bucket - 1):
             raise ValueError(f"min_token_bucket must be a power of two, got "
