@@ -98,6 +98,77 @@ def _iota(shape, dim, interpret):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
+def zero_rows_past(values, k0, kv_end, interpret):
+    """Zeroes in place the rows of a shared-memory value block [bk, C] (first KV position k0)
+    at or past kv_end: unwritten or spare pages may hold NaN, and 0 * NaN is NaN."""
+    v = values[...]
+    rows = _iota(v.shape, 0, interpret) + k0
+    values[...] = jnp.where(rows < kv_end, v, jnp.zeros_like(v))
+    plgpu.commit_smem()
+
+
+def copy_kv_block(lat_ref, bt_ref, seq, k0, ring, slot, barrier, *, block_kv, page_size,
+                  cols=None):
+    """TMA-copies KV positions k0 .. k0 + block_kv - 1 of sequence `seq` (columns `cols`, or
+    all) from the paged latent cache into ring[slot] [block_kv, C]: one copy per page the
+    block touches, each arriving on `barrier`."""
+    copies = max(1, block_kv // page_size)
+    rows = min(block_kv, page_size)
+    max_entry = jnp.int32(bt_ref.shape[1] - 1)
+    num_pages = lat_ref.shape[0]
+    for j in range(copies):
+        tok = k0 + j * rows
+        # The last block may run past the table (its rows past kv_end are masked): clamp
+        # the entry, and the page id, into range.
+        entry = jnp.minimum(lax.div(tok, jnp.int32(page_size)), max_entry)
+        page = jnp.clip(bt_ref[seq, entry], 0, num_pages - 1)
+        src = (page, pl.ds(lax.rem(tok, jnp.int32(page_size)), rows))
+        plgpu.copy_gmem_to_smem(lat_ref.at[src if cols is None else src + (cols,)],
+                                ring.at[slot, pl.ds(j * rows, rows)], barrier)
+
+
+def check_tiles(q_tiles, latent, rank, block_kv):
+    """The checks both Mosaic MLA kernels make of their tile inputs."""
+    rows, width = q_tiles.shape[1:]
+    page_size = latent.shape[1]
+    if not (8 <= rows <= TILE_ROWS and rows % 8 == 0):
+        raise ValueError(f"q_tiles must hold a multiple of 8 rows, at most {TILE_ROWS}, per "
+                         f"tile, got {rows}")
+    if q_tiles.dtype != jnp.bfloat16 or latent.dtype != jnp.bfloat16:
+        raise ValueError(f"the Mosaic-GPU MLA kernel takes bfloat16, got {q_tiles.dtype} / "
+                         f"{latent.dtype}")
+    if width % 64 or rank % 128:
+        raise ValueError(f"width {width} must be a multiple of 64 and kv_lora_rank {rank} of "
+                         f"128 (64-column swizzled tiles, two value halves)")
+    if block_kv % 8 or block_kv % min(block_kv, page_size) or min(block_kv, page_size) % 8:
+        raise ValueError(f"block_kv {block_kv} and page_size {page_size}: a block must be "
+                         f"whole 8-row pieces of pages")
+
+
+def run_tiles(kernel, scratch, barriers, args, *, num_splits, rank, num_threads, interpret):
+    """Launches a Mosaic MLA kernel over a (tile, split) grid, warpgroups named "wg":
+    kernel(*refs, (scratch refs, barrier refs)) with refs = tile_seq, tile_pos0, tile_ntok,
+    block_tables, q_tiles, latent (inputs; `args`) then out, lse -> (out [n, splits, rows,
+    R] bf16, lse [n, splits, rows] f32)."""
+    n, rows = args[4].shape[:2]
+
+    def entry(*refs):
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), scratch, barriers,
+                      collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((n, num_splits, rows, rank), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((n, num_splits, rows), jnp.float32)),
+        grid=(n, num_splits), grid_names=("tile", "split"),
+        num_threads=num_threads, thread_name="wg",
+        # The row max/sum reductions stay inside a warp (WGMMA layout): no cross-warp
+        # scratch, whose default 2 KiB the shared-logits buffers need.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=interpret_params() if interpret else None,
+    )(*args)
+
+
 def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             out_ref, lse_ref, scoped, *, block_h, block_kv, rank, num_splits, num_stages,
             page_size, scale_log2, share_logits, zero_masked, interpret):
@@ -127,10 +198,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         are masked either way."""
         values = kv_smem.at[slot, :, pl.ds(wg * half, half)]
         if final:
-            v = values[...]
-            rows = _iota(v.shape, 0, interpret) + k0
-            values[...] = jnp.where(rows < kv_end, v, jnp.zeros_like(v))
-            plgpu.commit_smem()
+            zero_rows_past(values, k0, kv_end, interpret)
         return values
 
     def softmax_step(s, k0, m_i, l_i):
@@ -267,10 +335,6 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        copies = max(1, block_kv // page_size)
-        rows = min(block_kv, page_size)
-        max_entry = jnp.int32(bt_ref.shape[1] - 1)
-        num_pages = lat_ref.shape[0]
 
         @pl.loop(0, steps)
         def _(i):
@@ -280,16 +344,8 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             def _():
                 plgpu.barrier_wait(consumed_bars.at[slot])
 
-            k0 = (first_step + i) * block_kv
-            for j in range(copies):
-                tok = k0 + j * rows
-                # The last block may run past the table (its rows past kv_end are masked):
-                # clamp the entry, and the page id, into range.
-                entry = jnp.minimum(lax.div(tok, jnp.int32(page_size)), max_entry)
-                page = jnp.clip(bt_ref[seq, entry], 0, num_pages - 1)
-                plgpu.copy_gmem_to_smem(
-                    lat_ref.at[page, pl.ds(lax.rem(tok, jnp.int32(page_size)), rows)],
-                    kv_smem.at[slot, pl.ds(j * rows, rows)], kv_bars.at[slot])
+            copy_kv_block(lat_ref, bt_ref, seq, (first_step + i) * block_kv, kv_smem, slot,
+                          kv_bars.at[slot], block_kv=block_kv, page_size=page_size)
 
         # Observe the last releases too (nothing waits on them otherwise; JAX's GPU
         # interpreter checks that every phase of a barrier was seen).
@@ -306,20 +362,9 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
     fewer than 64 live rows need not be padded in HBM). zero_masked: rows that see no key
     (in a split, or at all) output exactly 0 with log2-sum-exp -1e30, so callers need not
     mask them. See the module docstring for the layouts."""
-    n, rows, width = q_tiles.shape
+    check_tiles(q_tiles, latent, rank, block_kv)
+    width = q_tiles.shape[2]
     page_size = latent.shape[1]
-    if not (8 <= rows <= TILE_ROWS and rows % 8 == 0):
-        raise ValueError(f"q_tiles must hold a multiple of 8 rows, at most {TILE_ROWS}, per "
-                         f"tile, got {rows}")
-    if q_tiles.dtype != jnp.bfloat16 or latent.dtype != jnp.bfloat16:
-        raise ValueError(f"the Mosaic-GPU MLA kernel takes bfloat16, got {q_tiles.dtype} / "
-                         f"{latent.dtype}")
-    if width % 64 or rank % 128:
-        raise ValueError(f"width {width} must be a multiple of 64 and kv_lora_rank {rank} of "
-                         f"128 (64-column swizzled tiles, two value halves)")
-    if block_kv % 8 or block_kv % min(block_kv, page_size) or min(block_kv, page_size) % 8:
-        raise ValueError(f"block_kv {block_kv} and page_size {page_size}: a block must be "
-                         f"whole 8-row pieces of pages")
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = functools.partial(
         _kernel, block_h=block_h, block_kv=block_kv, rank=rank, num_splits=num_splits,
@@ -338,34 +383,19 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
     # aligned, and with both options the total is within 2.5 KiB of the 227 KiB limit.
     rows_f32 = plgpu.SMEM((TILE_ROWS,), jnp.float32)
 
-    def entry(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref, out_ref,
-              lse_ref):
-        pl.run_scoped(
-            lambda *scoped: kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref,
-                                   lat_ref, out_ref, lse_ref, scoped),
-            (plgpu.SMEM((TILE_ROWS, width), jnp.bfloat16, transforms=swizzled),
-             plgpu.SMEM((TILE_ROWS, block_kv), jnp.bfloat16, transforms=swizzled)
-             if share_logits else None,
-             ring_then_output,
-             rows_f32,
-             rows_f32 if share_logits else None),
-            (plgpu.Barrier(),
-             plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
-             plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
-             plgpu.Barrier(num_arrivals=2),
-             plgpu.Barrier() if share_logits else None,
-             plgpu.Barrier() if share_logits else None),
-            collective_axes="wg",
-        )
-
-    return plgpu.kernel(
-        entry,
-        out_type=(jax.ShapeDtypeStruct((n, num_splits, rows, rank), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((n, num_splits, rows), jnp.float32)),
-        grid=(n, num_splits), grid_names=("tile", "split"),
-        num_threads=3, thread_name="wg",
-        # The row max/sum reductions stay inside a warp (WGMMA layout): no cross-warp
-        # scratch, whose default 2 KiB the shared-logits buffers need.
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=interpret_params() if interpret else None,
-    )(tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent)
+    return run_tiles(
+        kernel,
+        (plgpu.SMEM((TILE_ROWS, width), jnp.bfloat16, transforms=swizzled),
+         plgpu.SMEM((TILE_ROWS, block_kv), jnp.bfloat16, transforms=swizzled)
+         if share_logits else None,
+         ring_then_output,
+         rows_f32,
+         rows_f32 if share_logits else None),
+        (plgpu.Barrier(),
+         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+         plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+         plgpu.Barrier(num_arrivals=2),
+         plgpu.Barrier() if share_logits else None,
+         plgpu.Barrier() if share_logits else None),
+        (tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent),
+        num_splits=num_splits, rank=rank, num_threads=3, interpret=interpret)

@@ -41,9 +41,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._hopper import interpret_params
 from pallas_kernels.mla_paged_attention.kernel_mgpu import (
-    LOG2E, MASKED, TILE_ROWS, _accumulate, _first_rows, _full, _iota, _load_rows)
+    LOG2E, MASKED, TILE_ROWS, _accumulate, _first_rows, _full, _iota, _load_rows, check_tiles,
+    copy_kv_block, run_tiles, zero_rows_past)
 
 
 def _rope_registers(q_rope, interpret):
@@ -98,27 +98,14 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     width = lat_ref.shape[2]
     live = q_ref.shape[1]
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
-    copies = max(1, block_kv // page_size)
-    rows_per_copy = min(block_kv, page_size)
-
     def load(i, right):
         """TMA-copies block i's left value half (or the rest: right value half and rope)
-        into slot i % 2 (one copy per page the block touches)."""
+        into slot i % 2."""
         slot = lax.rem(i, jnp.int32(2))
-        k0 = (first_step + i) * block_kv
         cols = pl.ds(half, width - half) if right else pl.ds(0, half)
-        dest, bar = (k_right, right_bars) if right else (k_left, left_bars)
-        for j in range(copies):
-            tok = k0 + j * rows_per_copy
-            # The last block may run past the table (its rows past kv_end are masked):
-            # clamp the entry, and the page id, into range.
-            entry = jnp.minimum(lax.div(tok, jnp.int32(page_size)),
-                                jnp.int32(bt_ref.shape[1] - 1))
-            page = jnp.clip(bt_ref[seq, entry], 0, lat_ref.shape[0] - 1)
-            plgpu.copy_gmem_to_smem(
-                lat_ref.at[page, pl.ds(lax.rem(tok, jnp.int32(page_size)), rows_per_copy),
-                           cols],
-                dest.at[slot, pl.ds(j * rows_per_copy, rows_per_copy)], bar.at[slot])
+        ring, bars = (k_right, right_bars) if right else (k_left, left_bars)
+        copy_kv_block(lat_ref, bt_ref, seq, (first_step + i) * block_kv, ring, slot,
+                      bars.at[slot], block_kv=block_kv, page_size=page_size, cols=cols)
 
     def load_if(i, right):
         pl.when(i < steps)(lambda: load(i, right))
@@ -150,11 +137,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         kv_end are zeroed first (spare pages may hold NaN, and 0 * NaN is NaN)."""
         values = buffer.at[lax.rem(i, jnp.int32(2)), :, pl.ds(0, half)]
         if final:
-            k0 = (first_step + i) * block_kv
-            v = values[...]
-            rows = _iota(v.shape, 0, interpret) + k0
-            values[...] = jnp.where(rows < kv_end, v, jnp.zeros_like(v))
-            plgpu.commit_smem()
+            zero_rows_past(values, (first_step + i) * block_kv, kv_end, interpret)
         return values
 
     def rows(x):
@@ -312,20 +295,12 @@ def mla_tiles_seesaw(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_nt
     """`mla_tiles_mgpu`'s contract (same inputs, outputs and checks) with the seesaw
     schedule: [n, rows, W] query tiles -> (out [n, splits, rows, R] bf16, lse [n, splits,
     rows] f32)."""
-    n, rows, width = q_tiles.shape
+    check_tiles(q_tiles, latent, rank, block_kv)
+    width = q_tiles.shape[2]
     page_size = latent.shape[1]
-    if not (8 <= rows <= TILE_ROWS and rows % 8 == 0):
-        raise ValueError(f"q_tiles must hold a multiple of 8 rows, at most {TILE_ROWS}, per "
-                         f"tile, got {rows}")
-    if q_tiles.dtype != jnp.bfloat16 or latent.dtype != jnp.bfloat16:
-        raise ValueError(f"the Mosaic-GPU MLA kernel takes bfloat16, got {q_tiles.dtype} / "
-                         f"{latent.dtype}")
-    if width % 64 or rank % 128 or width == rank:
-        raise ValueError(f"width {width} must be a multiple of 64 above kv_lora_rank {rank}, "
-                         f"a multiple of 128 (64-column swizzled tiles, two value halves)")
-    if block_kv % 64 or block_kv % min(block_kv, page_size) or min(block_kv, page_size) % 8:
-        raise ValueError(f"block_kv {block_kv} (a multiple of 64) and page_size {page_size}: "
-                         f"a block must be whole 8-row pieces of pages")
+    if width == rank or block_kv % 64:
+        raise ValueError(f"the seesaw kernel needs rope columns (width {width} > kv_lora_rank "
+                         f"{rank}) and block_kv a multiple of 64, got {block_kv}")
     half, rope = rank // 2, width - rank
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -345,30 +320,17 @@ def mla_tiles_seesaw(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_nt
         interpret=interpret)
     copies = max(1, block_kv // page_size)
 
-    def entry(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref, out_ref,
-              lse_ref):
-        pl.run_scoped(
-            lambda *scoped: kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref,
-                                   lat_ref, out_ref, lse_ref, scoped),
-            (smem(TILE_ROWS, half), smem(TILE_ROWS, half),
-             union(smem(TILE_ROWS, rope), smem(TILE_ROWS, block_kv)),
-             smem(TILE_ROWS, block_kv),
-             union(ring, output),
-             rows_f32, rows_f32),
-            (plgpu.Barrier(num_arrivals=3),
-             plgpu.Barrier(num_arrivals=copies, num_barriers=2),
-             plgpu.Barrier(num_arrivals=copies, num_barriers=2),
-             plgpu.Barrier(num_arrivals=2),
-             plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier()),
-            collective_axes="wg",
-        )
-
-    return plgpu.kernel(
-        entry,
-        out_type=(jax.ShapeDtypeStruct((n, num_splits, rows, rank), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((n, num_splits, rows), jnp.float32)),
-        grid=(n, num_splits), grid_names=("tile", "split"),
-        num_threads=2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=interpret_params() if interpret else None,
-    )(tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent)
+    return run_tiles(
+        kernel,
+        (smem(TILE_ROWS, half), smem(TILE_ROWS, half),
+         union(smem(TILE_ROWS, rope), smem(TILE_ROWS, block_kv)),
+         smem(TILE_ROWS, block_kv),
+         union(ring, output),
+         rows_f32, rows_f32),
+        (plgpu.Barrier(num_arrivals=3),
+         plgpu.Barrier(num_arrivals=copies, num_barriers=2),
+         plgpu.Barrier(num_arrivals=copies, num_barriers=2),
+         plgpu.Barrier(num_arrivals=2),
+         plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier()),
+        (tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent),
+        num_splits=num_splits, rank=rank, num_threads=2, interpret=interpret)

@@ -31,6 +31,7 @@ from pallas_kernels.mla_paged_attention.work_items import item_ends, max_items
 _TUNING_KEYS = ("block_q", "block_h", "block_k", "num_splits", "num_warps", "num_stages",
                 "value_split", "qk_chunk", "keys_first", "kernel", "share_logits", "compact",
                 "seesaw")
+_MOSAIC_FLAGS = ("share_logits", "compact", "seesaw")   # bool options of kernel="mosaic" only
 KERNELS = ("triton", "mosaic")
 _NUM_SMS = 132  # H100 / H200
 MAX_ROWS = 64   # default tile rows (block_q * block_h): a [64, 512] f32 accumulator
@@ -183,7 +184,7 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         return _mosaic(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
                        kv_lora_rank, sm_scale, interpret, uniform_q_len, tuning)
     tuning.pop("kernel")
-    for key in ("share_logits", "compact", "seesaw"):
+    for key in _MOSAIC_FLAGS:
         if key in tuning:
             raise ValueError(f"{key} is an option of kernel='mosaic', not of the Triton kernel")
     full = default_tuning(t, h, block_tables.shape[0], block_tables.shape[1],
@@ -261,7 +262,7 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
     tuning = dict(tuning)
     tuning.pop("kernel")
     unused = set(tuning) - {"block_q", "block_h", "block_k", "num_splits", "num_stages",
-                            "share_logits", "compact", "seesaw"}
+                            *_MOSAIC_FLAGS}
     if unused:
         raise ValueError(f"kernel='mosaic' takes block_q, block_h, block_k, num_splits, "
                          f"num_stages, share_logits, compact and seesaw, got "
@@ -288,7 +289,7 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
                          f"{full['block_k']}")
     if full["compact"] is None:
         full["compact"] = uniform_q_len is not None
-    for key in ("share_logits", "compact", "seesaw"):
+    for key in _MOSAIC_FLAGS:
         if full[key] not in (True, False, 0, 1):
             raise ValueError(f"{key} must be a bool, got {full[key]!r}")
     if uniform_q_len is not None and not (isinstance(uniform_q_len, int) and uniform_q_len >= 1
