@@ -20,3 +20,15 @@ def test_variants_parse_and_join_every_case():
     assert mla.variants_for(4, 16, 64, 64, 4096, sweep=True)[1]["kernel"] == "triton"
     with pytest.raises(ValueError, match="'qk_chunk': expected key=value"):
         mla.parse_variants("value_split=2,qk_chunk")
+
+
+def test_rows_rank_by_gpu_span_when_measured_and_matmul_clock_is_checked():
+    wall_only = dict(us=120.0)
+    both = dict(us=130.0, gpu_us=110.0)
+    assert mla._time(wall_only) == 120.0 and mla._time(both) == 110.0
+    assert mla._time(both) < mla._time(wall_only)      # the GPU span ranks, not the wall
+    from mtpjax.bench import kernels
+    with pytest.raises(ValueError, match="clock must be 'wall' or 'gpu', got 'cpu'"):
+        kernels.matmul_rate(64, reps=1, clock="cpu")
+    # off the GPU there is no kernel timeline: the wall clock answers
+    assert kernels.matmul_rate(64, reps=1, clock="gpu") > 0

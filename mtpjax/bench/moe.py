@@ -42,7 +42,8 @@ bandwidth; prefill = FLOPs (2 * N * k * 3 * E * I) / same-run dense bf16 matmul 
 (`mtpjax.bench.kernels.timeit`), each call with its own routing, chained as a model's layers
 are (a call's input is the previous call's output); with --timeline also the GPU time per
 call from the kernels' timestamps (`kernels.chained_gpu_time`: at one token, steadier than
-the wall-clock difference). GPU only for `mgpu`; the rest runs
+the wall-clock difference), whose x-floor ratios take the matmul rate on the same clock
+(`matmul_rate(clock="gpu")`; `floor_gpu_us` in moe.json). GPU only for `mgpu`; the rest runs
 anywhere (`--shapes tiny` is the CPU smoke test).
 """
 from __future__ import annotations
@@ -306,8 +307,12 @@ def run(shape_names, token_counts, out_dir=None,
     on_gpu = jax.default_backend() == "gpu"
     copy_bw, _ = copy_bandwidth() if on_gpu else (1e11, {})
     flops = matmul_rate(8192 if on_gpu else 256, reps=2 if on_gpu else 1)
+    # The GPU-time rows' floor takes the matmul rate on the same clock (the kernels' span):
+    # the wall clock's fixed dispatch cost reads the rate ~13% low (H100, round 3 session 18).
+    flops_gpu = matmul_rate(8192, reps=2, clock="gpu") if timeline and on_gpu else None
     log(f"device {jax.devices()[0].device_kind}; copy {copy_bw / 1e12:.3f} TB/s; "
-        f"bf16 matmul {flops / 1e12:.1f} TFLOP/s")
+        f"bf16 matmul {flops / 1e12:.1f} TFLOP/s (wall)"
+        + (f", {flops_gpu / 1e12:.1f} (GPU span)" if flops_gpu else ""))
     rows = []
     for name in shape_names:
         shape = SHAPES[name]
@@ -327,6 +332,8 @@ def run(shape_names, token_counts, out_dir=None,
             fl, nbytes, touched = floor_s(shape, ids, n, copy_bw, flops)
             row = dict(shape=name, tokens=n, touched=touched, floor_us=fl * 1e6,
                        floor_bytes=nbytes, **({"padded_to": rows_in} if rows_in > n else {}))
+            if flops_gpu:
+                row["floor_gpu_us"] = floor_s(shape, ids, n, copy_bw, flops_gpu)[0] * 1e6
             ref = None
             variants = [("ragged_dot", experts_ragged), ("tiled", experts_tiled),
                         *pallas_variants(use)]
@@ -366,7 +373,8 @@ def run(shape_names, token_counts, out_dir=None,
             rows.append(row)
             if out_dir:
                 with open(os.path.join(out_dir, "moe.json"), "w") as f:
-                    json.dump(dict(copy_bw=copy_bw, matmul_flops=flops, rows=rows), f, indent=1)
+                    json.dump(dict(copy_bw=copy_bw, matmul_flops=flops,
+                                   matmul_flops_gpu=flops_gpu, rows=rows), f, indent=1)
         del p
     print(table(rows), flush=True)
     return rows
@@ -390,8 +398,10 @@ def table(rows) -> str:
         if f"{v}_gpu_us" not in r:
             return wall
         g = r[f"{v}_gpu_us"]
-        return (f"{wall}; GPU {g:.1f} ({g / r['floor_us']:.2f}x, "
+        return (f"{wall}; GPU {g:.1f} ({g / r.get('floor_gpu_us', r['floor_us']):.2f}x, "
                 f"{r[f'{v}_gpu_kernels']:.0f} kernels)")
+    # floor us: wall-clock rates; the GPU cells' ratios are to the floor with the GPU-span
+    # matmul rate (floor_gpu_us in the json) where it was measured.
     lines = ["| shape | tokens | experts touched | floor us | "
              + " | ".join(f"{v} us (x floor)" for v in names) + " |",
              "|---|---|---|---|" + "---|" * len(names)]
