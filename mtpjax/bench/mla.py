@@ -236,7 +236,8 @@ def main(argv=None):
     kb.table(f"MLA paged attention, B={b} ctx={ctx}, 576/512, bf16 (best variant per case); "
              f"copy {copy_bw / 1e12:.2f} TB/s, matmul {mm / 1e12:.0f} TFLOP/s", best,
              ["case", "H", "page", "gpu_us", "x_floor_gpu", "us", "x_floor", "floor_us",
-              "t_bw_us", "t_mm_us", "TBs", "TFLOPs", "t_over_q1", "xla_gpu_us", "xla_us", "err", "var"])
+              "t_bw_us", "t_mm_us", "TBs", "TFLOPs", "t_over_q1", "xla_gpu_us", "xla_us",
+              "err", "var"])
 
 
 if __name__ == "__main__":
