@@ -9,6 +9,7 @@ import pytest
 
 from pallas_kernels.grouped_matmul import grouped_swiglu
 from pallas_kernels.grouped_matmul import routed_ffn
+from pallas_kernels.grouped_matmul import kernel_mgpu
 from pallas_kernels.grouped_matmul.kernel_mgpu import grouped_matmul_mgpu
 from tests.kernel_oracle import interpret_mode
 from tests.test_kernels_grouped_matmul import swiglu_case, swiglu_reference
@@ -43,24 +44,60 @@ def test_mosaic_swiglu_equals_three_ragged_dots(seed, M, E, I, G, empty, gu, dow
     assert np.isfinite(got).all()
 
 
-@pytest.mark.parametrize("num_ctas", [None, 3])
-def test_mosaic_kernel_reads_each_tiles_own_expert(num_ctas):
+@pytest.mark.parametrize("num_ctas,groups,band_tiles", [
+    (None, [2, -1, 0, 2], None),
+    # runs of one expert's tiles, cut into bands of 2 (the items of a band: its tiles fastest)
+    (3, [1, 1, 1, -1, 0, 0, 2], 2),
+])
+def test_mosaic_kernel_reads_each_tiles_own_expert(num_ctas, groups, band_tiles):
     """Tiles name their expert in any order, empty tiles (-1) in between: each live tile is
     its rows times its expert's weights (one weight, no activation). num_ctas 3: a persistent
-    grid, 8 (tile, column) items over 3 CTAs, the 2-slot ring's slots and barrier phases
+    grid, 14 (tile, column) items over 3 CTAs, the 2-slot ring's slots and barrier phases
     running on across each CTA's items (2 K blocks each, empty items none)."""
     ks = jax.random.split(jax.random.key(3), 2)
-    xp = jax.random.normal(ks[0], (4 * 128, 128), jnp.float32).astype(jnp.bfloat16)
+    xp = jax.random.normal(ks[0], (len(groups) * 128, 128), jnp.float32).astype(jnp.bfloat16)
     w = (0.1 * jax.random.normal(ks[1], (3, 128, 128), jnp.float32)).astype(jnp.bfloat16)
-    groups = [2, -1, 0, 2]
     out = np.asarray(grouped_matmul_mgpu(xp, (w,), jnp.asarray(groups, jnp.int32), block_n=64,
                                          num_stages=2, num_ctas=num_ctas,
+                                         band_tiles=band_tiles,
                                          interpret=interpret_mode()), np.float32)
     f = lambda a: np.asarray(a, np.float32)                                   # noqa: E731
     for t, g in enumerate(groups):
         if g >= 0:
             rows = slice(t * 128, (t + 1) * 128)
             np.testing.assert_allclose(out[rows], f(xp[rows]) @ f(w[g]), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("band_tiles", [1, 3, kernel_mgpu.BAND_TILES])
+def test_band_order_runs_one_experts_tiles_side_by_side(seed, band_tiles):
+    """The work items' order (`tile_bands`, `band_item`) on random tile layouts: every (tile,
+    column block) item exactly once; a band lies in one run of a group's tiles and holds at
+    most band_tiles of them; its items are consecutive, tiles fastest, so one expert's tiles
+    read a weight block at nearly the same time (what keeps the weights' DRAM reads to one
+    per block; docs/kernels.md). band_tiles 1 is the column-blocks-fastest order."""
+    rng = np.random.default_rng(seed)
+    runs = rng.integers(1, 12, 9)
+    groups = np.concatenate([np.full(n, g) for g, n in zip(rng.permutation(9) - 1, runs)])
+    num_cols = int(rng.integers(1, 6))
+    start, size = (np.asarray(a) for a in kernel_mgpu.tile_bands(jnp.asarray(groups, jnp.int32),
+                                                                 band_tiles))
+    n = len(groups)
+    t = np.arange(n)
+    assert np.all((start <= t) & (t < start + size) & (size >= 1) & (size <= band_tiles))
+    assert np.all(groups[start] == groups) and np.all(groups[start + size - 1] == groups)
+    # bands are maximal: a band shorter than band_tiles ends its run
+    ends = start + size
+    assert np.all((size == band_tiles) | (ends == n) | (groups[np.minimum(ends, n - 1)] != groups))
+    w = jnp.arange(n * num_cols, dtype=jnp.int32)
+    tile, col = (np.asarray(a) for a in kernel_mgpu.band_item(
+        w, num_cols, lambda b: (jnp.asarray(start)[b], jnp.asarray(size)[b])))
+    assert sorted(zip(tile.tolist(), col.tolist())) == [(a, c) for a in range(n)
+                                                        for c in range(num_cols)]
+    for s in np.unique(start):                  # a band's items: consecutive, tiles fastest
+        items = np.flatnonzero(tile == s)[0] + np.arange(size[s] * num_cols)
+        assert tile[items].tolist() == [s + i % size[s] for i in range(size[s] * num_cols)]
+        assert col[items].tolist() == [i // size[s] for i in range(size[s] * num_cols)]
 
 
 def test_default_kernel_is_mosaic_only_at_large_prefill_sizes_on_hopper(monkeypatch):
@@ -121,6 +158,8 @@ def test_mosaic_bad_inputs_name_the_value():
         grouped_matmul_mgpu(jnp.zeros((256, 512), jnp.bfloat16),
                             (jnp.zeros((2, 512, 256), jnp.bfloat16),) * 2, groups,
                             activation=jax.nn.silu, block_n=256, num_stages=8, interpret=True)
+    with pytest.raises(ValueError, match="band_tiles must be an int >= 1, got 0"):
+        grouped_matmul_mgpu(x, (wg,), groups, block_n=64, band_tiles=0, interpret=True)
     with pytest.raises(ValueError, match="two weights \\(gate, up\\) need an activation"):
         grouped_matmul_mgpu(x, (wg, wu), groups, block_n=64, interpret=True)
     with pytest.raises(ValueError, match="whole 128-row tiles, one tile_group entry each, "

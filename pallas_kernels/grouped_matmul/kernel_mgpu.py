@@ -15,15 +15,18 @@ gate/up tile holds two float32 accumulators that spill. Here a CTA runs three wa
              the tile's expert into a ring of `num_stages` slots, reusing a slot when both
              compute warpgroups have released it.
 
-Work items are (tile, column block) pairs on one grid axis, column blocks fastest; with
-`num_ctas` a persistent grid loops over them. Measured (H100, round 3 session 13, whole MoE
+Work items are (tile, column block) pairs on one grid axis in band order (`tile_bands`): a
+band of up to BAND_TILES consecutive tiles of one expert runs its tiles fastest, then its
+column blocks, so one expert's tiles read each weight block from DRAM once; with `num_ctas` a
+persistent grid loops over them. Measured (H100, round 3 session 13, whole MoE
 layer at 4096 V2-Lite tokens): 1150 us, 1075 persistent, against the Triton kernels' 1260;
 both are bound by L2 -> SM traffic (docs/kernels.md).
 
 Layouts:
     xp          [Mp, K] bf16     rows laid out tile by tile (`tile_layout`, block_m = 128)
     weights     [G, K, N] bf16   one or two (gate, up), read in place
-    tile_group  [n_tiles] int32  each tile's group, -1: an empty tile (nothing read or written)
+    tile_group  [n_tiles] int32  each tile's group, -1: an empty tile (nothing read or written);
+                                 in the kernel with each tile's band, [n_tiles, 3]
     out         [Mp, N] bf16     rows of empty tiles are left unwritten (callers never read them)
 """
 from __future__ import annotations
@@ -43,6 +46,34 @@ BLOCK_K = 64            # K per ring slot: one 128-byte swizzled row of bf16
 WG_ROWS = 64
 SMEM_LIMIT = 227 * 1024
 NUM_SMS = 132           # H100 / H200 SXM: the persistent grid's default CTA count
+BAND_TILES = 8          # tiles per band of the work items' order (`tile_bands`)
+
+
+def tile_bands(tile_group: jax.Array, band_tiles: int) -> tuple[jax.Array, jax.Array]:
+    """(start, size), int32[n_tiles] each: the band of each tile, runs of consecutive tiles of
+    one group cut into bands of at most band_tiles. The kernel runs a band's items with its
+    tiles fastest, so the tiles of one expert read each weight block at nearly the same time
+    (once from DRAM, then from L2) while the band's rows stay in L2 across its column blocks.
+    Column blocks fastest instead (band_tiles 1) re-read a weight block from DRAM for each
+    tile: 11.7 GB against ~8.1 GB of weights and rows for the V3 slice's gate/up kernel at 4096
+    tokens, with DRAM 86% busy (H100, Nsight Compute, round 3 session 19)."""
+    n = tile_group.shape[0]
+    t = jnp.arange(n, dtype=jnp.int32)
+    change = tile_group[1:] != tile_group[:-1]
+    run_start = lax.cummax(jnp.where(jnp.concatenate([jnp.ones(1, bool), change]), t, 0))
+    run_end = lax.cummin(jnp.where(jnp.concatenate([change, jnp.ones(1, bool)]), t + 1, n),
+                         reverse=True)
+    start = run_start + (t - run_start) // band_tiles * band_tiles
+    return start, jnp.minimum(band_tiles, run_end - start)
+
+
+def band_item(w, num_cols: int, band_of):
+    """(tile, column block) of work item w (int32, scalar or array) in band order: band
+    [start, start + size) holds items [start, start + size) * num_cols, tiles fastest. band_of
+    maps a tile to its band's (start, size); w // num_cols is a tile of w's band."""
+    start, size = band_of(lax.div(w, jnp.int32(num_cols)))
+    r = w - start * num_cols
+    return start + lax.rem(r, size), lax.div(r, size)
 
 
 def smem_bytes(n_weights: int, block_n: int, num_stages: int, persistent: bool = False) -> int:
@@ -54,10 +85,12 @@ def smem_bytes(n_weights: int, block_n: int, num_stages: int, persistent: bool =
     return (ring + out if persistent else max(ring, out)) + 1024
 
 
-def _kernel(tile_group_ref, x_ref, *refs, n_weights, block_n, num_stages,
+def _kernel(tiles_ref, x_ref, *refs, n_weights, block_n, num_stages,
             activation, num_ctas, num_cols, persistent):
-    """Work items (tile, column block) w = cta + j * num_ctas, column blocks fastest. Ring
-    slots and barrier phases run on over the CTA's items: slot = (steps before) % stages."""
+    """Work items w = cta + j * num_ctas in band order (`tile_bands`): the items of a band of
+    tiles [start, start + size) are w in [start, start + size) * num_cols, tiles fastest,
+    then column blocks. Ring slots and barrier phases run on over the CTA's items: slot =
+    (steps before) % stages. tiles_ref int32[n_tiles, 3]: (group, band start, band size)."""
     w_refs, out_ref, scoped = refs[:n_weights], refs[n_weights], refs[n_weights + 1]
     (x_smem, w_smem), out_smem = scoped[0]
     loaded, consumed, done = scoped[1]
@@ -69,9 +102,9 @@ def _kernel(tile_group_ref, x_ref, *refs, n_weights, block_n, num_stages,
 
     def item(j):
         """(tile, column block, steps: 0 for an empty tile) of this CTA's j-th item."""
-        w = cta + j * num_ctas
-        tile, col = lax.div(w, jnp.int32(num_cols)), lax.rem(w, jnp.int32(num_cols))
-        group = tile_group_ref[tile]
+        tile, col = band_item(cta + j * num_ctas, num_cols,
+                              lambda t: (tiles_ref[t, 1], tiles_ref[t, 2]))
+        group = tiles_ref[tile, 0]
         return tile, col, group, jnp.where(group >= 0, k_steps, 0)
 
     def slot_of(n):
@@ -164,14 +197,17 @@ def _kernel(tile_group_ref, x_ref, *refs, n_weights, block_n, num_stages,
 
 def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
                         activation=None, block_n: int = 128, num_stages: int = 4,
-                        num_ctas: int | None = None, interpret: bool = False) -> jax.Array:
+                        num_ctas: int | None = None, band_tiles: int | None = None,
+                        interpret: bool = False) -> jax.Array:
     """xp [Mp, K] (Mp a multiple of 128) times each tile's expert of one weight [G, K, N]
     -> [Mp, N], or of two (gate, up) -> activation(xp @ gate) * (xp @ up), float32 math, in
     xp's dtype. num_ctas: None, one CTA per (tile, column block); or a persistent grid of
     that many CTAs (e.g. NUM_SMS) looping over the work items, whose memory warpgroup loads
     the next item's first blocks while the compute warpgroups store the last (the output
-    stage then takes its own shared memory, fewer ring slots may fit). See the module
-    docstring for the layouts; ValueError for what the kernel cannot take."""
+    stage then takes its own shared memory, fewer ring slots may fit). band_tiles: the work
+    items' order, runs of tiles of one group in bands of at most this many tiles, each
+    band's tiles fastest (`tile_bands`; default BAND_TILES; 1 runs column blocks fastest).
+    See the module docstring for the layouts; ValueError for what the kernel cannot take."""
     n_weights = len(weights)
     Mp, K = xp.shape
     if n_weights not in (1, 2) or any(w.ndim != 3 or w.shape != weights[0].shape
@@ -198,6 +234,9 @@ def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
     if persistent and num_ctas < 1:
         raise ValueError(f"num_ctas must be None or >= 1, got {num_ctas}")
     num_ctas = min(num_ctas, items) if persistent else items
+    band_tiles = BAND_TILES if band_tiles is None else band_tiles
+    if not (isinstance(band_tiles, int) and band_tiles >= 1):
+        raise ValueError(f"band_tiles must be an int >= 1, got {band_tiles!r}")
     need = smem_bytes(n_weights, block_n, num_stages, persistent)
     if num_stages < 2 or need > SMEM_LIMIT:
         raise ValueError(f"num_stages={num_stages} with block_n={block_n} needs {need} B of "
@@ -216,26 +255,27 @@ def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
                                num_stages=num_stages, activation=activation,
                                num_ctas=num_ctas, num_cols=N // block_n, persistent=persistent)
 
-    def entry(tile_group_ref, x_ref, *refs):
+    def entry(tiles_ref, x_ref, *refs):
         pl.run_scoped(
-            lambda *scoped: kernel(tile_group_ref, x_ref, *refs, scoped),
+            lambda *scoped: kernel(tiles_ref, x_ref, *refs, scoped),
             ring_then_output,
             (plgpu.Barrier(num_arrivals=1 + n_weights, num_barriers=num_stages),
              plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
              None if persistent else plgpu.Barrier(num_arrivals=2)),
             collective_axes="wg")
 
-    groups = aligned_copy(tile_group.astype(jnp.int32))
+    tile_group = tile_group.astype(jnp.int32)
+    tiles = aligned_copy(jnp.stack([tile_group, *tile_bands(tile_group, band_tiles)], axis=1))
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((Mp, N), xp.dtype),
-        # One grid axis over the work items, column blocks fastest: the CTAs that run side by
-        # side share a row tile (read from DRAM once). A first version's 2-D grid (columns,
-        # tiles) ran the tiles fastest: at 4096 V2-Lite tokens its gate/up kernel read 2.02
-        # GB from DRAM, each row tile once per column block, against the Triton kernel's 0.99
-        # GB (H100, Nsight Compute, round 3 session 13).
+        # One grid axis over the work items in band order (`tile_bands`): the CTAs that run
+        # side by side share a band's rows and its expert's weight blocks. A first version's
+        # 2-D grid (columns, tiles) ran all tiles fastest: at 4096 V2-Lite tokens its gate/up
+        # kernel read 2.02 GB from DRAM, each row tile once per column block, against the
+        # Triton kernel's 0.99 GB (H100, Nsight Compute, round 3 session 13).
         grid=(num_ctas,), grid_names=("cta",),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpret else None,
-    )(groups, xp, *weights)
+    )(tiles, xp, *weights)
