@@ -65,6 +65,9 @@ def test_ffn_tuning_parses_and_names_a_bad_key():
     assert moe.parse_ffn_tuning("bm=128/bn=64/w=8/dbn=128/ds=2/st=4") == dict(
         block_m=128, num_stages=4, gate_up_blocks=(64, None, None, 8),
         down_blocks=(128, None, 2, None))
+    assert moe.parse_ffn_tuning("mg=1/bt=1") == dict(kernel="mosaic", band_tiles=1,
+                                                     gate_up_blocks=(None,) * 4,
+                                                     down_blocks=(None,) * 4)
     with pytest.raises(ValueError, match="'warps=8': expected KEY=INT"):
         moe.parse_ffn_tuning("bm=64/warps=8")
     with pytest.raises(ValueError, match="'pallas_tiles:bm=16/s=2': expert tiles take no bm"):

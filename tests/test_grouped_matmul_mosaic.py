@@ -139,8 +139,11 @@ def test_mosaic_bad_inputs_name_the_value():
         grouped_swiglu(f(x), f(wg), f(wu), f(wd), sizes, kernel="mosaic", interpret=True)
     with pytest.raises(ValueError, match="kernel='mosaic' runs 128-row tiles, got block_m=64"):
         grouped_swiglu(x, wg, wu, wd, sizes, block_m=64, kernel="mosaic", interpret=True)
-    with pytest.raises(ValueError, match="persistent is an option of kernel='mosaic'"):
+    with pytest.raises(ValueError, match="persistent and band_tiles are options of "
+                                         "kernel='mosaic', got persistent=True"):
         grouped_swiglu(x, wg, wu, wd, sizes, kernel="triton", persistent=True, interpret=True)
+    with pytest.raises(ValueError, match="got persistent=False, band_tiles=2"):
+        grouped_swiglu(x, wg, wu, wd, sizes, kernel="triton", band_tiles=2, interpret=True)
     with pytest.raises(ValueError, match="num_ctas must be None or >= 1, got 0"):
         grouped_matmul_mgpu(x, (wg,), jnp.zeros((2,), jnp.int32), block_n=64, num_ctas=0,
                             interpret=True)

@@ -134,7 +134,7 @@ def experts_pallas_ffn_sorted(x, p, ids, w):
 
 FFN_TUNING_KEYS = {"bm": "block_m", "bn": 0, "bk": 1, "s": 2, "w": 3, "dbn": 0, "dbk": 1,
                    "ds": 2, "dw": 3, "st": "num_stages", "cf": "columns_fastest", "mg": "kernel",
-                   "pe": "persistent"}
+                   "pe": "persistent", "bt": "band_tiles"}
 
 
 def parse_ffn_tuning(spec: str) -> dict:
@@ -142,7 +142,8 @@ def parse_ffn_tuning(spec: str) -> dict:
     bk / s / w (gate-up block_n, block_k, splits, warps), dbn / dbk / ds / dw (the same for
     down), st (num_stages), cf (columns_fastest: 1 runs column blocks fastest), mg (1: the
     Mosaic-GPU kernels, 0: the Triton ones; bn, dbn and st apply to both), pe (with mg=1:
-    1 for a persistent grid of one CTA per SM, or a CTA count)."""
+    1 for a persistent grid of one CTA per SM, or a CTA count), bt (with mg=1: the work
+    items' band size, 1 for column blocks fastest)."""
     kw, gu, down = {}, [None] * 4, [None] * 4
     for item in filter(None, spec.split("/")):
         key, _, val = item.partition("=")

@@ -152,12 +152,13 @@ def _stages(n_weights, block_n, persistent):
 
 
 def _mosaic_kernels(w_gate, w_up, w_down, *, activation, gate_up_blocks, down_blocks,
-                    num_stages, persistent, interpret):
+                    num_stages, persistent, band_tiles, interpret):
     """The Mosaic-GPU kernels as run(xp [Mp, E], tile_group) -> yp [Mp, E]: 128-row tiles,
     gate/up columns in blocks of gate_up_blocks[0] (default 128), down columns in blocks of
     down_blocks[0] (default 256), num_stages ring slots (default: the most that fit, <= 4);
     the other block entries do not apply. persistent: each kernel on a persistent grid of one
-    CTA per SM (opt-in, `grouped_matmul_mgpu`'s num_ctas)."""
+    CTA per SM (opt-in, `grouped_matmul_mgpu`'s num_ctas). band_tiles: the work items'
+    order (`grouped_matmul_mgpu`'s; None its default)."""
     G, E, I = w_gate.shape
     bn = (gate_up_blocks or (None,))[0] or _widest(I, 128)
     dbn = (down_blocks or (None,))[0] or _widest(E, 256)
@@ -167,15 +168,18 @@ def _mosaic_kernels(w_gate, w_up, w_down, *, activation, gate_up_blocks, down_bl
     def run(xp, tile_group):
         hp = mgpu.grouped_matmul_mgpu(xp, (w_gate, w_up), tile_group, activation=activation,
                                       block_n=bn, num_stages=num_stages or _stages(2, bn, ctas),
-                                      num_ctas=ctas, interpret=interpret)
+                                      num_ctas=ctas, band_tiles=band_tiles,
+                                      interpret=interpret)
         return mgpu.grouped_matmul_mgpu(hp, (w_down,), tile_group, block_n=dbn,
                                         num_stages=num_stages or _stages(1, dbn, ctas),
-                                        num_ctas=ctas, interpret=interpret)
+                                        num_ctas=ctas, band_tiles=band_tiles,
+                                        interpret=interpret)
     return mgpu.TILE_M, run
 
 
 def _kernels(x, w_gate, w_up, w_down, sizes, *, activation, block_m, gate_up_blocks,
-             down_blocks, num_stages, columns_fastest, kernel, persistent, interpret):
+             down_blocks, num_stages, columns_fastest, kernel, persistent, band_tiles,
+             interpret):
     """The chosen kernels for M = x.shape[0] laid-out rows (x may be a ShapeDtypeStruct) as
     (block_m, run), run(xp [Mp, E], tile_group) -> yp [Mp, E] in the tile layout of block_m
     (`tile_layout`). ValueError for shapes, dtypes or blocks the kernels cannot take."""
@@ -194,9 +198,10 @@ def _kernels(x, w_gate, w_up, w_down, sizes, *, activation, block_m, gate_up_blo
         return _mosaic_kernels(w_gate, w_up, w_down, activation=activation,
                                gate_up_blocks=gate_up_blocks, down_blocks=down_blocks,
                                num_stages=num_stages, persistent=persistent,
-                               interpret=interpret)
-    if persistent:
-        raise ValueError("persistent is an option of kernel='mosaic'")
+                               band_tiles=band_tiles, interpret=interpret)
+    if persistent or band_tiles is not None:
+        raise ValueError(f"persistent and band_tiles are options of kernel='mosaic', got "
+                         f"persistent={persistent}, band_tiles={band_tiles}")
     if block_m is None and is_prefill(M, w_gate.shape[0]):
         block_m, gate_up_blocks = prefill_tiles(gate_up_blocks, w_gate.shape[2])
     block_m, (bn, bk, splits, warps), (dbn, dbk, dsplits, dwarps) = resolve_ffn_blocks(
@@ -216,7 +221,7 @@ def _kernels(x, w_gate, w_up, w_down, sizes, *, activation, block_m, gate_up_blo
 
 
 _OPTIONS = ("activation", "block_m", "gate_up_blocks", "down_blocks", "num_stages",
-            "columns_fastest", "kernel", "persistent", "interpret")
+            "columns_fastest", "kernel", "persistent", "band_tiles", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_OPTIONS)
@@ -225,7 +230,7 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
                    gate_up_blocks: tuple | None = None, down_blocks: tuple | None = None,
                    num_stages: int | None = None, columns_fastest: bool = True,
                    kernel: str | None = None, persistent: bool | int = False,
-                   interpret: bool = False) -> jax.Array:
+                   band_tiles: int | None = None, interpret: bool = False) -> jax.Array:
     """x [M, E] rows sorted by expert, w_gate / w_up [G, E, I], w_down [G, I, E], sizes
     int32[G] (sum <= M) -> [M, E] in x's dtype; rows past sum(sizes) come out zero.
     gate_up_blocks / down_blocks: (block_n, block_k, num_splits, num_warps), any entry None
@@ -236,13 +241,15 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     1588 -> 1516 us alone, and what makes 128-row tiles pay). kernel: "triton" (`kernel.py`),
     "mosaic" (`kernel_mgpu.py`, Hopper warpgroups, bf16: `_mosaic_kernels`) or None
     (`default_kernel`: "mosaic" at prefill sizes on Hopper). persistent (Mosaic only,
-    opt-in): True for a persistent grid of one CTA per SM, or a CTA count. ValueError for
-    shapes, dtypes or blocks the kernels cannot take."""
+    opt-in): True for a persistent grid of one CTA per SM, or a CTA count. band_tiles
+    (Mosaic only): the work items' order (`kernel_mgpu.tile_bands`; None: BAND_TILES, 1:
+    column blocks fastest). ValueError for shapes, dtypes or blocks the kernels cannot
+    take."""
     block_m, run = _kernels(
         x, w_gate, w_up, w_down, sizes, activation=activation, block_m=block_m,
         gate_up_blocks=gate_up_blocks, down_blocks=down_blocks, num_stages=num_stages,
         columns_fastest=columns_fastest, kernel=kernel, persistent=persistent,
-        interpret=interpret)
+        band_tiles=band_tiles, interpret=interpret)
     dest, tile_group, Mp = tile_layout(sizes, x.shape[0], block_m)
     return unpad_rows(run(pad_rows(x, dest, Mp), tile_group), dest, x.dtype)
 
@@ -253,7 +260,8 @@ def moe_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Arr
                block_m: int | None = None, gate_up_blocks: tuple | None = None,
                down_blocks: tuple | None = None, num_stages: int | None = None,
                columns_fastest: bool = True, kernel: str | None = None,
-               persistent: bool | int = False, interpret: bool = False) -> jax.Array:
+               persistent: bool | int = False, band_tiles: int | None = None,
+               interpret: bool = False) -> jax.Array:
     """The routed MoE FFN from token order and back, at prefill sizes:
 
         out[n] = sum_j weights[n, j] * expert_{ids[n, j]}(x[n])     (j in order, f32 sums)
@@ -276,7 +284,7 @@ def moe_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Arr
         jax.ShapeDtypeStruct((w_gate.shape[0],), jnp.int32), activation=activation,
         block_m=block_m, gate_up_blocks=gate_up_blocks, down_blocks=down_blocks,
         num_stages=num_stages, columns_fastest=columns_fastest, kernel=kernel,
-        persistent=persistent, interpret=interpret)
+        persistent=persistent, band_tiles=band_tiles, interpret=interpret)
     dest, tile_group, Mp, _ = pair_layout(ids.reshape(-1), w_gate.shape[0], block_m)
     token = jnp.arange(M, dtype=jnp.int32) // k
     yp = run(scatter_rows(x, token, dest, num_rows=Mp, interpret=interpret), tile_group)
