@@ -44,27 +44,32 @@ def test_mosaic_swiglu_equals_three_ragged_dots(seed, M, E, I, G, empty, gu, dow
     assert np.isfinite(got).all()
 
 
-@pytest.mark.parametrize("num_ctas,groups,band_tiles", [
-    (None, [2, -1, 0, 2], None),
-    # runs of one expert's tiles, cut into bands of 2 (the items of a band: its tiles fastest)
-    (3, [1, 1, 1, -1, 0, 0, 2], 2),
+@pytest.mark.parametrize("num_ctas,groups,band_tiles,tile_rows", [
+    (None, [2, -1, 0, 2], None, None),
+    # runs of one expert's tiles, cut into bands of 2 (the items of a band: its tiles
+    # fastest); tails of 40, 64 and 65 live rows (wg 1 idles at 40 and 64)
+    (3, [1, 1, 1, -1, 0, 0, 2], 2, [128, 128, 40, 0, 128, 64, 65]),
+    (None, [1, 0, 0, 2], None, [1, 128, 64, 100]),
 ])
-def test_mosaic_kernel_reads_each_tiles_own_expert(num_ctas, groups, band_tiles):
-    """Tiles name their expert in any order, empty tiles (-1) in between: each live tile is
-    its rows times its expert's weights (one weight, no activation). num_ctas 3: a persistent
-    grid, 14 (tile, column) items over 3 CTAs, the 2-slot ring's slots and barrier phases
-    running on across each CTA's items (2 K blocks each, empty items none)."""
+def test_mosaic_kernel_reads_each_tiles_own_expert(num_ctas, groups, band_tiles, tile_rows):
+    """Tiles name their expert in any order, empty tiles (-1) in between: each live row of a
+    tile is its row times its expert's weights (one weight, no activation). num_ctas 3: a
+    persistent grid, 14 (tile, column) items over 3 CTAs, the 2-slot ring's slots and
+    barrier phases running on across each CTA's items (2 K blocks each, empty items none)."""
     ks = jax.random.split(jax.random.key(3), 2)
     xp = jax.random.normal(ks[0], (len(groups) * 128, 128), jnp.float32).astype(jnp.bfloat16)
     w = (0.1 * jax.random.normal(ks[1], (3, 128, 128), jnp.float32)).astype(jnp.bfloat16)
     out = np.asarray(grouped_matmul_mgpu(xp, (w,), jnp.asarray(groups, jnp.int32), block_n=64,
                                          num_stages=2, num_ctas=num_ctas,
                                          band_tiles=band_tiles,
+                                         tile_rows=None if tile_rows is None
+                                         else jnp.asarray(tile_rows, jnp.int32),
                                          interpret=interpret_mode()), np.float32)
+    live = [128] * len(groups) if tile_rows is None else tile_rows
     f = lambda a: np.asarray(a, np.float32)                                   # noqa: E731
     for t, g in enumerate(groups):
         if g >= 0:
-            rows = slice(t * 128, (t + 1) * 128)
+            rows = slice(t * 128, t * 128 + live[t])
             np.testing.assert_allclose(out[rows], f(xp[rows]) @ f(w[g]), rtol=2e-2, atol=2e-2)
 
 
@@ -161,6 +166,9 @@ def test_mosaic_bad_inputs_name_the_value():
         grouped_matmul_mgpu(jnp.zeros((256, 512), jnp.bfloat16),
                             (jnp.zeros((2, 512, 256), jnp.bfloat16),) * 2, groups,
                             activation=jax.nn.silu, block_n=256, num_stages=8, interpret=True)
+    with pytest.raises(ValueError, match="tile_rows must be int32\\[n_tiles=2\\], got \\(3,\\)"):
+        grouped_matmul_mgpu(x, (wg,), groups, block_n=64, tile_rows=jnp.zeros(3, jnp.int32),
+                            interpret=True)
     with pytest.raises(ValueError, match="band_tiles must be an int >= 1, got 0"):
         grouped_matmul_mgpu(x, (wg,), groups, block_n=64, band_tiles=0, interpret=True)
     with pytest.raises(ValueError, match="two weights \\(gate, up\\) need an activation"):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped_matmul.grouped_matmul import pair_layout, tile_layout
+from pallas_kernels.grouped_matmul.grouped_matmul import pair_layout, tile_layout, tile_live_rows
 from pallas_kernels.grouped_matmul.routed_ffn import moe_swiglu
 from pallas_kernels.grouped_matmul.row_moves import combine_rows, scatter_rows
 from tests.kernel_oracle import interpret_mode
@@ -60,7 +60,8 @@ def test_combine_sums_the_pairs_rows_and_reads_no_other(seed):
 def test_pair_layout_is_the_sorted_tile_layout(seed):
     """`pair_layout` (ranks by a triangular matmul, no sort) puts each pair where the stable
     sort by expert and `tile_layout` put it, with the same tiles and sizes; pairs routed
-    nowhere (< 0 or >= G) get no row. M spans several 256-pair rank blocks."""
+    nowhere (< 0 or >= G) get no row. M spans several 256-pair rank blocks. Each tile's live
+    rows (`tile_live_rows`) are exactly its first rows that some pair lands in."""
     rng = np.random.default_rng(seed)
     M, G, block_m = int(rng.integers(1, 1400)), int(rng.integers(1, 40)), int(rng.choice([16, 64]))
     expert = rng.integers(-2, G + 3, M).astype(np.int32)
@@ -75,6 +76,11 @@ def test_pair_layout_is_the_sorted_tile_layout(seed):
     np.testing.assert_array_equal(np.asarray(sizes), want_sizes)
     np.testing.assert_array_equal(np.asarray(tile_group), np.asarray(want_tiles))
     np.testing.assert_array_equal(np.asarray(dest), np.asarray(sorted_dest)[slot])
+    live = np.asarray(tile_live_rows(sizes, tile_group, block_m))
+    taken = np.zeros(Mp, bool)
+    taken[np.asarray(dest)[np.asarray(dest) < Mp]] = True
+    want_live = (np.arange(block_m) < live[:, None]).reshape(-1)
+    np.testing.assert_array_equal(taken, want_live)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

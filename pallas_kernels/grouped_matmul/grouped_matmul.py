@@ -104,6 +104,18 @@ def _padded_groups(sizes: jax.Array, M: int, block_m: int):
     return padded, pends, jnp.where(tg < G, tg, -1).astype(jnp.int32), n_tiles * block_m
 
 
+def tile_live_rows(sizes: jax.Array, tile_group: jax.Array, block_m: int) -> jax.Array:
+    """int32[n_tiles]: the live rows of each tile of `tile_layout` (its first ones): block_m,
+    fewer in a group's last tile, 0 in empty tiles."""
+    sizes = sizes.astype(jnp.int32)
+    padded = -(-sizes // block_m) * block_m
+    first = (jnp.cumsum(padded) - padded) // block_m           # [G] each group's first tile
+    g = jnp.maximum(tile_group, 0)
+    t = jnp.arange(tile_group.shape[0], dtype=jnp.int32)
+    rows = jnp.clip(sizes[g] - (t - first[g]) * block_m, 0, block_m)
+    return jnp.where(tile_group >= 0, rows, 0).astype(jnp.int32)
+
+
 RANK_BLOCK = 256     # pairs per block of `pair_layout`'s triangular matmul
 
 

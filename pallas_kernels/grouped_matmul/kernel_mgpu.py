@@ -26,8 +26,10 @@ Layouts:
     xp          [Mp, K] bf16     rows laid out tile by tile (`tile_layout`, block_m = 128)
     weights     [G, K, N] bf16   one or two (gate, up), read in place
     tile_group  [n_tiles] int32  each tile's group, -1: an empty tile (nothing read or written);
-                                 in the kernel with each tile's band, [n_tiles, 3]
-    out         [Mp, N] bf16     rows of empty tiles are left unwritten (callers never read them)
+    tile_rows   [n_tiles] int32  each tile's live rows (optional); in the kernel with the group
+                                 and each tile's band, [n_tiles, 4]
+    out         [Mp, N] bf16     rows of empty tiles and idle warpgroups are left unwritten
+                                 (callers never read them: each row's output is its own)
 """
 from __future__ import annotations
 
@@ -90,7 +92,9 @@ def _kernel(tiles_ref, x_ref, *refs, n_weights, block_n, num_stages,
     """Work items w = cta + j * num_ctas in band order (`tile_bands`): the items of a band of
     tiles [start, start + size) are w in [start, start + size) * num_cols, tiles fastest,
     then column blocks. Ring slots and barrier phases run on over the CTA's items: slot =
-    (steps before) % stages. tiles_ref int32[n_tiles, 3]: (group, band start, band size)."""
+    (steps before) % stages. tiles_ref int32[n_tiles, 4]: (group, band start, band size,
+    live rows). A compute warpgroup whose 64 rows are all past the tile's live rows (the
+    tail of an expert's last tile) only paces the ring: no products, no store."""
     w_refs, out_ref, scoped = refs[:n_weights], refs[n_weights], refs[n_weights + 1]
     (x_smem, w_smem), out_smem = scoped[0]
     loaded, consumed, done = scoped[1]
@@ -155,8 +159,26 @@ def _kernel(tiles_ref, x_ref, *refs, n_weights, block_n, num_stages,
                         stage, out_ref.at[pl.ds(tile * TILE_M + wg * WG_ROWS, WG_ROWS),
                                           pl.ds(col * block_n, block_n)])
 
-            pl.run_scoped(with_accumulators,
-                          *[plgpu.ACC((WG_ROWS, block_n), jnp.float32)] * n_weights)
+            live = tiles_ref[tile, 3] > wg * WG_ROWS
+
+            @pl.when(live)
+            def _():
+                pl.run_scoped(with_accumulators,
+                              *[plgpu.ACC((WG_ROWS, block_n), jnp.float32)] * n_weights)
+
+            @pl.when(jnp.logical_not(live))
+            def _idle():        # release each slot once loaded, as the products would
+                @pl.loop(0, steps)
+                def _(i):
+                    slot = slot_of(base + i)
+                    plgpu.barrier_wait(loaded.at[slot])
+                    plgpu.barrier_arrive(consumed.at[slot])
+
+                if not persistent:
+                    @pl.when(group >= 0)
+                    def _():
+                        plgpu.barrier_arrive(done)
+                        plgpu.barrier_wait(done)
             return base + steps
 
         lax.fori_loop(0, my_items, one_item, jnp.int32(0))
@@ -179,8 +201,12 @@ def _kernel(tiles_ref, x_ref, *refs, n_weights, block_n, num_stages,
                     plgpu.barrier_wait(consumed.at[slot])
 
                 k = pl.ds(i * BLOCK_K, BLOCK_K)
-                plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tile * TILE_M, TILE_M), k],
-                                        x_smem.at[slot], loaded.at[slot])
+                for n_rows in (TILE_M, WG_ROWS):       # only wg 0's rows when wg 1 idles
+                    @pl.when((n_rows == TILE_M) == (tiles_ref[tile, 3] > WG_ROWS))
+                    def _():
+                        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tile * TILE_M, n_rows), k],
+                                                x_smem.at[slot, pl.ds(0, n_rows)],
+                                                loaded.at[slot])
                 for w, w_ref in enumerate(w_refs):
                     plgpu.copy_gmem_to_smem(w_ref.at[g, k, pl.ds(col * block_n, block_n)],
                                             w_smem.at[slot, w], loaded.at[slot])
@@ -198,6 +224,7 @@ def _kernel(tiles_ref, x_ref, *refs, n_weights, block_n, num_stages,
 def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
                         activation=None, block_n: int = 128, num_stages: int = 4,
                         num_ctas: int | None = None, band_tiles: int | None = None,
+                        tile_rows: jax.Array | None = None,
                         interpret: bool = False) -> jax.Array:
     """xp [Mp, K] (Mp a multiple of 128) times each tile's expert of one weight [G, K, N]
     -> [Mp, N], or of two (gate, up) -> activation(xp @ gate) * (xp @ up), float32 math, in
@@ -207,7 +234,10 @@ def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
     stage then takes its own shared memory, fewer ring slots may fit). band_tiles: the work
     items' order, runs of tiles of one group in bands of at most this many tiles, each
     band's tiles fastest (`tile_bands`; default BAND_TILES; 1 runs column blocks fastest).
-    See the module docstring for the layouts; ValueError for what the kernel cannot take."""
+    tile_rows: int32[n_tiles], each tile's live rows (its first ones; `tile_live_rows`), or
+    None for all: a compute warpgroup whose 64 rows are all past them skips its products,
+    and its output rows are left unwritten. See the module docstring for the layouts;
+    ValueError for what the kernel cannot take."""
     n_weights = len(weights)
     Mp, K = xp.shape
     if n_weights not in (1, 2) or any(w.ndim != 3 or w.shape != weights[0].shape
@@ -265,7 +295,13 @@ def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
             collective_axes="wg")
 
     tile_group = tile_group.astype(jnp.int32)
-    tiles = aligned_copy(jnp.stack([tile_group, *tile_bands(tile_group, band_tiles)], axis=1))
+    if tile_rows is None:
+        tile_rows = jnp.full(tile_group.shape, TILE_M, jnp.int32)
+    elif tile_rows.shape != tile_group.shape:
+        raise ValueError(f"tile_rows must be int32[n_tiles={tile_group.shape[0]}], got "
+                         f"{tuple(tile_rows.shape)}")
+    tiles = aligned_copy(jnp.stack([tile_group, *tile_bands(tile_group, band_tiles),
+                                    tile_rows.astype(jnp.int32)], axis=1))
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((Mp, N), xp.dtype),

@@ -32,6 +32,7 @@ from pallas_kernels.grouped_matmul.grouped_matmul import (check_ffn_weights, che
                                                           grouped_pallas_call, pad_rows,
                                                           padded_grouped_matmul, pair_layout,
                                                           resolve_blocks, tile_layout,
+                                                          tile_live_rows,
                                                           unpad_rows)
 from pallas_kernels.grouped_matmul.kernel import grouped_gate_up_kernel
 from pallas_kernels.grouped_matmul.row_moves import combine_rows, scatter_rows
@@ -153,7 +154,8 @@ def _stages(n_weights, block_n, persistent):
 
 def _mosaic_kernels(w_gate, w_up, w_down, *, activation, gate_up_blocks, down_blocks,
                     num_stages, persistent, band_tiles, interpret):
-    """The Mosaic-GPU kernels as run(xp [Mp, E], tile_group) -> yp [Mp, E]: 128-row tiles,
+    """The Mosaic-GPU kernels as run(xp [Mp, E], tile_group, tile_rows) -> yp [Mp, E] (rows
+    past each tile's live rows may be left unwritten: `grouped_matmul_mgpu`): 128-row tiles,
     gate/up columns in blocks of gate_up_blocks[0] (default 128), down columns in blocks of
     down_blocks[0] (default 256), num_stages ring slots (default: the most that fit, <= 4);
     the other block entries do not apply. persistent: each kernel on a persistent grid of one
@@ -165,15 +167,15 @@ def _mosaic_kernels(w_gate, w_up, w_down, *, activation, gate_up_blocks, down_bl
     mgpu = _mgpu()
     ctas = mgpu.NUM_SMS if persistent is True else (persistent or None)
 
-    def run(xp, tile_group):
+    def run(xp, tile_group, tile_rows):
         hp = mgpu.grouped_matmul_mgpu(xp, (w_gate, w_up), tile_group, activation=activation,
                                       block_n=bn, num_stages=num_stages or _stages(2, bn, ctas),
                                       num_ctas=ctas, band_tiles=band_tiles,
-                                      interpret=interpret)
+                                      tile_rows=tile_rows, interpret=interpret)
         return mgpu.grouped_matmul_mgpu(hp, (w_down,), tile_group, block_n=dbn,
                                         num_stages=num_stages or _stages(1, dbn, ctas),
                                         num_ctas=ctas, band_tiles=band_tiles,
-                                        interpret=interpret)
+                                        tile_rows=tile_rows, interpret=interpret)
     return mgpu.TILE_M, run
 
 
@@ -181,8 +183,9 @@ def _kernels(x, w_gate, w_up, w_down, sizes, *, activation, block_m, gate_up_blo
              down_blocks, num_stages, columns_fastest, kernel, persistent, band_tiles,
              interpret):
     """The chosen kernels for M = x.shape[0] laid-out rows (x may be a ShapeDtypeStruct) as
-    (block_m, run), run(xp [Mp, E], tile_group) -> yp [Mp, E] in the tile layout of block_m
-    (`tile_layout`). ValueError for shapes, dtypes or blocks the kernels cannot take."""
+    (block_m, run), run(xp [Mp, E], tile_group, tile_rows) -> yp [Mp, E] in the tile layout
+    of block_m (`tile_layout`; tile_rows: `tile_live_rows`, rows past which are not read
+    back). ValueError for shapes, dtypes or blocks the kernels cannot take."""
     M = x.shape[0]
     kernel = kernel or default_kernel(x, w_gate, interpret)
     if kernel not in KERNELS:
@@ -208,7 +211,8 @@ def _kernels(x, w_gate, w_up, w_down, sizes, *, activation, block_m, gate_up_blo
         x, w_gate, w_up, w_down, sizes, M, block_m, gate_up_blocks, down_blocks)
     num_stages = num_stages or (4 if block_m == 64 else 3)
 
-    def run(xp, tile_group):
+    def run(xp, tile_group, tile_rows):
+        del tile_rows       # the Triton kernels compute whole tiles
         hp = _gate_up(xp, w_gate, w_up, tile_group, block_m=block_m, block_n=bn, block_k=bk,
                       num_splits=splits, num_warps=warps, num_stages=num_stages,
                       activation=activation, interpret=interpret,
@@ -251,7 +255,8 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
         columns_fastest=columns_fastest, kernel=kernel, persistent=persistent,
         band_tiles=band_tiles, interpret=interpret)
     dest, tile_group, Mp = tile_layout(sizes, x.shape[0], block_m)
-    return unpad_rows(run(pad_rows(x, dest, Mp), tile_group), dest, x.dtype)
+    tile_rows = tile_live_rows(sizes, tile_group, block_m)
+    return unpad_rows(run(pad_rows(x, dest, Mp), tile_group, tile_rows), dest, x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=_OPTIONS + ("out_dtype",))
@@ -285,7 +290,8 @@ def moe_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Arr
         block_m=block_m, gate_up_blocks=gate_up_blocks, down_blocks=down_blocks,
         num_stages=num_stages, columns_fastest=columns_fastest, kernel=kernel,
         persistent=persistent, band_tiles=band_tiles, interpret=interpret)
-    dest, tile_group, Mp, _ = pair_layout(ids.reshape(-1), w_gate.shape[0], block_m)
+    dest, tile_group, Mp, sizes = pair_layout(ids.reshape(-1), w_gate.shape[0], block_m)
     token = jnp.arange(M, dtype=jnp.int32) // k
-    yp = run(scatter_rows(x, token, dest, num_rows=Mp, interpret=interpret), tile_group)
+    yp = run(scatter_rows(x, token, dest, num_rows=Mp, interpret=interpret), tile_group,
+             tile_live_rows(sizes, tile_group, block_m))
     return combine_rows(yp, dest.reshape(N, k), weights, out_dtype or x.dtype)
