@@ -81,6 +81,9 @@ def test_band_order_runs_one_experts_tiles_side_by_side(seed, band_tiles):
     most band_tiles of them; its items are consecutive, tiles fastest, so one expert's tiles
     read a weight block at nearly the same time (what keeps the weights' DRAM reads to one
     per block; docs/kernels.md). band_tiles 1 is the column-blocks-fastest order."""
+    # The default must keep bands: column blocks fastest (1) read the V3 slice's weights
+    # from DRAM ~1.4x over (docs/kernels.md, "Band order").
+    assert kernel_mgpu.BAND_TILES >= 4
     rng = np.random.default_rng(seed)
     runs = rng.integers(1, 12, 9)
     groups = np.concatenate([np.full(n, g) for g, n in zip(rng.permutation(9) - 1, runs)])
