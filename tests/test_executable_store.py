@@ -77,9 +77,19 @@ def test_other_configurations_and_damaged_files_are_compiled_not_loaded(tmp_path
     # a damaged file: a warning naming it, compiled again, outputs unchanged
     with open(tmp_path / base_files[0], "wb") as f:
         f.write(b"not an executable")
-    with pytest.warns(UserWarning, match="could not be loaded"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         again = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=1), warmup=True,
                            executable_cache=tmp_path, **KW)
+    said = [str(w.message) for w in caught]
+    assert any(base_files[0] in m and "could not be loaded" in m for m in said), said
+    # Which program the damaged file holds follows the keys' order, so it changes with every
+    # source change. XLA:CPU cannot serialize a program with a sort that this process had
+    # compiled before ("`LessThan` is not serializable"): that step then runs unsaved, with
+    # a warning. A new process saves it (checked by hand, round 3 session 19), and only
+    # this test compiles a step twice in one process.
+    assert all("could not be loaded" in m or "`LessThan` is not serializable" in m
+               for m in said), said
     total = base.runner.store.misses + other.runner.store.misses
     assert again.runner.store.hits + again.runner.store.misses == base.runner.store.misses
     assert again.runner.store.misses <= 1 < total
