@@ -127,6 +127,22 @@ def copy_kv_block(lat_ref, bt_ref, seq, k0, ring, slot, barrier, *, block_kv, pa
                                 ring.at[slot, pl.ds(j * rows, rows)], barrier)
 
 
+def store_tile(stage, lse_rows, out_ref, lse_ref, tile, split, wg, live):
+    """Stores a warpgroup's staged output half [64, R/2] into its columns of the tile's
+    first `live` rows, and from wg 0 the staged log2-sum-exp rows [64], then waits for the
+    copies."""
+    half = stage.shape[1]
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(_first_rows(stage, live),
+                            out_ref.at[tile, split, :, pl.ds(wg * half, half)])
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.copy_smem_to_gmem(_first_rows(lse_rows, live), lse_ref.at[tile, split])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
 def check_tiles(q_tiles, latent, rank, block_kv):
     """The checks both Mosaic MLA kernels make of their tile inputs."""
     rows, width = q_tiles.shape[1:]
@@ -263,15 +279,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
                 def _():
                     lse_smem[...] = m_f + jnp.log2(l_safe)
 
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(_first_rows(stage, live),
-                                    out_ref.at[tile, split, :, pl.ds(wg * half, half)])
-
-            @pl.when(wg == 0)
-            def _():
-                plgpu.copy_smem_to_gmem(_first_rows(lse_smem, live), lse_ref.at[tile, split])
-
-            plgpu.wait_smem_to_gmem(0)
+            store_tile(stage, lse_smem, out_ref, lse_ref, tile, split, wg, live)
 
         if not share_logits:
             def step(i, carry, *, final):

@@ -43,7 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mla_paged_attention.kernel_mgpu import (
     LOG2E, MASKED, TILE_ROWS, _accumulate, _first_rows, _full, _iota, _load_rows, check_tiles,
-    copy_kv_block, run_tiles, zero_rows_past)
+    copy_kv_block, run_tiles, store_tile, zero_rows_past)
 
 
 def _rope_registers(q_rope, interpret):
@@ -203,15 +203,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         if m_f is not None:                      # wg 0 (wg 1 passes None)
             l_smem[...] = m_f + jnp.log2(l_safe)
 
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(_first_rows(stage, live),
-                                out_ref.at[tile, split, :, pl.ds(wg * half, half)])
-
-        @pl.when(wg == 0)
-        def _():
-            plgpu.copy_smem_to_gmem(_first_rows(l_smem, live), lse_ref.at[tile, split])
-
-        plgpu.wait_smem_to_gmem(0)
+        store_tile(stage, l_smem, out_ref, lse_ref, tile, split, wg, live)
 
     @pl.when(wg == 0)
     def _wg0():
