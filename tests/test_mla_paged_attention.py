@@ -117,6 +117,9 @@ MOSAIC_CASES = [
     # full pair, a lone last block), 2 blocks (one masked pair), and 3 splits of 1-2 blocks
     (4, 16, [1, 4, 3], [300, 70, 150], 19, dict(block_q=4, seesaw=True)),
     (4, 64, [4, 1], [129, 200], 4, dict(block_q=4, num_splits=3, compact=True, seesaw=True)),
+    # unmasked leading blocks, then the masked ones: a verify row whose masked blocks are
+    # two (positions 125-128 across a block boundary), 2 splits
+    (4, 16, [1, 4, 3], [200, 129, 150], 13, dict(block_q=4, num_splits=2, compact=True)),
 ]
 
 
