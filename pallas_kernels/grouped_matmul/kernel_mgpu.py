@@ -19,13 +19,14 @@ Work items are (tile, column block) pairs on one grid axis in band order (`tile_
 band of up to BAND_TILES consecutive tiles of one expert runs its tiles fastest, then its
 column blocks, so one expert's tiles read each weight block from DRAM once; with `num_ctas` a
 persistent grid loops over them. Measured (H100, round 3 session 13, whole MoE
-layer at 4096 V2-Lite tokens): 1150 us, 1075 persistent, against the Triton kernels' 1260;
-both are bound by L2 -> SM traffic (docs/kernels.md).
+layer at 4096 V2-Lite tokens): 1150 us, 1075 persistent, against the Triton kernels' 1260.
+At the V3 slice the weights' DRAM reads bound both kernels until the band order (86% of
+DRAM's peak, 1.4x the bytes needed; round 3 session 19, docs/kernels.md).
 
 Layouts:
     xp          [Mp, K] bf16     rows laid out tile by tile (`tile_layout`, block_m = 128)
     weights     [G, K, N] bf16   one or two (gate, up), read in place
-    tile_group  [n_tiles] int32  each tile's group, -1: an empty tile (nothing read or written);
+    tile_group  [n_tiles] int32  each tile's group, -1: an empty tile (nothing read or written)
     tile_rows   [n_tiles] int32  each tile's live rows (optional); in the kernel with the group
                                  and each tile's band, [n_tiles, 4]
     out         [Mp, N] bf16     rows of empty tiles and idle warpgroups are left unwritten
