@@ -92,13 +92,18 @@ def tile_layout(sizes: jax.Array, M: int, block_m: int):
     return dest.astype(jnp.int32), tile_group, Mp
 
 
+def _padded_ends(sizes: jax.Array, block_m: int):
+    """(each group's size padded to whole tiles [G], each padded group's end row [G])."""
+    padded = -(-sizes // block_m) * block_m
+    return padded, jnp.cumsum(padded)
+
+
 def _padded_groups(sizes: jax.Array, M: int, block_m: int):
     """Groups of `sizes` (int32[G], sum <= M) padded to whole tiles: (padded sizes [G], padded
     ends [G], tile_group int32[n_tiles]: each tile's group, -1 past the last, Mp)."""
     G = sizes.shape[0]
     n_tiles = -(-M // block_m) + min(G, M)
-    padded = -(-sizes // block_m) * block_m
-    pends = jnp.cumsum(padded)                                # [G] end of each padded group
+    padded, pends = _padded_ends(sizes, block_m)
     tg = jnp.searchsorted(pends, jnp.arange(n_tiles, dtype=jnp.int32) * block_m, side="right",
                           method="compare_all")
     return padded, pends, jnp.where(tg < G, tg, -1).astype(jnp.int32), n_tiles * block_m
@@ -108,8 +113,8 @@ def tile_live_rows(sizes: jax.Array, tile_group: jax.Array, block_m: int) -> jax
     """int32[n_tiles]: the live rows of each tile of `tile_layout` (its first ones): block_m,
     fewer in a group's last tile, 0 in empty tiles."""
     sizes = sizes.astype(jnp.int32)
-    padded = -(-sizes // block_m) * block_m
-    first = (jnp.cumsum(padded) - padded) // block_m           # [G] each group's first tile
+    padded, pends = _padded_ends(sizes, block_m)
+    first = (pends - padded) // block_m                        # [G] each group's first tile
     g = jnp.maximum(tile_group, 0)
     t = jnp.arange(tile_group.shape[0], dtype=jnp.int32)
     rows = jnp.clip(sizes[g] - (t - first[g]) * block_m, 0, block_m)

@@ -192,6 +192,7 @@ def _kernel(tiles_ref, x_ref, *refs, n_weights, block_n, num_stages,
         def one_item(j, base):
             tile, col, group, steps = item(j)
             g = jnp.maximum(group, 0)
+            all_rows = tiles_ref[tile, 3] > WG_ROWS     # else only wg 0's rows: wg 1 idles
 
             @pl.loop(0, steps)
             def _(i):
@@ -202,8 +203,8 @@ def _kernel(tiles_ref, x_ref, *refs, n_weights, block_n, num_stages,
                     plgpu.barrier_wait(consumed.at[slot])
 
                 k = pl.ds(i * BLOCK_K, BLOCK_K)
-                for n_rows in (TILE_M, WG_ROWS):       # only wg 0's rows when wg 1 idles
-                    @pl.when((n_rows == TILE_M) == (tiles_ref[tile, 3] > WG_ROWS))
+                for n_rows in (TILE_M, WG_ROWS):
+                    @pl.when(all_rows == (n_rows == TILE_M))
                     def _():
                         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(tile * TILE_M, n_rows), k],
                                                 x_smem.at[slot, pl.ds(0, n_rows)],
