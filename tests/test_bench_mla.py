@@ -9,14 +9,16 @@ def test_variants_parse_and_join_every_case():
     extra = mla.parse_variants("value_split=2,qk_chunk=128; value_split=4,qk_chunk=None")
     assert extra == [dict(value_split=2, qk_chunk=128), dict(value_split=4, qk_chunk=None)]
     got = mla.variants_for(4, 128, 16, 64, 4096, sweep=False, extra=extra)
-    assert got == [dict(block_q=4), dict(block_q=4, value_split=2, qk_chunk=128),
-                   dict(block_q=4, value_split=4, qk_chunk=None)]
+    u4 = dict(block_q=4, uniform_q_len=4)
+    assert got == [u4, dict(u4, value_split=2, qk_chunk=128),
+                   dict(u4, value_split=4, qk_chunk=None)]
     assert mla.parse_variants("") == []
-    # text values stay text; compact Mosaic tiles get the uniform batch's q_len
-    extra = mla.parse_variants("kernel=triton;compact=1")
+    # text values stay text; every row passes the uniform batch's q_len (as the model's
+    # dispatch does), and compact=0 asks for the gather path
+    extra = mla.parse_variants("kernel=triton;compact=0")
+    u1 = dict(block_q=1, uniform_q_len=1)
     assert mla.variants_for(1, 16, 64, 64, 4096, sweep=False, extra=extra) == [
-        dict(block_q=1), dict(block_q=1, kernel="triton"),
-        dict(block_q=1, compact=1, uniform_q_len=1)]
+        u1, dict(u1, kernel="triton"), dict(u1, compact=0)]
     assert mla.variants_for(4, 16, 64, 64, 4096, sweep=True)[1]["kernel"] == "triton"
     with pytest.raises(ValueError, match="'qk_chunk': expected key=value"):
         mla.parse_variants("value_split=2,qk_chunk")

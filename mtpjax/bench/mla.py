@@ -150,11 +150,11 @@ def parse_variants(text: str) -> list[dict]:
 
 
 def variants_for(q_len, h, page, b, ctx, sweep, extra=()):
-    # Decode and verify batches are uniform: compact Mosaic tiles get uniform_q_len, as the
-    # model's dispatch passes it.
-    out = [dict(block_q=q_len)] + [
-        dict(block_q=q_len, **e, **({"uniform_q_len": q_len} if e.get("compact") else {}))
-        for e in extra]
+    # Decode and verify batches are uniform: every row passes uniform_q_len, as the model's
+    # dispatch does (`pallas_dispatch._mla`), so the Mosaic kernel's default takes its tiles
+    # by reshape, with no gathers. `compact=0` times the gather path instead. (Until round 3
+    # session 20 the default row passed none, and timed the gathers the model never runs.)
+    out = [dict(block_q=q_len, uniform_q_len=q_len, **e) for e in ({},) + tuple(extra)]
     if not sweep or (h > 16 and page != 64):
         return out
     if q_len == 1 and h <= 16:
