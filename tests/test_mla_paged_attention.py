@@ -113,10 +113,6 @@ MOSAIC_CASES = [
     # compact tiles: 16 live rows in HBM (not 64), rows seeing no key zeroed by the kernel
     # (3 splits of at most 2 blocks: the last split of each row is empty)
     (4, 8, [4, 1], [67, 20], 9, dict(block_q=4, num_splits=3, compact=True)),
-    # FlashMLA's seesaw schedule (kernel_seesaw.py): 5 blocks (a pair in the loop, the last
-    # full pair, a lone last block), 2 blocks (one masked pair), and 3 splits of 1-2 blocks
-    (4, 16, [1, 4, 3], [300, 70, 150], 19, dict(block_q=4, seesaw=True)),
-    (4, 64, [4, 1], [129, 200], 4, dict(block_q=4, num_splits=3, compact=True, seesaw=True)),
 ]
 
 
@@ -240,13 +236,13 @@ def test_value_errors_name_the_bad_value():
   err("uniform_q_len must be None or an int q with num_tokens 4 == num_seqs_max 2 \\* q, "
       "got 3", jnp.zeros((4, 2, 192), jnp.bfloat16), jnp.zeros((6, 8, 192), jnp.bfloat16),
       *ok[2:], kv_lora_rank=128, kernel="mosaic", uniform_q_len=3)
-  err("seesaw is an option of kernel='mosaic'", *ok, kernel="triton", seesaw=True)
-  err("seesaw must be a bool, got 2", jnp.zeros((4, 2, 192), jnp.bfloat16),
+  err("compact is an option of kernel='mosaic'", *ok, kernel="triton", compact=True)
+  err("share_logits must be a bool, got 2", jnp.zeros((4, 2, 192), jnp.bfloat16),
       jnp.zeros((6, 8, 192), jnp.bfloat16), *ok[2:], kv_lora_rank=128, kernel="mosaic",
-      seesaw=2)
-  err("seesaw=True: block_k=128 needs 386048 B of shared memory, above 227 KiB",
+      share_logits=2)
+  err("num_stages=3 with block_k=64 needs 305152 B of shared memory; it takes >= 2 stages",
       jnp.zeros((4, 2, 576), jnp.bfloat16), jnp.zeros((6, 64, 576), jnp.bfloat16), *ok[2:],
-      kv_lora_rank=512, kernel="mosaic", seesaw=True, block_k=128)
+      kv_lora_rank=512, kernel="mosaic", num_stages=3)
 
 
 def test_default_kernel_is_mosaic_only_on_hopper_where_it_fits(monkeypatch):

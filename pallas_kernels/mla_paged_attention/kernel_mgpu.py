@@ -108,11 +108,10 @@ def zero_rows_past(values, k0, kv_end, interpret):
     plgpu.commit_smem()
 
 
-def copy_kv_block(lat_ref, bt_ref, seq, k0, ring, slot, barrier, *, block_kv, page_size,
-                  cols=None):
-    """TMA-copies KV positions k0 .. k0 + block_kv - 1 of sequence `seq` (columns `cols`, or
-    all) from the paged latent cache into ring[slot] [block_kv, C]: one copy per page the
-    block touches, each arriving on `barrier`."""
+def copy_kv_block(lat_ref, bt_ref, seq, k0, ring, slot, barrier, *, block_kv, page_size):
+    """TMA-copies KV positions k0 .. k0 + block_kv - 1 of sequence `seq` from the paged
+    latent cache into ring[slot] [block_kv, W]: one copy per page the block touches, each
+    arriving on `barrier`."""
     copies = max(1, block_kv // page_size)
     rows = min(block_kv, page_size)
     max_entry = jnp.int32(bt_ref.shape[1] - 1)
@@ -124,8 +123,7 @@ def copy_kv_block(lat_ref, bt_ref, seq, k0, ring, slot, barrier, *, block_kv, pa
         entry = jnp.minimum(lax.div(tok, jnp.int32(page_size)), max_entry)
         page = jnp.clip(bt_ref[seq, entry], 0, num_pages - 1)
         src = (page, pl.ds(lax.rem(tok, jnp.int32(page_size)), rows))
-        plgpu.copy_gmem_to_smem(lat_ref.at[src if cols is None else src + (cols,)],
-                                ring.at[slot, pl.ds(j * rows, rows)], barrier)
+        plgpu.copy_gmem_to_smem(lat_ref.at[src], ring.at[slot, pl.ds(j * rows, rows)], barrier)
 
 
 def store_tile(stage, lse_rows, out_ref, lse_ref, tile, split, wg, live):
@@ -145,7 +143,7 @@ def store_tile(stage, lse_rows, out_ref, lse_ref, tile, split, wg, live):
 
 
 def check_tiles(q_tiles, latent, rank, block_kv):
-    """The checks both Mosaic MLA kernels make of their tile inputs."""
+    """The Mosaic MLA kernel's checks of its tile inputs."""
     rows, width = q_tiles.shape[1:]
     page_size = latent.shape[1]
     if not (8 <= rows <= TILE_ROWS and rows % 8 == 0):

@@ -29,9 +29,8 @@ from pallas_kernels.mla_paged_attention.mosaic_tiles import mla_mosaic
 from pallas_kernels.mla_paged_attention.work_items import item_ends, max_items
 
 _TUNING_KEYS = ("block_q", "block_h", "block_k", "num_splits", "num_warps", "num_stages",
-                "value_split", "qk_chunk", "keys_first", "kernel", "share_logits", "compact",
-                "seesaw")
-_MOSAIC_FLAGS = ("share_logits", "compact", "seesaw")   # bool options of kernel="mosaic" only
+                "value_split", "qk_chunk", "keys_first", "kernel", "share_logits", "compact")
+_MOSAIC_FLAGS = ("share_logits", "compact")   # bool options of kernel="mosaic" only
 KERNELS = ("triton", "mosaic")
 _NUM_SMS = 132  # H100 / H200
 MAX_ROWS = 64   # default tile rows (block_q * block_h): a [64, 512] f32 accumulator
@@ -160,9 +159,8 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         kernel: "triton" (`kernel.py`), "mosaic" (`kernel_mgpu.py`: Hopper warpgroups, bf16;
         takes block_q, block_h, block_k (a multiple of 64), num_splits, num_stages,
         share_logits and compact (`mosaic_tiles.py`: tiles of only their live rows; default
-        on with uniform_q_len), and seesaw (`kernel_seesaw.py`, FlashMLA's two-warpgroup
-        schedule; opt-in: correct, but it spills registers and ran 1.5-1.8x slower on the
-        H100, docs/benchmarks.md round 3 session 17); defaults in `mosaic_tuning`) or None: `default_kernel` ("mosaic" on a Hopper GPU where it fits).
+        on with uniform_q_len); defaults in `mosaic_tuning`) or None: `default_kernel`
+        ("mosaic" on a Hopper GPU where it fits).
       uniform_q_len: None, or q when every sequence has exactly q tokens at q * s (T =
         num_seqs_max * q; decode and verify steps): with compact tiles and block_q == q the
         Mosaic kernel's tiles are a reshape of q. The caller vouches for it (values are not
@@ -252,7 +250,7 @@ def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q
     splits = _splits(num_tokens, num_heads, num_seqs, max_pages, page_size, block_h,
                      block_k=64, waves=1)
     return dict(block_q=block_q, block_h=block_h, block_k=64, num_splits=splits,
-                num_stages=2, share_logits=True, compact=None, seesaw=False)
+                num_stages=2, share_logits=True, compact=None)
 
 
 def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scale,
@@ -265,7 +263,7 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
                             *_MOSAIC_FLAGS}
     if unused:
         raise ValueError(f"kernel='mosaic' takes block_q, block_h, block_k, num_splits, "
-                         f"num_stages, share_logits, compact and seesaw, got "
+                         f"num_stages, share_logits and compact, got "
                          f"{sorted(unused)}")
     if q.dtype != jnp.bfloat16:
         raise ValueError(f"kernel='mosaic' takes bfloat16 (wgmma), got {q.dtype}")
@@ -296,15 +294,9 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
                                           and t == block_tables.shape[0] * uniform_q_len):
         raise ValueError(f"uniform_q_len must be None or an int q with num_tokens {t} == "
                          f"num_seqs_max {block_tables.shape[0]} * q, got {uniform_q_len!r}")
-    if full["seesaw"]:    # Q, two slots, P0 (P1 takes Q's rope columns' place)
-        smem = 2 * (MAX_ROWS * width + 2 * full["block_k"] * width
-                    + MAX_ROWS * full["block_k"]) + 1024
-        if smem > 227 * 1024:
-            raise ValueError(f"kernel='mosaic', seesaw=True: block_k={full['block_k']} needs "
-                             f"{smem} B of shared memory, above 227 KiB")
     smem = 2 * (MAX_ROWS + full["num_stages"] * full["block_k"]) * width + 2 * 1024 + (
         2 * MAX_ROWS * full["block_k"] if full["share_logits"] else 0)
-    if not full["seesaw"] and (full["num_stages"] < 2 or smem > 227 * 1024):
+    if full["num_stages"] < 2 or smem > 227 * 1024:
         raise ValueError(f"kernel='mosaic': num_stages={full['num_stages']} with block_k="
                          f"{full['block_k']} needs {smem} B of shared memory; it takes >= 2 "
                          f"stages within 227 KiB")
@@ -314,13 +306,12 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
                        block_h=full["block_h"], block_kv=full["block_k"],
                        num_splits=full["num_splits"], num_stages=full["num_stages"],
                        share_logits=bool(full["share_logits"]), interpret=interpret,
-                       compact=bool(full["compact"]), uniform_q_len=uniform_q_len,
-                       seesaw=bool(full["seesaw"]))
+                       compact=bool(full["compact"]), uniform_q_len=uniform_q_len)
 
 
 _mla_mosaic = jax.jit(mla_mosaic, static_argnames=(
     "rank", "sm_scale", "block_q", "block_h", "block_kv", "num_splits", "num_stages",
-    "share_logits", "interpret", "compact", "uniform_q_len", "seesaw"))
+    "share_logits", "interpret", "compact", "uniform_q_len"))
 
 
 @functools.partial(jax.jit, static_argnames=("rank", "sm_scale", "interpret", "tuning"))

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from pallas_kernels._hopper import aligned_copy
 from pallas_kernels.mla_paged_attention.kernel_mgpu import TILE_ROWS, mla_tiles_mgpu
-from pallas_kernels.mla_paged_attention.kernel_seesaw import mla_tiles_seesaw
 from pallas_kernels.mla_paged_attention.work_items import item_ends, max_items
 from pallas_kernels.paged_reference import ragged_token_rows
 
@@ -38,7 +37,7 @@ def _items(cu_q_lens, kv_lens, num_seqs, block_q, num_items):
 
 def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, sm_scale,
                block_q, block_h, block_kv, num_splits, num_stages, share_logits, interpret,
-               compact=False, uniform_q_len=None, seesaw=False):
+               compact=False, uniform_q_len=None):
     """[T, H, W] queries -> [T, H, R] through `mla_tiles_mgpu` (arguments as for
     `mla_paged_attention`; jit by the caller).
 
@@ -53,15 +52,10 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
     live = block_q * block_h
     rows = -(-live // 8) * 8 if compact else TILE_ROWS
     tables = aligned_copy(block_tables)
-    if seesaw:      # FlashMLA's schedule (kernel_seesaw.py): two slots, no stage option
-        kernel = functools.partial(
-            mla_tiles_seesaw, rank=rank, block_h=block_h, sm_scale=sm_scale,
-            block_kv=block_kv, num_splits=num_splits, zero_masked=compact, interpret=interpret)
-    else:
-        kernel = functools.partial(
-            mla_tiles_mgpu, rank=rank, block_h=block_h, sm_scale=sm_scale, block_kv=block_kv,
-            num_splits=num_splits, num_stages=num_stages, share_logits=share_logits,
-            zero_masked=compact, interpret=interpret)
+    kernel = functools.partial(
+        mla_tiles_mgpu, rank=rank, block_h=block_h, sm_scale=sm_scale, block_kv=block_kv,
+        num_splits=num_splits, num_stages=num_stages, share_logits=share_logits,
+        zero_masked=compact, interpret=interpret)
     if compact and uniform_q_len == block_q and rows == live and t == s * block_q:
         seq = jnp.arange(s, dtype=jnp.int32)
         ntok = jnp.where(seq < num_seqs, block_q, 0).astype(jnp.int32)
