@@ -236,7 +236,6 @@ def test_value_errors_name_the_bad_value():
   err("uniform_q_len must be None or an int q with num_tokens 4 == num_seqs_max 2 \\* q, "
       "got 3", jnp.zeros((4, 2, 192), jnp.bfloat16), jnp.zeros((6, 8, 192), jnp.bfloat16),
       *ok[2:], kv_lora_rank=128, kernel="mosaic", uniform_q_len=3)
-  err("compact is an option of kernel='mosaic'", *ok, kernel="triton", compact=True)
   err("share_logits must be a bool, got 2", jnp.zeros((4, 2, 192), jnp.bfloat16),
       jnp.zeros((6, 8, 192), jnp.bfloat16), *ok[2:], kv_lora_rank=128, kernel="mosaic",
       share_logits=2)
