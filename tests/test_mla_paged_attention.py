@@ -242,6 +242,11 @@ def test_value_errors_name_the_bad_value():
   err("num_stages=3 with block_k=64 needs 305152 B of shared memory; it takes >= 2 stages",
       jnp.zeros((4, 2, 576), jnp.bfloat16), jnp.zeros((6, 64, 576), jnp.bfloat16), *ok[2:],
       kv_lora_rank=512, kernel="mosaic", num_stages=3)
+  # The Mosaic kernel's own entry (it takes the max of the unscaled logits).
+  from pallas_kernels.mla_paged_attention.kernel_mgpu import mla_tiles_mgpu
+  with pytest.raises(ValueError, match="sm_scale must be > 0, got -0.5"):
+    mla_tiles_mgpu(jnp.zeros((1, 64, 192), jnp.bfloat16), jnp.zeros((2, 64, 192), jnp.bfloat16),
+                   bt, kv[:1], kv[:1], kv[:1], rank=128, block_h=64, sm_scale=-0.5)
 
 
 def test_default_kernel_is_mosaic_only_on_hopper_where_it_fits(monkeypatch):
