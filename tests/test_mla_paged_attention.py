@@ -132,6 +132,36 @@ def test_mosaic_kernel_matches_reference(index):
     assert not np.asarray(out[cu[n]:], np.float32).any(), seed
 
 
+def test_mosaic_lazy_max_with_jumping_logits():
+  """The Mosaic kernel's running max lags (it moves only when a block's max exceeds it by
+  more than LAZY_MAX, and a thread skips the accumulator's rescale when its rows did not
+  move). Loud, skewed rope columns make block maxima jump by far more than that, so the
+  rescale runs (on some threads, not others); the output must still be the reference's."""
+  from pallas_kernels.mla_paged_attention.kernel_mgpu import LAZY_MAX
+  rank, rope, h, page, scale = 128, 64, 4, 16, 0.1
+  q_lens, kv_lens = [1, 4], [150, 260]
+  for seed in draw_seeds(7):
+    q, lat, bt, kv, cu, n = _case(seed, q_lens, kv_lens, h, rank, rope, page, max_pages=17)
+    rng = np.random.default_rng(seed)
+    for s in range(int(n)):     # a loud rope column rising along the sequence, with noise
+      pos = np.arange(kv[s])
+      lat[bt[s, pos // page], pos % page, -1] = 10 * pos / kv[s] + rng.uniform(0, 2, kv[s])
+    q[:, : h // 2, -1] = 300.0  # heads 0-1 jump; 2-3 keep their max (their threads skip)
+    # The case does what it claims: some row's 64-key block max jumps past the running max.
+    pos = np.arange(kv[1])
+    keys = lat[bt[1, pos // page], pos % page]
+    logits = (np.asarray(q[cu[1]], np.float64) @ keys.T) * scale * math.log2(math.e)
+    block_max = np.maximum.accumulate(
+        np.stack([logits[:, b:b + 64].max(axis=1) for b in range(0, kv[1], 64)], 1), axis=1)
+    assert (np.diff(block_max, axis=1) > LAZY_MAX).any()
+    args = _args((q, lat, bt, kv, cu, n), "bfloat16")
+    out = mla_paged_attention(*args, kv_lora_rank=rank, sm_scale=scale,
+                              interpret=interpret_mode(), kernel="mosaic", block_q=4)
+    ref = mla_paged_attention_reference(*args, kv_lora_rank=rank, sm_scale=scale, token_chunk=8)
+    assert np.isfinite(np.asarray(out[:cu[n]], np.float32)).all(), seed
+    assert rel_err(out, ref) < TOL["bfloat16"], seed
+
+
 def test_mosaic_masks_the_blocks_a_verify_row_straddles():
   """A q_len-4 row at positions 62-65 straddles KV blocks 0 and 1: both need the causal mask,
   though block 0 is not the last (the kernel masks only a suffix of the blocks). The keys
