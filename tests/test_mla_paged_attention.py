@@ -135,8 +135,9 @@ def test_mosaic_kernel_matches_reference(index):
 def test_mosaic_lazy_max_with_jumping_logits():
   """The Mosaic kernel's running max lags (it moves only when a block's max exceeds it by
   more than LAZY_MAX, and a thread skips the accumulator's rescale when its rows did not
-  move). Loud, skewed rope columns make block maxima jump by far more than that, so the
-  rescale runs (on some threads, not others); the output must still be the reference's."""
+  move). A loud rope column rising along each sequence makes the block maxima of half the
+  heads jump by far more than that, so the rescale runs on some threads and not on others;
+  the output must still be the reference's."""
   from pallas_kernels.mla_paged_attention.kernel_mgpu import LAZY_MAX
   rank, rope, h, page, scale = 128, 64, 4, 16, 0.1
   q_lens, kv_lens = [1, 4], [150, 260]
