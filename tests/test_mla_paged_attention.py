@@ -203,6 +203,23 @@ def test_mosaic_uniform_batch_tiles_are_a_reshape(h, q_len, kv_lens, splits):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+def test_emulated_exp2_is_within_its_cubic_error(seed):
+  """The Mosaic kernel's exp2 on the FMA units (`exp2_poly`, which its PTX mirrors): relative
+  error below 1e-4 over the softmax's range (P <= 2^LAZY_MAX), exact at integers, at most
+  2^-126 (no NaN, no wrap) below -126."""
+  from pallas_kernels.mla_paged_attention.kernel_mgpu import LAZY_MAX, exp2_poly
+  rng = np.random.default_rng(seed)
+  x = rng.uniform(-126.0, LAZY_MAX, 50_000).astype(np.float32)
+  got = np.asarray(exp2_poly(jnp.asarray(x)), np.float64)
+  assert np.max(np.abs(got / np.exp2(x.astype(np.float64)) - 1)) < 1e-4
+  ints = rng.integers(-126, int(LAZY_MAX) + 1, 200).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(exp2_poly(jnp.asarray(ints))), np.exp2(ints))
+  low = np.concatenate([rng.uniform(-1e30, -126.0, 1000), [-np.inf]]).astype(np.float32)
+  tiny = np.asarray(exp2_poly(jnp.asarray(low)))
+  assert np.all((tiny >= 0) & (tiny <= 2.0 ** -126))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reference_matches_float64_oracle(seed):
   rank, rope, h, page = 16, 8, 3, 8
   case = _case(seed, [1, 5, 0, 9], [12, 5, 3, 26], h, rank, rope, page, max_pages=4)

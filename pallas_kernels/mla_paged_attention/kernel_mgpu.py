@@ -46,6 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax._src.lib.mlir.dialects import llvm, nvvm   # no public module for these (JAX 0.10-0.11)
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith, scf, vector
 
@@ -55,6 +56,12 @@ LOG2E = math.log2(math.e)
 TILE_ROWS = 64          # one wgmma M; queries of a tile
 LAZY_MAX = 8.0         # log2 units: P <= 2^8 against a running max that may lag
 MASKED = -1e30          # finite: a row with no visible key in a split gets weight 0, not NaN
+EXP2_EMULATED = 4       # of each wg 0 thread's 32 exp2s per block: on the FMA units, not MUFU
+# (H100, same process: H=128 decode -0.4-0.5%, verify q4 -0.5-0.7%; 8 no better; round 3
+# session 22)
+# exp2 on [0, 1): FlashAttention-4's cubic (max relative error 8.8e-5; P is bf16, 2^-9)
+EXP2_POLY = (1.0, 0.695146143436431884765625, 0.227564394474029541015625,
+             0.077119089663028717041015625)
 
 
 def _accumulate(acc, p16, values, interpret):
@@ -117,6 +124,95 @@ def _rescaled(acc, alpha, interpret):
         return mgpu.FragmentedArray(_registers=out, _layout=acc.layout, _is_signed=None)
 
     return per_thread(acc, alpha)
+
+
+def exp2_poly(x):
+    """2^x [any shape] f32 as the kernel's emulated exp2 computes it (`_EXP2_PTX`), for the
+    interpreter and the tests: x clamped to >= -127, split into floor n and fraction f,
+    the cubic of f, and n added to its exponent bits."""
+    xc = jnp.maximum(x, -127.0)
+    n = jnp.floor(xc)
+    f = xc - n
+    c0, c1, c2, c3 = (jnp.float32(c) for c in EXP2_POLY)
+    p = (f * c3 + c2) * f + c1
+    p = p * f + c0
+    bits = lax.bitcast_convert_type(p, jnp.int32) + (n.astype(jnp.int32) << 23)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _f32(value):
+    """A PTX f32 literal."""
+    return "0f%08X" % np.float32(value).view(np.uint32)
+
+
+# floor(x) by an add that rounds down against 1.5 * 2^23 (no FRND, which is not an FMA-unit
+# instruction): the integer sits in the sum's low mantissa bits, so `shl 23` puts it into
+# the exponent field of the cubic's value in [1, 2).
+_EXP2_PTX = f"""{{
+.reg .f32 xc, r, rb, f, p;
+.reg .b32 e, pb;
+max.f32 xc, $1, {_f32(-127.0)};
+add.rm.f32 r, xc, {_f32(1.5 * 2**23)};
+sub.f32 rb, r, {_f32(1.5 * 2**23)};
+sub.f32 f, xc, rb;
+fma.rn.f32 p, f, {_f32(EXP2_POLY[3])}, {_f32(EXP2_POLY[2])};
+fma.rn.f32 p, p, f, {_f32(EXP2_POLY[1])};
+fma.rn.f32 p, p, f, {_f32(EXP2_POLY[0])};
+mov.b32 e, r;
+mov.b32 pb, p;
+shl.b32 e, e, 23;
+add.s32 pb, pb, e;
+mov.b32 $0, pb;
+}}"""
+
+
+def _exp2_split(x, interpret):
+    """exp2 of x [64, C] f32 (WGMMA layout) with each thread's first EXP2_EMULATED values
+    (the first 8 columns: a thread's first two registers are columns 0-7 of its rows r and
+    r + 8) as a polynomial on the FMA units, the rest on MUFU.EX2. MUFU issues 4 lanes a
+    cycle per SM sub-partition against 32 for an FFMA, and wg 0's 32 exp2s per block sit
+    on its serial path (FlashAttention-4 splits them the same way)."""
+    if interpret:
+        col = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        return jnp.where(col < 2 * EXP2_EMULATED, exp2_poly(x), jnp.exp2(x))
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA,),
+        return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
+    def per_thread(ctx, x):
+        del ctx
+        f32 = ir.F32Type.get()
+        regs, done = [], 0
+        for reg in x.registers.flat:
+            res = llvm.mlir_undef(reg.type)
+            for i in range(ir.VectorType(reg.type).shape[0]):
+                pos = ir.DenseI64ArrayAttr.get([i])
+                e = vector.extract(reg, dynamic_position=[], static_position=pos)
+                asm = _EXP2_PTX if done < EXP2_EMULATED else "ex2.approx.ftz.f32 $0, $1;"
+                done += 1
+                y = llvm.inline_asm(f32, [e], asm, "=f,f")
+                res = vector.insert(y, res, dynamic_position=[], static_position=pos)
+            regs.append(res)
+        out = np.empty(x.registers.shape, dtype=object)
+        out.flat[:] = regs
+        return mgpu.FragmentedArray(_registers=out, _layout=x.layout, _is_signed=None)
+
+    return per_thread(x)
+
+
+def _fence_for_wgmma(interpret):
+    """Makes this thread's shared-memory writes visible to wgmma (the async proxy) without
+    commit_smem's warpgroup barrier: every thread arrives on the hand-over barrier after
+    its own fence (128 arrivals per warpgroup), so no thread needs to wait for the others."""
+    if interpret:
+        return
+
+    @plgpu.inline_mgpu()
+    def fence(ctx):
+        del ctx
+        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+    fence()
 
 
 def _full(shape, value, layout, interpret):
@@ -222,7 +318,15 @@ def run_tiles(kernel, scratch, barriers, args, *, num_splits, rank, num_threads,
         num_threads=num_threads, thread_name="wg",
         # The row max/sum reductions stay inside a warp (WGMMA layout): no cross-warp
         # scratch, whose default 2 KiB the shared-logits buffers need.
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        # No automatic warpgroup barriers around shared-memory stores: Mosaic puts one
+        # before and one after each, five per KV block on wg 0's path to its P . V. They
+        # order a warpgroup's threads against each other; here no thread reads what
+        # another thread of its warpgroup stores except through wgmma or a TMA store,
+        # which follow commit_smem (zeroed value rows, staged outputs) or an mbarrier every
+        # thread arrives on (P, alpha, l). H100, same process: H=128 decode -1.6-2.5%,
+        # verify q4 -4.1-4.5% (round 3 session 22).
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                             unsafe_no_auto_barriers=True),
         interpret=interpret_params() if interpret else None,
     )(*args)
 
@@ -283,7 +387,8 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             # H100, same process, both orders: H=128 decode -0.6-1.0%, verify q4 -0.6-1.2%
             # (round 3 session 21).
             m_new = new_max(m_i, s.max(axis=1) * scale_log2)
-            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            p = _exp2_split(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]),
+                            interpret)
         alpha = jnp.where(m_new == m_i, 1.0, jnp.exp2(m_i - m_new))   # exactly 1: skipped
         return p, alpha, m_new, l_i * alpha + p.sum(axis=1)
 
@@ -375,7 +480,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
 
                 p_smem[...] = p16
                 alpha_smem[...] = alpha
-                plgpu.commit_smem()
+                _fence_for_wgmma(interpret)     # wg 1's wgmma reads P after p_ready
                 plgpu.barrier_arrive(p_ready)
                 acc = _accumulate(scaled(acc, alpha), p16, values_of(slot, k0, final),
                                   interpret)
