@@ -182,10 +182,11 @@ mov.b32 $0, pb;
 
 def _exp2_split(x, interpret):
     """exp2 of x [64, C] f32 (WGMMA layout) with each thread's first EXP2_EMULATED values
-    (the first 8 columns: a thread's first two registers are columns 0-7 of its rows r and
-    r + 8) as a polynomial on the FMA units, the rest on MUFU.EX2. MUFU issues 4 lanes a
-    cycle per SM sub-partition against 32 for an FFMA, and wg 0's 32 exp2s per block sit
-    on its serial path (FlashAttention-4 splits them the same way)."""
+    as a polynomial on the FMA units, the rest on MUFU.EX2. Those are the first 8 columns:
+    a thread's first two registers hold 2 of columns 0-7 in each of its rows r and r + 8,
+    and its quad of threads covers the 8. MUFU issues 4 lanes a cycle per SM
+    sub-partition against 32 for an FFMA, and wg 0's 32 exp2s per block sit on its serial
+    path (FlashAttention-4 splits them the same way)."""
     if interpret:
         col = lax.broadcasted_iota(jnp.int32, x.shape, 1)
         return jnp.where(col < 2 * EXP2_EMULATED, exp2_poly(x), jnp.exp2(x))
