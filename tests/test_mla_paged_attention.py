@@ -2,6 +2,7 @@
 MTPJAX_KERNELS_ON_DEVICE=1 runs the compiled kernel on a GPU), and its ValueErrors."""
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -200,6 +201,58 @@ def test_mosaic_uniform_batch_tiles_are_a_reshape(h, q_len, kv_lens, splits):
                               compact=True, num_splits=splits)
     ref = mla_paged_attention_reference(*args, kv_lora_rank=rank, sm_scale=0.1, token_chunk=8)
     assert rel_err(out, ref) < TOL["bfloat16"], seed
+
+
+def _sub_jaxprs(jaxpr):
+  """jaxpr and every jaxpr nested in its equations' parameters (bodies, branches), in order."""
+  yield jaxpr
+  for eqn in jaxpr.eqns:
+    for value in eqn.params.values():
+      for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _sub_jaxprs(sub)
+
+
+def test_mosaic_schedule_keeps_its_measured_orderings():
+  """Guards on the traced Mosaic kernel (no GPU) for orderings that a refactor could lose
+  silently and that the H100 measured (docs/benchmarks.md, round 3 session 22): the memory
+  warpgroup reads a block's table entries before waiting for its slot; wg 0 issues its
+  P . V wgmma before the P / alpha stores and the p_ready arrive; no automatic store
+  barriers."""
+  from pallas_kernels.mla_paged_attention.kernel_mgpu import mla_tiles_mgpu
+  q = jnp.zeros((4, 64, 576), jnp.bfloat16)
+  lat = jnp.zeros((8, 16, 576), jnp.bfloat16)          # page 16: four copies a block
+  bt = jnp.zeros((2, 16), jnp.int32)
+  tiles = jnp.zeros((4,), jnp.int32)
+  traced = jax.make_jaxpr(lambda *a: mla_tiles_mgpu(*a, rank=512, block_h=64, sm_scale=0.1))(
+      q, lat, bt, tiles, tiles, tiles)
+  jaxprs = list(_sub_jaxprs(traced.jaxpr))
+
+  loads_first = []
+  for j in jaxprs:
+    prims = [e.primitive.name for e in j.eqns]
+    if prims.count("copy_gmem_to_smem") != 4:
+      continue
+    slot_wait = [i for i, e in enumerate(j.eqns) if e.primitive.name == "cond" and any(
+        "barrier_wait" in [x.primitive.name for x in b.jaxpr.eqns]
+        for b in e.params["branches"])]
+    gets = [i for i, p in enumerate(prims) if p == "get"]
+    if slot_wait and gets:
+      loads_first.append(max(gets) < slot_wait[0] < prims.index("copy_gmem_to_smem"))
+  assert loads_first == [True], loads_first
+
+  handed_after_issue = []
+  for j in jaxprs:
+    prims = [e.primitive.name for e in j.eqns]
+    if "wgmma_ref" in prims and "swap" in prims:
+      handed_after_issue.append(prims.index("wgmma_ref") < prims.index("swap")
+                                < prims.index("barrier_arrive"))
+  assert handed_after_issue and all(handed_after_issue), handed_after_issue
+
+  params = [e.params["compiler_params"] for j in jaxprs for e in j.eqns
+            if "compiler_params" in e.params]
+  assert params and all(getattr(p, "unsafe_no_auto_barriers", False) for p in params)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
