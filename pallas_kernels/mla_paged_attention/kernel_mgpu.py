@@ -64,29 +64,21 @@ EXP2_POLY = (1.0, 0.695146143436431884765625, 0.227564394474029541015625,
              0.077119089663028717041015625)
 
 
-def _accumulate(acc, p16, values, interpret):
+def _accumulate(acc, p16, values, interpret, then=None):
     """acc [64, R/2] f32 + p16 [64, block_kv] (registers or shared memory) . values
-    [block_kv, R/2] (shared memory)."""
+    [block_kv, R/2] (shared memory); then() (stores, barrier arrivals), if given, runs
+    after the wgmma's issue and before its wait."""
     if interpret:   # the GPU interpreter has no run_state rule nor register wgmma operands
         p = p16 if isinstance(p16, jax.Array) else p16[...]
-        return acc + jnp.dot(p, values[...], preferred_element_type=jnp.float32)
-
-    def into(ref):
-        plgpu.wgmma(ref, p16, values)
-    return pl.run_state(into)(plgpu.ACC.init(acc))
-
-
-def _accumulate_then(acc, p16, values, then, interpret):
-    """_accumulate, with then() (stores, barrier arrivals) run after the wgmma's issue and
-    before its wait."""
-    if interpret:
-        out = _accumulate(acc, p16, values, interpret)
-        then()
+        out = acc + jnp.dot(p, values[...], preferred_element_type=jnp.float32)
+        if then is not None:
+            then()
         return out
 
     def into(ref):
         plgpu.wgmma(ref, p16, values)
-        then()
+        if then is not None:
+            then()
     return pl.run_state(into)(plgpu.ACC.init(acc))
 
 
@@ -196,20 +188,16 @@ def _exp2_split(x, interpret):
         return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
     def per_thread(ctx, x):
         del ctx
-        f32 = ir.F32Type.get()
-        regs, done = [], 0
-        for reg in x.registers.flat:
-            res = llvm.mlir_undef(reg.type)
-            for i in range(ir.VectorType(reg.type).shape[0]):
-                pos = ir.DenseI64ArrayAttr.get([i])
-                e = vector.extract(reg, dynamic_position=[], static_position=pos)
-                asm = _EXP2_PTX if done < EXP2_EMULATED else "ex2.approx.ftz.f32 $0, $1;"
-                done += 1
-                y = llvm.inline_asm(f32, [e], asm, "=f,f")
-                res = vector.insert(y, res, dynamic_position=[], static_position=pos)
-            regs.append(res)
+        # Mosaic's own per-element lifting of a PTX instruction over vector registers (what
+        # FragmentedArray.exp2(approx=True) uses for MUFU.EX2).
+        lift = mgpu.FragmentedArray._lift_fast_instr
+        poly = lift(lambda e: llvm.inline_asm(ir.F32Type.get(), [e], _EXP2_PTX, "=f,f"))
+        mufu = lift("ex2.approx.ftz.f32")
+        per_reg = x.layout.vector_length
+        assert EXP2_EMULATED % per_reg == 0, (EXP2_EMULATED, per_reg)
         out = np.empty(x.registers.shape, dtype=object)
-        out.flat[:] = regs
+        out.flat[:] = [poly(r) if k < EXP2_EMULATED // per_reg else mufu(r)
+                       for k, r in enumerate(x.registers.flat)]
         return mgpu.FragmentedArray(_registers=out, _layout=x.layout, _is_signed=None)
 
     return per_thread(x)
@@ -513,8 +501,8 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
                 # H100, same process, both orders: H=128 decode 130.3 -> 128.9 us, verify
                 # q4 519-524 -> 508-509; H=16 within noise (round 3 session 22). The row
                 # sums moved there too: +3.6% (their FADDs had hidden behind the exp2s).
-                acc = _accumulate_then(scaled(acc, alpha), p16, values_of(slot, k0, final),
-                                       hand_over, interpret)
+                acc = _accumulate(scaled(acc, alpha), p16, values_of(slot, k0, final),
+                                  interpret, then=hand_over)
                 plgpu.barrier_arrive(consumed_bars.at[slot])
                 return acc, m_new, l_new
 
