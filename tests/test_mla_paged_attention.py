@@ -207,11 +207,8 @@ def _sub_jaxprs(jaxpr):
   """jaxpr and every jaxpr nested in its equations' parameters (bodies, branches), in order."""
   yield jaxpr
   for eqn in jaxpr.eqns:
-    for value in eqn.params.values():
-      for sub in (value if isinstance(value, (tuple, list)) else (value,)):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          yield from _sub_jaxprs(sub)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _sub_jaxprs(sub)
 
 
 def test_mosaic_schedule_keeps_its_measured_orderings():
@@ -235,8 +232,8 @@ def test_mosaic_schedule_keeps_its_measured_orderings():
     if prims.count("copy_gmem_to_smem") != 4:
       continue
     slot_wait = [i for i, e in enumerate(j.eqns) if e.primitive.name == "cond" and any(
-        "barrier_wait" in [x.primitive.name for x in b.jaxpr.eqns]
-        for b in e.params["branches"])]
+        "barrier_wait" in [x.primitive.name for x in b.eqns]
+        for b in jax.extend.core.jaxprs_in_params(e.params))]
     gets = [i for i, p in enumerate(prims) if p == "get"]
     if slot_wait and gets:
       loads_first.append(max(gets) < slot_wait[0] < prims.index("copy_gmem_to_smem"))
