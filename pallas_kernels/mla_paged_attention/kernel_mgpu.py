@@ -437,7 +437,11 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
 
     @pl.when(wg < 2)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        # 240 + 240 + 24 = the 504 a thread slot gets at launch (64K registers / 384
+        # threads, rounded down to 8). At 232 / 40, ptxas reloaded 8 spilled values a block
+        # in wg 0's loop; at 240 / 24, 3. H100, same process, both orders: H=128 verify q4
+        # 512.0 -> 501.1 and 504.9 -> 502.9 us, decode 126.3 -> 125.2 (round 3 session 23).
+        plgpu.set_max_registers(240, action="increase")
 
         @pl.when(wg == 0)
         def _():
@@ -535,7 +539,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
 
     @pl.when(wg == 2)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(24, action="decrease")     # the minimum setmaxnreg takes
 
         @pl.loop(0, steps)
         def _(i):
