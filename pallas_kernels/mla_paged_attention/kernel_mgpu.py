@@ -29,6 +29,13 @@ Layouts (n = tiles, R = kv_lora_rank, W = R + dr):
     out          [n, splits, rows, R] bf16   (normalized per split)
     lse          [n, splits, rows] f32       (log2-sum-exp of the scaled logits, per split)
 
+Profile (`mla_tiles_mgpu`'s `profile`, compiled only): Mosaic GPU's on-device profiler records,
+per warpgroup and KV block, the named regions "logits" (wg 0: the slot wait and the QK
+product), "softmax" (wg 0), "wait_p" (wg 1: the slot and P waits), "wait_slot" (memory
+warpgroup: the slot's release) and "load" (memory warpgroup: a wait on the block's copies
+that only the profile adds, to time them); `mtpjax.bench.mla_profile` reads the trace. The
+regions are named scopes, so without a profile the kernel is the same.
+
 Causality: row r (token j = r // block_h) sees KV positions 0 .. pos0 + j; the blocks every
 row sees in full come first and build no mask. The KV rows past
 the tile's last position in its last block are zeroed in shared memory (each warpgroup its
@@ -311,7 +318,8 @@ def check_tiles(q_tiles, latent, rank, block_kv):
                          f"whole 8-row pieces of pages")
 
 
-def run_tiles(kernel, scratch, barriers, args, *, num_splits, rank, num_threads, interpret):
+def run_tiles(kernel, scratch, barriers, args, *, num_splits, rank, num_threads, interpret,
+              profile=None):
     """Launches a Mosaic MLA kernel over a (tile, split) grid, warpgroups named "wg":
     kernel(*refs, (scratch refs, barrier refs)) with refs = tile_seq, tile_pos0, tile_ntok,
     block_tables, q_tiles, latent (inputs; `args`) then out, lse -> (out [n, splits, rows,
@@ -337,15 +345,17 @@ def run_tiles(kernel, scratch, barriers, args, *, num_splits, rank, num_threads,
         # which follow commit_smem (zeroed value rows, staged outputs) or an mbarrier every
         # thread arrives on (P, alpha, l). H100, same process: H=128 decode -1.6-2.5%,
         # verify q4 -4.1-4.5% (round 3 session 22).
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
-                                             unsafe_no_auto_barriers=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, reduction_scratch_bytes=0, unsafe_no_auto_barriers=True,
+            **({} if profile is None else dict(profile_dir=profile[0],
+                                               profile_space=profile[1]))),
         interpret=interpret_params() if interpret else None,
     )(*args)
 
 
 def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             out_ref, lse_ref, scoped, *, block_h, block_kv, rank, num_splits, num_stages,
-            page_size, scale_log2, share_logits, zero_masked, interpret):
+            page_size, scale_log2, share_logits, zero_masked, interpret, profile):
     (q_smem, p_smem, (kv_smem, o_stage), lse_smem, alpha_smem), bars = scoped
     q_bar, kv_bars, consumed_bars, done_bar, p_ready, p_free = bars
     tile = lax.axis_index("tile")
@@ -408,9 +418,11 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         """Step i's slot (waited for), first KV position, and softmax of its logits."""
         slot = lax.rem(i, jnp.int32(num_stages))
         k0 = (first_step + i) * block_kv
-        plgpu.barrier_wait(kv_bars.at[slot])
-        s = _logits(q_smem, kv_smem.at[slot], interpret)
-        return (slot, k0) + softmax_step(s, k0, m_i, l_i, masked)
+        with jax.named_scope("logits"):
+            plgpu.barrier_wait(kv_bars.at[slot])
+            s = _logits(q_smem, kv_smem.at[slot], interpret)
+        with jax.named_scope("softmax"):
+            return (slot, k0) + softmax_step(s, k0, m_i, l_i, masked)
 
     def scaled(acc, alpha):
         return _rescaled(acc, alpha, interpret)
@@ -527,8 +539,9 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
                 del masked          # wg 1 takes P as wg 0 masked it
                 slot = lax.rem(i, jnp.int32(num_stages))
                 k0 = (first_step + i) * block_kv
-                plgpu.barrier_wait(kv_bars.at[slot])
-                plgpu.barrier_wait(p_ready)
+                with jax.named_scope("wait_p"):
+                    plgpu.barrier_wait(kv_bars.at[slot])
+                    plgpu.barrier_wait(p_ready)
                 acc = scaled(acc, _load_rows(alpha_smem, interpret))
                 acc = _accumulate(acc, p_smem, values_of(slot, k0, final), interpret)
                 plgpu.barrier_arrive(p_free)
@@ -552,12 +565,16 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             pages = kv_block_pages(lat_ref, bt_ref, seq, (first_step + i) * block_kv,
                                    block_kv=block_kv, page_size=page_size)
 
-            @pl.when(i >= num_stages)
-            def _():
-                plgpu.barrier_wait(consumed_bars.at[slot])
+            with jax.named_scope("wait_slot"):
+                @pl.when(i >= num_stages)
+                def _():
+                    plgpu.barrier_wait(consumed_bars.at[slot])
 
             copy_kv_block(lat_ref, pages, kv_smem, slot, kv_bars.at[slot],
                           rows=min(block_kv, page_size))
+            if profile:     # the copies' latency (the compute warpgroups wait too, later)
+                with jax.named_scope("load"):
+                    plgpu.barrier_wait(kv_bars.at[slot])
 
         # Observe the last releases too (nothing waits on them otherwise; JAX's GPU
         # interpreter checks that every phase of a barrier was seen).
@@ -568,13 +585,22 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
 
 def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok, *, rank,
                    block_h, sm_scale, block_kv=64, num_splits=1, num_stages=2,
-                   share_logits=True, zero_masked=False, interpret=False):
+                   share_logits=True, zero_masked=False, interpret=False, profile=None):
     """Runs the kernel over [n, rows, W] query tiles -> (out [n, splits, rows, R] bf16,
     lse [n, splits, rows] f32), rows <= 64 a multiple of 8: the tile's first rows (a tile of
     fewer than 64 live rows need not be padded in HBM). zero_masked: rows that see no key
     (in a split, or at all) output exactly 0 with log2-sum-exp -1e30, so callers need not
-    mask them. See the module docstring for the layouts."""
+    mask them. profile: None, or (directory, events): the on-device profiler's trace of each
+    call into the directory (Perfetto JSON), with room for `events` regions per warpgroup
+    (two a KV block on wg 0, and up to two of Mosaic's own; the events take the shared
+    memory's last ~1 KiB, 19 at the default shapes, so 8 KV blocks). See the module
+    docstring for the regions and the layouts."""
     check_tiles(q_tiles, latent, rank, block_kv)
+    if profile is not None and (interpret or not isinstance(profile, (tuple, list))
+                                or len(profile) != 2 or not isinstance(profile[1], int)
+                                or profile[1] < 1):
+        raise ValueError(f"profile must be None or (directory, events >= 1), compiled only, "
+                         f"got {profile!r} with interpret={interpret}")
     if not sm_scale > 0:    # the softmax takes the max of the unscaled logits
         raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
     width = q_tiles.shape[2]
@@ -583,7 +609,8 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
     kernel = functools.partial(
         _kernel, block_h=block_h, block_kv=block_kv, rank=rank, num_splits=num_splits,
         num_stages=num_stages, page_size=page_size, scale_log2=float(sm_scale) * LOG2E,
-        share_logits=share_logits, zero_masked=zero_masked, interpret=interpret)
+        share_logits=share_logits, zero_masked=zero_masked, interpret=interpret,
+        profile=profile is not None)
     copies = max(1, block_kv // page_size)
 
     ring = plgpu.SMEM((num_stages, block_kv, width), jnp.bfloat16, transforms=swizzled)
@@ -612,4 +639,5 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
          plgpu.Barrier() if share_logits else None,
          plgpu.Barrier() if share_logits else None),
         (tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent),
-        num_splits=num_splits, rank=rank, num_threads=3, interpret=interpret)
+        num_splits=num_splits, rank=rank, num_threads=3, interpret=interpret,
+        profile=None if profile is None else (str(profile[0]), int(profile[1])))
