@@ -46,7 +46,7 @@ REGIONS_PER_BLOCK, OTHER_REGIONS = 2, 2
 def summarize(events):
     """Perfetto events (dicts with name, ph "B"/"E", ts in thousands of cycles, tid one per
     CTA and warpgroup) -> {"regions": {name: median cycles}, "phases": {name: median
-    cycles}, "blocks": per-block samples}. Phases are wg 0's per KV block, from blocks 3 to
+    cycles}, "blocks": how many KV blocks the phases sample}. Phases are wg 0's per KV block, from blocks 3 to
     n-1 of each CTA: period (logits start to the next logits start), logits, softmax, rest."""
     spans = collections.defaultdict(lambda: collections.defaultdict(list))   # tid -> name
     for tid, evs in _by_tid(events).items():
@@ -131,7 +131,7 @@ def main(argv=None):
     out = a.out or tempfile.mkdtemp(prefix="mla_profile_")
     print(f"{jax.devices()[0].device_kind}, ctx {a.ctx}, page {a.page}, traces in {out}")
     print("| case | period | logits | softmax | rest | wait_p (wg 1) | wait_slot | load "
-          "| blocks |")
+          "| samples |")
     print("|---|---|---|---|---|---|---|---|---|")
     for case in a.cases.split(","):
         r = run_case(case, a.ctx, a.page, a.events, out)
