@@ -196,7 +196,7 @@ BENCHES = {            # `mtpjax bench NAME` -> the module whose main(argv) it r
     "engine": "mtpjax.bench.engine", "kernels": "mtpjax.bench.kernels", "e2e": "mtpjax.bench.e2e",
     "profile": "mtpjax.bench.step_profile", "moe": "mtpjax.bench.moe", "mla": "mtpjax.bench.mla",
     "registers": "mtpjax.bench.register_report", "gpu-check": "mtpjax.bench.gpu_check",
-    "gemv-peer": "mtpjax.bench.gemv_peer",
+    "gemv-peer": "mtpjax.bench.gemv_peer", "mla-profile": "mtpjax.bench.mla_profile",
 }
 
 

@@ -449,7 +449,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
 
     @pl.when(wg < 2)
     def _compute():
-        # 240 + 240 + 24 = the 504 a thread slot gets at launch (64K registers / 384
+        # 240 + 240 + 24 = 3 x 168, the registers a thread gets at launch (64K for 384
         # threads, rounded down to 8). At 232 / 40, ptxas reloaded 8 spilled values a block
         # in wg 0's loop; at 240 / 24, 3. H100, same process, both orders: H=128 verify q4
         # 512.0 -> 501.1 and 504.9 -> 502.9 us, decode 126.3 -> 125.2 (round 3 session 23).
