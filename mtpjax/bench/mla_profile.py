@@ -6,9 +6,10 @@ profiler (GPU only; a diagnostic, not a benchmark):
 
 Each case (d = decode q_len 1, v = verify q_len 4, then the number of heads) runs B=64
 requests at context `--ctx` through `mla_tiles_mgpu` with its `profile` on, tiles built as
-the model's uniform decode / verify steps build them. The profiler keeps its events in the
-kernel's spare shared memory (~1 KiB at the default shapes): `--events` 19 holds two
-regions a block on warpgroup 0 for 8 KV blocks, so the context stays short (<= 512). Per case it prints, in SM clock cycles (medians over CTAs; blocks 3 .. n-1 for the
+the model's uniform decode / verify steps build them (one KV split). The profiler keeps its
+events in the kernel's spare shared memory (~1 KiB at the default shapes): `--events` 19
+holds two regions a block on warpgroup 0 for 8 KV blocks, so the context stays short (<=
+512). Per case it prints, in SM clock cycles (medians over CTAs; blocks 3 .. n-1 for the
 per-block phases, where the pipeline is steady):
 
 - wg 0's period (one KV block) and its phases: "logits" (the slot wait and the QK product),
@@ -46,8 +47,9 @@ REGIONS_PER_BLOCK, OTHER_REGIONS = 2, 2
 def summarize(events):
     """Perfetto events (dicts with name, ph "B"/"E", ts in thousands of cycles, tid one per
     CTA and warpgroup) -> {"regions": {name: median cycles}, "phases": {name: median
-    cycles}, "blocks": how many KV blocks the phases sample}. Phases are wg 0's per KV block, from blocks 3 to
-    n-1 of each CTA: period (logits start to the next logits start), logits, softmax, rest."""
+    cycles}, "blocks": how many KV blocks the phases sample}. Phases are wg 0's per KV
+    block, from blocks 3 to n-1 of each CTA: period (logits start to the next logits
+    start), logits, softmax, rest."""
     spans = collections.defaultdict(lambda: collections.defaultdict(list))   # tid -> name
     for tid, evs in _by_tid(events).items():
         open_ = []
