@@ -6,11 +6,11 @@ profiler (GPU only; a diagnostic, not a benchmark):
 
 Each case (d = decode q_len 1, v = verify q_len 4, then the number of heads) runs B=64
 requests at context `--ctx` through `mla_tiles_mgpu` with its `profile` on, tiles built as
-the model's uniform decode / verify steps build them (one KV split). The profiler keeps its
-events in the kernel's spare shared memory (~1 KiB at the default shapes): `--events` 19
-holds two regions a block on warpgroup 0 for 8 KV blocks, so the context stays short (<=
-512). Per case it prints, in SM clock cycles (medians over CTAs; blocks 3 .. n-1 for the
-per-block phases, where the pipeline is steady):
+the model's uniform decode / verify steps build them (`mosaic_tiles.uniform_tiles`; one KV
+split). The profiler keeps its events in the kernel's spare shared memory (~1 KiB at the
+default shapes): `--events` 19 holds two regions a block on warpgroup 0 for 8 KV blocks,
+so the context stays short (<= 512). Per case it prints, in SM clock cycles (medians over
+CTAs; blocks 3 .. n-1 for the per-block phases, where the pipeline is steady):
 
 - wg 0's period (one KV block) and its phases: "logits" (the slot wait and the QK product),
   "softmax", and the rest of the block (the P . V issue and wait, the P hand-over, the loop);
@@ -32,12 +32,12 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mtpjax.bench import mla
 from pallas_kernels.mla_paged_attention.kernel_mgpu import mla_tiles_mgpu
 from pallas_kernels.mla_paged_attention.mla_paged_attention import mosaic_tuning
+from pallas_kernels.mla_paged_attention.mosaic_tiles import uniform_tiles
 
 # wg 0 records two regions a KV block (logits, softmax) and Mosaic's own "Init" scopes (up
 # to two a warpgroup, outside the loop).
@@ -98,18 +98,15 @@ def run_case(case, ctx, page, events, out_dir):
     qs, (lat, bt, kv, _, _) = mla.make_case(jax.random.key(1), [q_len] * s, [ctx] * s, h,
                                             page)
     tun = mosaic_tuning(s * q_len, h, s, bt.shape[1], page, q_len)
-    bq, bh = tun["block_q"], tun["block_h"]
-    groups = h // bh
-    tiles = qs[0].reshape(s, bq, groups, bh, mla.WIDTH).transpose(0, 2, 1, 3, 4).reshape(
-        s * groups, bq * bh, mla.WIDTH)
-    rep = lambda x: jnp.repeat(jnp.asarray(x, jnp.int32), groups)
+    bh = tun["block_h"]
     trace_dir = os.path.join(out_dir, case)
     shutil.rmtree(trace_dir, ignore_errors=True)
     os.makedirs(trace_dir)
     f = jax.jit(lambda *a: mla_tiles_mgpu(
         *a, rank=mla.RANK, block_h=bh, sm_scale=mla.WIDTH ** -0.5,
         zero_masked=True, profile=(trace_dir, events)))
-    args = (tiles, lat, bt, rep(np.arange(s)), rep(kv - q_len), rep([q_len] * s))
+    q_tiles, *tile_args = uniform_tiles(qs[0], kv, s, tun["block_q"], bh)
+    args = (q_tiles, lat, bt, *tile_args)
     for _ in range(2):
         jax.block_until_ready(f(*args))
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.json"), recursive=True),

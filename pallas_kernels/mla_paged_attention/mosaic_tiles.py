@@ -35,6 +35,20 @@ def _items(cu_q_lens, kv_lens, num_seqs, block_q, num_items):
     return seq, cu_q_lens[seq] + j0, ntok.astype(jnp.int32), pos0.astype(jnp.int32), item_starts
 
 
+def uniform_tiles(q, kv_lens, num_seqs, block_q, block_h):
+    """A uniform batch (every sequence block_q tokens, T = S * block_q: decode and verify
+    steps) as the kernel's tiles, by reshape: (q_tiles [S * groups, block_q * block_h, W],
+    tile_seq, tile_pos0, tile_ntok [S * groups]), item-major; sequences past num_seqs get
+    0 tokens."""
+    s, width = kv_lens.shape[0], q.shape[2]
+    groups = q.shape[1] // block_h
+    seq = jnp.arange(s, dtype=jnp.int32)
+    ntok = jnp.where(seq < num_seqs, block_q, 0).astype(jnp.int32)
+    q_tiles = q.reshape(s, block_q, groups, block_h, width).transpose(0, 2, 1, 3, 4)
+    return (q_tiles.reshape(s * groups, block_q * block_h, width),
+            *(jnp.repeat(x, groups) for x in (seq, kv_lens - block_q, ntok)))
+
+
 def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, sm_scale,
                block_q, block_h, block_kv, num_splits, num_stages, share_logits, interpret,
                compact=False, uniform_q_len=None):
@@ -57,11 +71,8 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
         num_splits=num_splits, num_stages=num_stages, share_logits=share_logits,
         zero_masked=compact, interpret=interpret)
     if compact and uniform_q_len == block_q and rows == live and t == s * block_q:
-        seq = jnp.arange(s, dtype=jnp.int32)
-        ntok = jnp.where(seq < num_seqs, block_q, 0).astype(jnp.int32)
-        q_tiles = q.reshape(s, block_q, groups, block_h, width).transpose(0, 2, 1, 3, 4)
-        out, lse = kernel(q_tiles.reshape(s * groups, rows, width), latent, tables,
-                          *(jnp.repeat(x, groups) for x in (seq, kv_lens - block_q, ntok)))
+        q_tiles, *tile_args = uniform_tiles(q, kv_lens, num_seqs, block_q, block_h)
+        out, lse = kernel(q_tiles, latent, tables, *tile_args)
         merged = _merge_splits(out, lse).reshape(s, groups, block_q, block_h, rank)
         return merged.transpose(0, 2, 1, 3, 4).reshape(t, h, rank).astype(q.dtype)
 
