@@ -63,3 +63,18 @@ def test_bf16_mla_table_plumbing_and_agreement_count(monkeypatch):
     assert rows == [("mla", "mosaic", "6 (6)", "4 (6)"), ("mla", "triton", "5 (6)", "4 (6)")]
     assert seen == [("reference", "triton"), ("pallas", "mosaic"), ("pallas", "triton")]
     assert os.environ["MTPJAX_MLA_KERNEL"] == "triton"
+    seen.clear()
+    rows = gpu_check.check_mla_kernels_bf16(None, num_prompts=2, kernels=("mosaic",))
+    assert rows == [("mla", "mosaic", "6 (6)", "4 (6)")]
+    assert seen == [("reference", "triton"), ("pallas", "mosaic")]
+
+
+def test_gpu_check_refuses_unknown_tables_and_mla_kernels():
+    """Refused before anything runs, and before main() sets its matmul precision."""
+    before = jax.config.jax_default_matmul_precision
+    with pytest.raises(SystemExit, match="--mla-kernels takes mosaic and/or triton, got "
+                                         r"\['flash'\]"):
+        gpu_check.main(["--tables", "mla-bf16", "--mla-kernels", "flash"])
+    with pytest.raises(SystemExit, match="--tables takes"):
+        gpu_check.main(["--tables", "speed"])
+    assert jax.config.jax_default_matmul_precision == before

@@ -8,7 +8,7 @@ through `generate` and the engine. A third runs a bf16 MLA model (what the Mosai
 kernel takes; float32 models take the Triton one) with each MLA kernel against bf16 reference
 attention, reporting how long the greedy token streams agree (bf16 near-ties may flip).
 
-    python -m mtpjax.bench.gpu_check [--tables kernels,opt-in,mla-bf16]
+    python -m mtpjax.bench.gpu_check [--tables kernels,opt-in,mla-bf16] [--mla-kernels mosaic]
 """
 
 from __future__ import annotations
@@ -27,6 +27,22 @@ from mtpjax.model.grouped_matmul import forced_path
 
 
 def main(argv=None):
+    ap = argparse.ArgumentParser(description="GPU smoke check (see the module docstring)")
+    ap.add_argument("--tables", default="kernels,opt-in,mla-bf16",
+                    help="comma-separated: kernels (Pallas vs reference), opt-in (opt-in "
+                         "paths), mla-bf16 (the MLA kernels on a bf16 model)")
+    ap.add_argument("--mla-kernels", default="mosaic,triton",
+                    help="the MLA kernels the mla-bf16 table runs (one alone fits a shorter "
+                         "call)")
+    args = ap.parse_args(argv)
+    tables = set(args.tables.split(","))
+    mla_kernels = tuple(args.mla_kernels.split(","))
+    if not mla_kernels or set(mla_kernels) - set(MLA_KERNELS):
+        raise SystemExit(f"--mla-kernels takes {' and/or '.join(MLA_KERNELS)}, got "
+                         f"{list(mla_kernels)}")
+    if not tables or tables - {"kernels", "opt-in", "mla-bf16"}:
+        raise SystemExit(f"--tables takes kernels, opt-in and/or mla-bf16, got "
+                         f"{sorted(tables)}")
     # True float32 matmuls: with GPU's default (TF32) precision the two attention paths round
     # differently and near-ties flip (seen on the H100: one token of 192 with a top-2 logit gap
     # of 0.006), which says nothing about the kernels.
@@ -42,14 +58,6 @@ def main(argv=None):
                              num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
                              first_k_dense_replace=1, n_group=4, topk_group=2,
                              routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=1)
-    ap = argparse.ArgumentParser(description="GPU smoke check (see the module docstring)")
-    ap.add_argument("--tables", default="kernels,opt-in,mla-bf16",
-                    help="comma-separated: kernels (Pallas vs reference), opt-in (opt-in "
-                         "paths), mla-bf16 (the MLA kernels on a bf16 model)")
-    tables = set(ap.parse_args(argv).tables.split(","))
-    if not tables or tables - {"kernels", "opt-in", "mla-bf16"}:
-        raise SystemExit(f"--tables takes kernels, opt-in and/or mla-bf16, got "
-                         f"{sorted(tables)}")
     # Rows are printed as each finishes (flushed), so a failure later keeps the earlier rows.
     if "kernels" in tables:
         print("| model | method | K | generate pallas == reference | engine pallas == reference "
@@ -63,7 +71,7 @@ def main(argv=None):
         mla16 = dataclasses.replace(mla, qk_rope_head_dim=64, head_dim=64)
         print("\n| bf16 MLA model | kernel | generate: tokens agreeing with the reference "
               "(of) | engine: agreeing (of) |", flush=True)
-        for r in check_mla_kernels_bf16(mla16):
+        for r in check_mla_kernels_bf16(mla16, kernels=mla_kernels):
             print("| " + " | ".join(map(str, r)) + " |", flush=True)
     if "opt-in" in tables:
         print("\n| model | opt-in path | generate == reference | engine == reference | of |",
@@ -136,8 +144,12 @@ def _agreeing(ref, got):
     return total
 
 
-def check_mla_kernels_bf16(cfg, attention_impl="pallas", max_new=24, num_prompts=8):
-    """A bf16 MLA model through `generate` and the engine with each MLA kernel
+MLA_KERNELS = ("mosaic", "triton")
+
+
+def check_mla_kernels_bf16(cfg, attention_impl="pallas", max_new=24, num_prompts=8,
+                           kernels=MLA_KERNELS):
+    """A bf16 MLA model through `generate` and the engine with each MLA kernel of `kernels`
     (MTPJAX_MLA_KERNEL, read at trace time: caches cleared around each), against reference
     attention in bf16. Rows (kernel, generate agreeing (of), engine agreeing (of))."""
     params, prompts = _model_inputs(cfg, num_prompts)
@@ -149,7 +161,7 @@ def check_mla_kernels_bf16(cfg, attention_impl="pallas", max_new=24, num_prompts
     rows = []
     before = os.environ.get("MTPJAX_MLA_KERNEL")
     try:
-        for kernel in ("mosaic", "triton"):
+        for kernel in kernels:
             os.environ["MTPJAX_MLA_KERNEL"] = kernel
             jax.clear_caches()
             gen = mtpjax.generate(params, cfg, prompts, max_new_tokens=max_new, spec=spec,
