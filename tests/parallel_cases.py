@@ -177,11 +177,11 @@ def case_data_parallel() -> dict:
     sps = [SamplingParams(max_tokens=NEW, temperature=1.0, top_k=20, seed=7) if i == 1 else
            SamplingParams(max_tokens=NEW) for i in range(len(prompts))]
     kw = dict(num_pages=40, page_size=4, max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
-    out = {}
+    out, refs = {}, {}
     # each layout once (the suite's time): plain on (2, 2), chain MTP on (2, 1) and (4, 1)
     for mode, layouts in (("plain", ((2, 2),)), ("chain", ((2, 1), (4, 1)))):
-        ref = [o.token_ids for o in mtpjax.LLM(params, cfg, spec_of(mode), **kw).generate(
-            prompts, sps)]
+        ref = refs[mode] = [o.token_ids for o in mtpjax.LLM(params, cfg, spec_of(mode),
+                                                             **kw).generate(prompts, sps)]
         for dp, tp in layouts:
             llm = DataParallelLLM(params, cfg, spec_of(mode), data_parallel=dp,
                                   tensor_parallel=tp, **kw)
@@ -190,9 +190,9 @@ def case_data_parallel() -> dict:
                                for d in x.devices()}) for r in llm.replicas]
             out[f"{mode} {dp}x{tp}"] = {"equal": got == ref, "assign": llm.assign(prompts, sps),
                                        "devices": devices}
-    # online: add_request / step / abort, on 2 replicas (chain MTP)
-    ref = [o.token_ids for o in mtpjax.LLM(params, cfg, spec_of("chain"), **kw).generate(
-        prompts, sps)]
+    # online: add_request / step / abort, on 2 replicas (chain MTP); the one engine's chain
+    # tokens of the same prompts and sampling are the layouts' above
+    ref = refs["chain"]
     llm = DataParallelLLM(params, cfg, spec_of("chain"), data_parallel=2, **kw)
     seqs = [llm.add_request(p, sp) for p, sp in zip(prompts, sps)]
     placed = sorted({llm._replica_of[id(q)] for q in seqs})
@@ -245,8 +245,7 @@ def case_data_parallel() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         save(os.path.join(tmp, "orbax"), params, cfg)
         llm = DataParallelLLM.from_pretrained(os.path.join(tmp, "orbax"), data_parallel=2, **kw)
-        greedy = [SamplingParams(max_tokens=NEW)] * len(prompts)
-        want = [o.token_ids for o in mtpjax.LLM(params, cfg, **kw).generate(prompts, greedy)]
+        # `want`: the one engine's greedy tokens of the same params and prompts (above)
         out["from_pretrained_equal"] = [o.token_ids for o in llm.generate(prompts, greedy)] == want
     return out
 

@@ -3,7 +3,7 @@
 decode sizes (few tokens per expert: weight-read bound) and prefill sizes (compute bound).
 
     python -m mtpjax.bench.moe [--shapes v2-lite,v3-slice] [--tokens 1,32,256,4096] [--out DIR]
-                               [--pad-to ROWS] [--independent] [--timeline]
+                               [--pad-to ROWS] [--independent] [--timeline] [--calls N]
                                [--variants ragged_dot,tiled,pallas,pallas:BM/BN/BK[/S],pallas_ffn,
                                            pallas_ffn_sorted,pallas_ffn:KEY=V/...,
                                            pallas_tiles:KEY=V/...,pallas_fused,
@@ -299,12 +299,15 @@ def pad_routing(shape: dict, ids, w, pad_to: int):
 
 def run(shape_names, token_counts, out_dir=None,
         use=("ragged_dot", "tiled", "pallas", "pallas_ffn", "mgpu", "gather"), pad_to: int = 0,
-        independent: bool = False, timeline: bool = False):
+        independent: bool = False, timeline: bool = False, calls: int = 0):
     """pad_to: run each token count in a batch of this many rows, the rest padding (as the
     engine's token buckets do; floors count the real tokens). `mgpu` and `gather` then skip.
     independent: time independent calls (the method before round 3 session 11), not chained.
     timeline: also the GPU time per call from the kernels' own timestamps
-    (`kernels.chained_gpu_time`: the span of the same calls, host dispatch excluded)."""
+    (`kernels.chained_gpu_time`: the span of the same calls, host dispatch excluded).
+    calls: calls per timed jit; 0 for the defaults (on the GPU 16, 4 beyond 256 tokens; off it
+    8). Fewer than 8 time the whole jit's average (`timeit`), one compile per variant: the
+    CPU smoke test's tiny run."""
     on_gpu = jax.default_backend() == "gpu"
     copy_bw, _ = copy_bandwidth() if on_gpu else (1e11, {})
     flops = matmul_rate(8192 if on_gpu else 256, reps=2 if on_gpu else 1)
@@ -321,15 +324,15 @@ def run(shape_names, token_counts, out_dir=None,
         for n in token_counts:
             # off the GPU (interpreted kernels: a smoke test) the fewest calls timeit's
             # marginal method takes, and few repeats
-            calls = (16 if n <= 256 else 4) if on_gpu else 8
+            n_calls = calls or ((16 if n <= 256 else 4) if on_gpu else 8)
             # each call its own tokens and routing: with one routing shared by every call, XLA
             # computes routing-only work (the tiled path's weight gather) once for all calls
-            routings = [make_routing(shape, n, seed=1000 * n + i) for i in range(calls)]
+            routings = [make_routing(shape, n, seed=1000 * n + i) for i in range(n_calls)]
             ids, w = routings[0]
             rows_in = max(n, pad_to)
             xs = [(0.5 * jax.random.normal(jax.random.key(100 + i), (rows_in, shape["hidden"]),
                                            jnp.bfloat16), *pad_routing(shape, *routings[i], pad_to))
-                  for i in range(calls)]
+                  for i in range(n_calls)]
             fl, nbytes, touched = floor_s(shape, ids, n, copy_bw, flops)
             row = dict(shape=name, tokens=n, touched=touched, floor_us=fl * 1e6,
                        floor_bytes=nbytes, **({"padded_to": rows_in} if rows_in > n else {}))
@@ -429,11 +432,14 @@ def main(argv=None):
     ap.add_argument("--timeline", action="store_true",
                     help="also each variant's GPU time per call from its kernels' timestamps "
                          "(span of the chained calls, host dispatch excluded; GPU only)")
+    ap.add_argument("--calls", type=int, default=0,
+                    help="calls per timed jit (default 0: 16 on the GPU, 4 beyond 256 tokens, 8 "
+                         "off it); fewer than 8 time the whole jit's average, one compile each")
     a = ap.parse_args(argv)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
     run(a.shapes.split(","), [int(t) for t in a.tokens.split(",")], a.out,
-        tuple(a.variants.split(",")), a.pad_to, a.independent, a.timeline)
+        tuple(a.variants.split(",")), a.pad_to, a.independent, a.timeline, a.calls)
     return 0
 
 
