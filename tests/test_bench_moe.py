@@ -161,3 +161,8 @@ def test_kernel_streams_are_kept_whatever_else_ran_on_them():
     assert is_compute_stream("Stream #7")
     assert not is_compute_stream("Stream #15(MemcpyH2D)")
     assert not is_compute_stream("XLA Ops")
+
+
+def test_bench_moe_refuses_a_negative_call_count():
+    with pytest.raises(ValueError, match="calls must be an int >= 0.*-1"):
+        moe.run(["tiny"], [1], calls=-1)

@@ -308,6 +308,8 @@ def run(shape_names, token_counts, out_dir=None,
     calls: calls per timed jit; 0 for the defaults (on the GPU 16, 4 beyond 256 tokens; off it
     8). Fewer than 8 time the whole jit's average (`timeit`), one compile per variant: the
     CPU smoke test's tiny run."""
+    if not isinstance(calls, int) or calls < 0:
+        raise ValueError(f"calls must be an int >= 0 (0: the defaults), got {calls!r}")
     on_gpu = jax.default_backend() == "gpu"
     copy_bw, _ = copy_bandwidth() if on_gpu else (1e11, {})
     flops = matmul_rate(8192 if on_gpu else 256, reps=2 if on_gpu else 1)
