@@ -26,23 +26,31 @@ import mtpjax
 from mtpjax.model.grouped_matmul import forced_path
 
 
+TABLES = ("kernels", "opt-in", "mla-bf16")
+MLA_KERNELS = ("mosaic", "triton")
+
+
+def _choices(flag, value, allowed):
+    """A comma-separated flag value -> its names in order, each one of `allowed`; otherwise
+    refused (before main() changes any global setting)."""
+    names = tuple(value.split(","))
+    if set(names) - set(allowed):
+        raise SystemExit(f"{flag} takes {', '.join(allowed[:-1])} and/or {allowed[-1]}, got "
+                         f"{list(names)}")
+    return names
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="GPU smoke check (see the module docstring)")
-    ap.add_argument("--tables", default="kernels,opt-in,mla-bf16",
+    ap.add_argument("--tables", default=",".join(TABLES),
                     help="comma-separated: kernels (Pallas vs reference), opt-in (opt-in "
                          "paths), mla-bf16 (the MLA kernels on a bf16 model)")
-    ap.add_argument("--mla-kernels", default="mosaic,triton",
+    ap.add_argument("--mla-kernels", default=",".join(MLA_KERNELS),
                     help="the MLA kernels the mla-bf16 table runs (one alone fits a shorter "
                          "call)")
     args = ap.parse_args(argv)
-    tables = set(args.tables.split(","))
-    mla_kernels = tuple(args.mla_kernels.split(","))
-    if not mla_kernels or set(mla_kernels) - set(MLA_KERNELS):
-        raise SystemExit(f"--mla-kernels takes {' and/or '.join(MLA_KERNELS)}, got "
-                         f"{list(mla_kernels)}")
-    if not tables or tables - {"kernels", "opt-in", "mla-bf16"}:
-        raise SystemExit(f"--tables takes kernels, opt-in and/or mla-bf16, got "
-                         f"{sorted(tables)}")
+    tables = _choices("--tables", args.tables, TABLES)
+    mla_kernels = _choices("--mla-kernels", args.mla_kernels, MLA_KERNELS)
     # True float32 matmuls: with GPU's default (TF32) precision the two attention paths round
     # differently and near-ties flip (seen on the H100: one token of 192 with a top-2 logit gap
     # of 0.006), which says nothing about the kernels.
@@ -142,9 +150,6 @@ def _agreeing(ref, got):
             n += 1
         total += n
     return total
-
-
-MLA_KERNELS = ("mosaic", "triton")
 
 
 def check_mla_kernels_bf16(cfg, attention_impl="pallas", max_new=24, num_prompts=8,
