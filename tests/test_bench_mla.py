@@ -34,3 +34,29 @@ def test_rows_rank_by_gpu_span_when_measured_and_matmul_clock_is_checked():
         kernels.matmul_rate(64, reps=1, clock="cpu")
     # off the GPU there is no kernel timeline: the wall clock answers
     assert kernels.matmul_rate(64, reps=1, clock="gpu") > 0
+
+
+def test_flashmla_peer_layout_and_refusals(tmp_path):
+    """FlashMLA's peer (GPU only) maps our uniform batch onto its shapes token for token, and
+    refuses a checkout without its sources, a page other than 64 and a ragged token count."""
+    import numpy as np
+    from mtpjax.bench import flashmla_peer
+    rng = np.random.default_rng(0)
+    for b, q_len, h in ((3, 4, 2), (5, 1, 3)):
+        q = rng.standard_normal((b * q_len, h, 8)).astype(np.float32)
+        lat = rng.standard_normal((7, 64, 8)).astype(np.float32)
+        fq, fk = flashmla_peer.flashmla_layout(q, lat, q_len)
+        assert fq.shape == (b, q_len, h, 8) and fk.shape == (7, 64, 1, 8)
+        r, j = rng.integers(b), rng.integers(q_len)
+        np.testing.assert_array_equal(fq[r, j], q[r * q_len + j])     # request r, token j
+        np.testing.assert_array_equal(fk[:, :, 0], lat)
+    with pytest.raises(ValueError, match="pages of 64 tokens, got 16"):
+        flashmla_peer.flashmla_layout(q, lat[:, :16], 1)
+    with pytest.raises(ValueError, match="q has 5 tokens, not a whole number of rows of q_len 4"):
+        flashmla_peer.flashmla_layout(q, lat, 4)
+    (tmp_path / "csrc").mkdir()
+    with pytest.raises(ValueError, match=r"csrc/smxx/decode/get_decoding_sched_meta.* is missing"):
+        flashmla_peer.check_source(str(tmp_path))
+    # bench mla refuses a bad checkout before it measures anything
+    with pytest.raises(ValueError, match="is missing"):
+        mla.main(["--flashmla", str(tmp_path / "nowhere"), "--out", str(tmp_path)])

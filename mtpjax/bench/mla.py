@@ -2,7 +2,7 @@
 
     python -m mtpjax.bench.mla [--sections decode,verify,mixed] [--pages 64,16] [--heads 16,128]
                                [--sweep] [--variants "k=v,k=v;..."] [--budget-s 240] [--out DIR]
-                               [--no-xla-peer]
+                               [--no-xla-peer] [--flashmla DIR [--flashmla-build DIR]]
 
 Shapes: B=64 requests at context 4096, latent 576 = kv_lora_rank 512 + rope 64, bf16, random
 inputs and randomly permuted block tables. Decode = q_len 1, verify = q_len 4 (causal inside
@@ -24,6 +24,9 @@ what the MLA layer runs without the kernel) under XLA. `--sweep` also times tuni
 (best shown, all in $OUT/mla.json). GPU only. The default variant runs the wrapper's default
 kernel (the Mosaic-GPU one on Hopper); `--variants "kernel=triton"` adds the Triton kernel as
 a same-run peer; `--sweep`'s variants are the Triton kernel's options and name it.
+`--flashmla DIR` builds FlashMLA's SM90 dense decode kernel from a checkout and times it on
+the same arrays in the page-64 decode and verify cases (`mtpjax.bench.flashmla_peer`;
+`fm_gpu_us` by CUDA events over 32 back-to-back calls, `x_vs_fm` = ours / FlashMLA's).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 
@@ -88,7 +92,8 @@ def xla_peer(q_len, b):
     return f
 
 
-def run_case(name, q_lens, kv_lens, h, page, copy_bw, mm_rate, variants, budget, peer=None):
+def run_case(name, q_lens, kv_lens, h, page, copy_bw, mm_rate, variants, budget, peer=None,
+             flashmla=None):
     qs, rest = make_case(jax.random.key(len(q_lens) * 7 + h + page), q_lens, kv_lens, h, page)
     fl = floor_of(q_lens, kv_lens, h, page, copy_bw, mm_rate)
     ref = mla_paged_attention_reference(qs[0], *rest, kv_lora_rank=RANK, token_chunk=16)
@@ -125,7 +130,28 @@ def run_case(name, q_lens, kv_lens, h, page, copy_bw, mm_rate, variants, budget,
             best["xla_err"] = kb.rel_err(out, ref)
         except Exception:  # noqa: BLE001
             kb.log("xla peer failed", name, traceback.format_exc()[-800:])
+    if best is not None and flashmla is not None:
+        flashmla_row(best, flashmla, qs, rest, ref, q_lens)
     return best
+
+
+def flashmla_row(best, module, qs, rest, ref, q_lens):
+    """FlashMLA's time, ratio to the same floor, and error on this case's arrays, into the
+    case's best row (`fm_gpu_us`, `fm_x_floor`, `fm_err`); `x_vs_fm` = our time / its."""
+    from mtpjax.bench import flashmla_peer
+    lat, bt, kv_lens = rest[:3]
+    try:
+        peer = flashmla_peer.Peer(module, qs, lat, bt, kv_lens, q_len=q_lens[0], rank=RANK,
+                                  sm_scale=WIDTH ** -0.5)
+        out = np.asarray(peer(0).float().cpu().numpy())
+        best["fm_err"] = kb.rel_err(jnp.asarray(out), ref)
+        best["fm_gpu_us"] = peer.gpu_us()
+        best["fm_x_floor"] = best["fm_gpu_us"] / best["floor_us"]
+        best["x_vs_fm"] = _time(best) / best["fm_gpu_us"]
+        kb.log("flashmla", best["case"], best["H"], json.dumps(
+            {k: best[k] for k in ("fm_gpu_us", "fm_x_floor", "fm_err", "x_vs_fm")}))
+    except Exception:  # noqa: BLE001
+        kb.log("flashmla peer failed", best["case"], traceback.format_exc()[-1500:])
 
 
 def _time(row):
@@ -189,8 +215,21 @@ def main(argv=None):
                     help="after this many seconds, time only each case's default variant")
     ap.add_argument("--no-xla-peer", action="store_true",
                     help="skip the plain-jnp peer (slow at H=128): kernel rows only")
+    ap.add_argument("--flashmla", default="",
+                    help="a deepseek-ai/FlashMLA checkout (with csrc/cutlass): builds its SM90 "
+                         "dense decode kernel and times it as a peer on the page-64 cases")
+    ap.add_argument("--flashmla-build", default=os.path.join(tempfile.gettempdir(),
+                                                             "mtpjax_flashmla_build"),
+                    help="FlashMLA's build directory (kept between runs on one machine)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
+    fm_module = None
+    if a.flashmla:
+        from mtpjax.bench import flashmla_peer
+        flashmla_peer.check_source(a.flashmla)      # before any device time is spent
+        t0 = time.time()
+        fm_module = flashmla_peer.build(a.flashmla, a.flashmla_build)
+        kb.log(f"FlashMLA built in {time.time() - t0:.0f} s")
     extra = parse_variants(a.variants)
     kb.log(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
     copy_bw, all_bw = kb.copy_bandwidth()
@@ -208,7 +247,7 @@ def main(argv=None):
                 peer = xla_peer(q_len, b) if page == 64 and not a.no_xla_peer else None
                 r = run_case(f"{sec} q{q_len}", [q_len] * b, [ctx] * b, h, page, copy_bw, mm,
                              variants_for(q_len, h, page, b, ctx, a.sweep, extra),
-                             a.budget_s, peer)
+                             a.budget_s, peer, fm_module if page == 64 else None)
                 if r:
                     best.append(r)
     if "mixed" in secs:
@@ -237,7 +276,7 @@ def main(argv=None):
              f"copy {copy_bw / 1e12:.2f} TB/s, matmul {mm / 1e12:.0f} TFLOP/s", best,
              ["case", "H", "page", "gpu_us", "x_floor_gpu", "us", "x_floor", "floor_us",
               "t_bw_us", "t_mm_us", "TBs", "TFLOPs", "t_over_q1", "xla_gpu_us", "xla_us",
-              "err", "var"])
+              "fm_gpu_us", "fm_x_floor", "x_vs_fm", "fm_err", "err", "var"])
 
 
 if __name__ == "__main__":
