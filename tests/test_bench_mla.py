@@ -45,15 +45,15 @@ def test_flashmla_peer_layout_and_refusals(tmp_path):
     for b, q_len, h in ((3, 4, 2), (5, 1, 3)):
         q = rng.standard_normal((b * q_len, h, 8)).astype(np.float32)
         lat = rng.standard_normal((7, 64, 8)).astype(np.float32)
-        fq, fk = flashmla_peer.flashmla_layout(q, lat, q_len)
+        fq, fk = flashmla_peer.flashmla_queries(q, q_len), flashmla_peer.flashmla_pages(lat)
         assert fq.shape == (b, q_len, h, 8) and fk.shape == (7, 64, 1, 8)
         r, j = rng.integers(b), rng.integers(q_len)
         np.testing.assert_array_equal(fq[r, j], q[r * q_len + j])     # request r, token j
         np.testing.assert_array_equal(fk[:, :, 0], lat)
     with pytest.raises(ValueError, match="pages of 64 tokens, got 16"):
-        flashmla_peer.flashmla_layout(q, lat[:, :16], 1)
+        flashmla_peer.flashmla_pages(lat[:, :16])
     with pytest.raises(ValueError, match="q has 5 tokens, not a whole number of rows of q_len 4"):
-        flashmla_peer.flashmla_layout(q, lat, 4)
+        flashmla_peer.flashmla_queries(q, 4)
     (tmp_path / "csrc").mkdir()
     with pytest.raises(ValueError, match=r"csrc/smxx/decode/get_decoding_sched_meta.* is missing"):
         flashmla_peer.check_source(str(tmp_path))

@@ -89,16 +89,21 @@ def build(src_dir: str, build_dir: str, verbose: bool = False):
         verbose=verbose)
 
 
-def flashmla_layout(q, latent, q_len: int):
-    """Our uniform-batch arrays -> FlashMLA's shapes (as numpy-compatible reshapes): q
-    [b * q_len, H, W] -> [b, q_len, H, W], latent [P, 64, W] -> [P, 64, 1, W]."""
+def flashmla_queries(q, q_len: int):
+    """Our uniform batch's queries [b * q_len, H, W] -> FlashMLA's [b, q_len, H, W] (a
+    reshape)."""
     t, h, w = q.shape
     if q_len < 1 or t % q_len:
         raise ValueError(f"q has {t} tokens, not a whole number of rows of q_len {q_len}")
+    return q.reshape(t // q_len, q_len, h, w)
+
+
+def flashmla_pages(latent):
+    """Our latent pages [P, 64, W] -> FlashMLA's k_cache [P, 64, 1, W] (a reshape)."""
     if latent.shape[1] != PAGE:
         raise ValueError(f"FlashMLA's dense kernel takes pages of {PAGE} tokens, got "
                          f"{latent.shape[1]}")
-    return q.reshape(t // q_len, q_len, h, w), latent.reshape(latent.shape[0], PAGE, 1, w)
+    return latent.reshape(latent.shape[0], PAGE, 1, latent.shape[2])
 
 
 class Peer:
@@ -111,9 +116,8 @@ class Peer:
         import torch.utils.dlpack as tdl
         to_t = lambda x: tdl.from_dlpack(x)      # noqa: E731
         self.torch, self.mod, self.rank, self.q_len = torch, module, rank, q_len
-        shaped = [flashmla_layout(q, latent, q_len) for q in qs]
-        self.qs = [to_t(q_shaped).contiguous() for q_shaped, _ in shaped]
-        self.k = to_t(shaped[0][1]).contiguous()
+        self.qs = [to_t(flashmla_queries(q, q_len)).contiguous() for q in qs]
+        self.k = to_t(flashmla_pages(latent)).contiguous()     # once: ~300 MB at B=64
         self.bt = to_t(block_tables).contiguous()
         self.lens = to_t(kv_lens).contiguous()
         self.scale = float(sm_scale)
