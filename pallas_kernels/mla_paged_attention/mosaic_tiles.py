@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels._hopper import aligned_copy
 from pallas_kernels.mla_paged_attention.kernel_mgpu import TILE_ROWS, mla_tiles_mgpu
+from pallas_kernels.mla_paged_attention.kernel_seesaw import mla_tiles_seesaw
 from pallas_kernels.mla_paged_attention.work_items import item_ends, max_items
 from pallas_kernels.paged_reference import ragged_token_rows
 
@@ -51,7 +52,7 @@ def uniform_tiles(q, kv_lens, num_seqs, block_q, block_h):
 
 def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, sm_scale,
                block_q, block_h, block_kv, num_splits, num_stages, share_logits, interpret,
-               compact=False, uniform_q_len=None):
+               compact=False, uniform_q_len=None, seesaw=0):
     """[T, H, W] queries -> [T, H, R] through `mla_tiles_mgpu` (arguments as for
     `mla_paged_attention`; jit by the caller).
 
@@ -59,6 +60,7 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
     64, and rows that see no key come out of the kernel as zeros. With uniform_q_len ==
     block_q as well (every sequence has exactly that many tokens, T = S * block_q: decode and
     verify steps), the tiles are a reshape of q and the outputs a reshape back: no gathers.
+    seesaw: 0, or the schedule (1, 2) of `mla_tiles_seesaw`, which then runs the tiles.
     """
     t, h, width = q.shape
     s = block_tables.shape[0]
@@ -66,10 +68,16 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
     live = block_q * block_h
     rows = -(-live // 8) * 8 if compact else TILE_ROWS
     tables = aligned_copy(block_tables)
-    kernel = functools.partial(
-        mla_tiles_mgpu, rank=rank, block_h=block_h, sm_scale=sm_scale, block_kv=block_kv,
-        num_splits=num_splits, num_stages=num_stages, share_logits=share_logits,
-        zero_masked=compact, interpret=interpret)
+    if seesaw:
+        kernel = functools.partial(
+            mla_tiles_seesaw, rank=rank, block_h=block_h, sm_scale=sm_scale,
+            block_kv=block_kv, num_splits=num_splits, zero_masked=compact, schedule=seesaw,
+            interpret=interpret)
+    else:
+        kernel = functools.partial(
+            mla_tiles_mgpu, rank=rank, block_h=block_h, sm_scale=sm_scale, block_kv=block_kv,
+            num_splits=num_splits, num_stages=num_stages, share_logits=share_logits,
+            zero_masked=compact, interpret=interpret)
     if compact and uniform_q_len == block_q and rows == live and t == s * block_q:
         q_tiles, *tile_args = uniform_tiles(q, kv_lens, num_seqs, block_q, block_h)
         out, lse = kernel(q_tiles, latent, tables, *tile_args)
