@@ -55,7 +55,7 @@ from pallas_kernels.mla_paged_attention.kernel_mgpu import (
 _SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _REF = plgpu.RefType(transforms=_SWIZZLED)
 _ACC = plgpu.Layout._WGMMA_ACC_32BIT     # an accumulator still being written by a wgmma
-SCHEDULES = (1, 2)
+SCHEDULES = (1, 2, 3)   # 3: 2 without split logits waits (A/B)
 
 
 def _opaque_zero():
@@ -77,37 +77,65 @@ def _transposed(ref):
     return mgpu.memref_transpose(ref, (1, 0, 3, 2))
 
 
-def _logits(q_left, q_right, rope, k_left, k_right, interpret, wait=True):
+def _logits(q_left, q_right, rope, k_left, k_right, interpret, wait_right=None):
     """Q . K^T [64, bk] f32 over the left value half, the right one and the rope columns
     (A operand in registers): k_right holds the right half then the rope columns. With
-    wait=False the product is only issued: the result is in flight (`_waited`)."""
+    wait_right (a callable: the right buffer's barrier wait), the left product is issued
+    first and computes while the right buffer may still be arriving."""
     half = q_left.shape[1]
     bk, width_right = k_right.shape
     if interpret:
+        if wait_right is not None:
+            wait_right()
         kr = k_right[...]
         return (jnp.dot(q_left[...], k_left[...].T, preferred_element_type=jnp.float32)
                 + jnp.dot(q_right[...], kr[:, :half].T, preferred_element_type=jnp.float32)
                 + jnp.dot(rope, kr[:, half:].T, preferred_element_type=jnp.float32))
+    shape = plgpu.ShapeDtypeStruct((TILE_ROWS, bk), jnp.float32, layout=plgpu.Layout.WGMMA)
 
-    @plgpu.inline_mgpu(
-        arg_types=(_REF, _REF, plgpu.Layout.WGMMA, _REF, _REF, _REF),
-        return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, bk), jnp.float32,
-                                           layout=plgpu.Layout.WGMMA if wait else _ACC))
-    def run(ctx, q_l, q_r, rope, k_l, k_v, k_r):
+    @plgpu.inline_mgpu(arg_types=(_REF, _REF),
+                       return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, bk), jnp.float32,
+                                                          layout=_ACC))
+    def left(ctx, q_l, k_l):
         del ctx
         z = _opaque_zero()
         acc = mgpu.WGMMAAccumulator.zero(TILE_ROWS, bk)
         acc = mgpu.wgmma(acc, _at(q_l, z), _transposed(_at(k_l, z)))
+        nvvm.wgmma_commit_group_sync_aligned()
+        return acc._value
+
+    def rest(acc, q_r, rope, k_v, k_r):
+        z = _opaque_zero()
         acc = mgpu.wgmma(acc, _at(q_r, z), _transposed(_at(k_v, z)))
         acc = mgpu.wgmma(acc, rope, _transposed(_at(k_r, z)))
         nvvm.wgmma_commit_group_sync_aligned()
-        if not wait:
-            return acc._value
         nvvm.wgmma_wait_group_sync_aligned(0)
         return acc.value
 
-    return run(q_left, q_right, rope, k_left, k_right.at[:, pl.ds(0, half)],
-               k_right.at[:, pl.ds(half, width_right - half)])
+    @plgpu.inline_mgpu(arg_types=(_REF, _REF, plgpu.Layout.WGMMA, _REF, _REF, _REF),
+                       return_type=shape)
+    def whole(ctx, q_l, q_r, rope, k_l, k_v, k_r):
+        del ctx
+        z = _opaque_zero()
+        acc = mgpu.WGMMAAccumulator.zero(TILE_ROWS, bk)
+        acc = mgpu.wgmma(acc, _at(q_l, z), _transposed(_at(k_l, z)))
+        return rest(acc, q_r, rope, k_v, k_r)
+
+    @plgpu.inline_mgpu(arg_types=(_ACC, _REF, plgpu.Layout.WGMMA, _REF, _REF),
+                       return_type=shape)
+    def after_left(ctx, acc, q_r, rope, k_v, k_r):
+        del ctx
+        acc = mgpu.WGMMAAccumulator(_value=acc, _original_layout=mgpu.WGMMA_LAYOUT,
+                                    _sync=False)
+        return rest(acc, q_r, rope, k_v, k_r)
+
+    k_v = k_right.at[:, pl.ds(0, half)]
+    k_r = k_right.at[:, pl.ds(half, width_right - half)]
+    if wait_right is None:
+        return whole(q_left, q_right, rope, k_left, k_v, k_r)
+    acc = left(q_left, k_left)
+    wait_right()
+    return after_left(acc, q_right, rope, k_v, k_r)
 
 
 def _accumulate(acc, p, values, interpret, wait=True):
@@ -183,6 +211,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     live = q_ref.shape[1]
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
     piece = min(block_kv, page_size)
+    split_waits = schedule == 2
 
     def load(i, right):
         """TMA-copies block i's left value half (or the rest: right value half and rope)
@@ -200,12 +229,17 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     def load_if(i, right):
         pl.when(i < steps)(lambda: load(i, right))
 
-    def block_logits(i, rope, wait=True):
+    def block_logits(i, rope):
+        """Block i's logits; with split_waits the left product computes while the right
+        buffer may still be arriving."""
         slot = lax.rem(i, jnp.int32(2))
         plgpu.barrier_wait(left_bars.at[slot])
-        plgpu.barrier_wait(right_bars.at[slot])
+        wait_right = lambda: plgpu.barrier_wait(right_bars.at[slot])   # noqa: E731
+        if not split_waits:
+            wait_right()
+            wait_right = None
         return _logits(q_left, q_right, rope, k_left.at[slot], k_right.at[slot], interpret,
-                       wait=wait)
+                       wait_right)
 
     def softmax(s, i, m_prev, masked):
         """Raw logits [64, bk] of block i -> (p [64, bk] f32, m_new, scale = the factor from
@@ -321,19 +355,11 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
                 return scaled(acc, scale1), m1, l_i, zeros_s()
             plgpu.barrier_wait(p1_ready)
             values = value_half(k_left, b0 + 1, final)
-            if schedule == 1 or final:
-                acc = _accumulate(scaled(acc, scale1), p1_smem, values, interpret)
-                load_if(b0 + 3, False)              # this half of slot 1 is free now
-                # (not `lambda: s0`: that would keep this pair's logits alive through it)
-                s0 = lax.cond(b0 + 2 < steps, lambda: block_logits(b0 + 2, rope), zeros_s)
-                return acc, m1, l_i, s0
-            # seesaw=2, not the last pair: block b0 + 2 exists. Its logits go right behind
-            # the value product; wait for the latter only, free its half, then the logits.
-            acc = _accumulate(scaled(acc, scale1), p1_smem, values, interpret, wait=False)
-            s0 = block_logits(b0 + 2, rope, wait=False)
-            acc = _waited(acc, 1, interpret)
-            load_if(b0 + 3, False)
-            return acc, m1, l_i, _waited(s0, 0, interpret)
+            acc = _accumulate(scaled(acc, scale1), p1_smem, values, interpret)
+            load_if(b0 + 3, False)              # this half of slot 1 is free now
+            # (not `lambda: s0`: that would keep this pair's logits alive through it)
+            s0 = lax.cond(b0 + 2 < steps, lambda: block_logits(b0 + 2, rope), zeros_s)
+            return acc, m1, l_i, s0
 
         s0 = lax.cond(steps > 0, lambda: block_logits(jnp.int32(0), rope), zeros_s)
         acc_f, m_f, l_f, _ = run_pairs(pair, (acc, m_init, l_init, s0))
@@ -349,7 +375,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             m0 = _load_rows(m_smem, interpret)
             scale0 = factor(m_i, m0)                 # bit for bit wg 0's
             values0 = value_half(k_right, b0, final)
-            overlap = schedule == 2 and has_b1
+            overlap = schedule >= 2 and has_b1
             if overlap:        # P0 . V0_R computes while this warpgroup's softmax runs
                 acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret,
                                   wait=False)
