@@ -55,7 +55,7 @@ from pallas_kernels.mla_paged_attention.kernel_mgpu import (
 _SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _REF = plgpu.RefType(transforms=_SWIZZLED)
 _ACC = plgpu.Layout._WGMMA_ACC_32BIT     # an accumulator still being written by a wgmma
-SCHEDULES = (1, 2, 3)   # 3: 2 without split logits waits (A/B)
+SCHEDULES = (1, 2, 3, 4)   # 3: 2 without split logits waits; 4: 2 chunked (A/B)
 
 
 def _opaque_zero():
@@ -138,13 +138,66 @@ def _logits(q_left, q_right, rope, k_left, k_right, interpret, wait_right=None):
     return after_left(acc, q_right, rope, k_v, k_r)
 
 
-def _accumulate(acc, p, values, interpret, wait=True):
+def _in_registers(x):
+    return isinstance(getattr(x, "aval", None), jax.core.ShapedArray)   # not a ref
+
+
+def _logits_step(acc, a, keys, interpret, wait):
+    """acc (None: zeros; else the in-flight result of an earlier step) + a [64, 64] (Q's
+    columns of one chunk: shared memory, or registers) . keys [bk, 64]^T (one chunk of a
+    block) -> [64, bk] f32, in flight unless `wait`."""
+    a_regs = _in_registers(a)
+    bk = keys.shape[0]
+    if interpret:
+        d = jnp.dot(a if a_regs else a[...], keys[...].T, preferred_element_type=jnp.float32)
+        return d if acc is None else acc + d
+    first = acc is None
+
+    @plgpu.inline_mgpu(
+        arg_types=(() if first else (_ACC,)) + (plgpu.Layout.WGMMA if a_regs else _REF, _REF),
+        return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, bk), jnp.float32,
+                                           layout=plgpu.Layout.WGMMA if wait else _ACC))
+    def run(ctx, *args):
+        del ctx
+        if first:
+            a, k = args
+            out = mgpu.WGMMAAccumulator.zero(TILE_ROWS, bk)
+        else:
+            prev, a, k = args
+            out = mgpu.WGMMAAccumulator(_value=prev, _original_layout=mgpu.WGMMA_LAYOUT,
+                                        _sync=False)
+        z = _opaque_zero()
+        out = mgpu.wgmma(out, a if a_regs else _at(a, z), _transposed(_at(k, z)))
+        nvvm.wgmma_commit_group_sync_aligned()
+        if not wait:
+            return out._value
+        nvvm.wgmma_wait_group_sync_aligned(0)
+        return out.value
+
+    return run(*(() if first else (acc,)), a, keys)
+
+
+def _chunk_view(ref, chunks):
+    """Chunks c0 .. c0 + n - 1 of a chunk-major slot (tiled memref [C, bk / 8, 1, 8, 64])
+    as one [bk, n * 64] wgmma operand: tiled [bk / 8, n, 8, 64], strides (512, 4096, 64,
+    1) in elements."""
+    c0, n = chunks
+    view = mgpu.memref_slice(ref, (slice(c0, c0 + n), slice(None), 0))
+    return mgpu.memref_transpose(view, (1, 0, 2, 3))
+
+
+def _accumulate(acc, p, values, interpret, wait=True, chunks=None):
     """acc [64, R/2] f32 + p [64, bk] bf16 (registers, or shared memory) . values [bk, R/2]
-    (shared memory). With wait=False the product is only issued (`_waited`)."""
-    p_in_registers = isinstance(getattr(p, "aval", None), jax.core.ShapedArray)  # not a ref
+    (shared memory; with chunks=(c0, n), columns of chunks c0 .. c0 + n - 1 of a
+    chunk-major slot [C, bk, 64]). With wait=False the product is only issued
+    (`_waited`)."""
+    p_in_registers = _in_registers(p)
     if interpret:
         p = p if p_in_registers else p[...]
-        return acc + jnp.dot(p, values[...], preferred_element_type=jnp.float32)
+        v = values[...]
+        if chunks is not None:
+            v = jnp.concatenate([v[c] for c in range(chunks[0], chunks[0] + chunks[1])], 1)
+        return acc + jnp.dot(p, v, preferred_element_type=jnp.float32)
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA if p_in_registers else _REF, _REF),
@@ -154,7 +207,10 @@ def _accumulate(acc, p, values, interpret, wait=True):
         del ctx
         z = _opaque_zero()
         out = mgpu.WGMMAAccumulator.from_registers(acc)
-        out = mgpu.wgmma(out, p if p_in_registers else _at(p, z), _at(values, z))
+        values = _at(values, z)
+        if chunks is not None:
+            values = _chunk_view(values, chunks)
+        out = mgpu.wgmma(out, p if p_in_registers else _at(p, z), values)
         nvvm.wgmma_commit_group_sync_aligned()
         if not wait:
             return out._value
@@ -192,9 +248,12 @@ def _rope_registers(q_rope, interpret):
 def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             out_ref, lse_ref, scoped, *, block_h, block_kv, rank, num_splits, page_size,
             scale_log2, zero_masked, schedule, interpret):
-    (q_left, q_right, (q_rope, p1_smem), p0_smem, ((k_left, k_right), o_stage),
-     m_smem, l_smem), bars = scoped
-    q_bar, left_bars, right_bars, done_bar, m0_ready, m1_ready, p1_ready, p0_free = bars
+    (q_left, q_right, (q_rope, p1_smem), p0_smem, (ring, o_stage), m_smem, l_smem), bars = scoped
+    q_bar, ring_bars, done_bar, m0_ready, m1_ready, p1_ready, p0_free = bars
+    chunked = schedule == 4
+    if not chunked:
+        k_left, k_right = ring
+        left_bars, right_bars = ring_bars
     tile = lax.axis_index("tile")
     split = lax.axis_index("split")
     wg = lax.axis_index("wg")
@@ -212,27 +271,62 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
     piece = min(block_kv, page_size)
     split_waits = schedule == 2
+    # chunk-major slots (schedule 4): chunk c = latent columns 64c .. 64c + 63, its own TMA
+    # barrier (ring_bars[slot * C + c]); the left value half is chunks 0 .. R/128 - 1, the
+    # right one the next R/128, the rope columns the rest.
+    num_chunks = width // 64
+    left_chunks = tuple(range(half // 64))
+    right_chunks = tuple(range(half // 64, rank // 64))
+    rope_chunks = tuple(range(rank // 64, num_chunks))
 
-    def load(i, right):
-        """TMA-copies block i's left value half (or the rest: right value half and rope)
-        into slot i % 2, one copy per page piece."""
+    def load(i, part):
+        """TMA-copies a part of block i into slot i % 2, one copy per page piece (and per
+        chunk): "left" (value half), "right" (value half, and the rope columns unless
+        chunked) or "rope" (chunked only)."""
         slot = lax.rem(i, jnp.int32(2))
-        cols = pl.ds(half, width - half) if right else pl.ds(0, half)
-        ring, ring_bars = (k_right, right_bars) if right else (k_left, left_bars)
         pages = kv_block_pages(lat_ref, bt_ref, seq, (first_step + i) * block_kv,
                                block_kv=block_kv, page_size=page_size)
+        if chunked:
+            chunks = dict(left=left_chunks, right=right_chunks, rope=rope_chunks)[part]
+            for c in chunks:
+                for j, (page, row0) in enumerate(pages):
+                    plgpu.copy_gmem_to_smem(lat_ref.at[page, pl.ds(row0, piece),
+                                                       pl.ds(64 * c, 64)],
+                                            ring.at[slot, c, pl.ds(j * piece, piece)],
+                                            ring_bars.at[slot * num_chunks + c])
+            return
+        if part == "rope":
+            return
+        right = part == "right"
+        cols = pl.ds(half, width - half) if right else pl.ds(0, half)
+        buf, buf_bars = (k_right, right_bars) if right else (k_left, left_bars)
         for j, (page, row0) in enumerate(pages):
             plgpu.copy_gmem_to_smem(lat_ref.at[page, pl.ds(row0, piece), cols],
-                                    ring.at[slot, pl.ds(j * piece, piece)],
-                                    ring_bars.at[slot])
+                                    buf.at[slot, pl.ds(j * piece, piece)],
+                                    buf_bars.at[slot])
 
-    def load_if(i, right):
-        pl.when(i < steps)(lambda: load(i, right))
+    def load_if(i, part):
+        pl.when(i < steps)(lambda: load(i, part))
 
     def block_logits(i, rope):
         """Block i's logits; with split_waits the left product computes while the right
-        buffer may still be arriving."""
+        buffer may still be arriving. Chunked: chunk by chunk (rope first: it is reloaded
+        first), each product issued once its chunk has arrived; then the rope chunk of
+        block i + 2 is loaded (it takes part in no value product)."""
         slot = lax.rem(i, jnp.int32(2))
+        if chunked:
+            s = None
+            order = rope_chunks + left_chunks + right_chunks
+            for n, c in enumerate(order):
+                plgpu.barrier_wait(ring_bars.at[slot * num_chunks + c])
+                if c in rope_chunks:
+                    a = rope
+                else:
+                    q_half = q_left if c in left_chunks else q_right
+                    a = q_half.at[:, pl.ds(64 * (c % (half // 64)), 64)]
+                s = _logits_step(s, a, ring.at[slot, c], interpret, wait=n == len(order) - 1)
+            load_if(i + 2, "rope")
+            return s
         plgpu.barrier_wait(left_bars.at[slot])
         wait_right = lambda: plgpu.barrier_wait(right_bars.at[slot])   # noqa: E731
         if not split_waits:
@@ -265,13 +359,22 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     def factor(m_old, m_new):
         return jnp.where(m_new == m_old, 1.0, jnp.exp2(m_old - m_new))   # exactly 1: skipped
 
-    def value_half(buffer, i, final):
-        """This warpgroup's value half of block i [bk, R/2]; in the final pair its rows past
-        kv_end are zeroed first (spare pages may hold NaN, and 0 * NaN is NaN)."""
-        values = buffer.at[lax.rem(i, jnp.int32(2)), :, pl.ds(0, half)]
+    def value_half(part, i, final):
+        """This warpgroup's value half ("left" or "right") of block i [bk, R/2], as
+        (ref, chunks) for `_accumulate`; in the final pair its rows past kv_end are zeroed
+        first (spare pages may hold NaN, and 0 * NaN is NaN)."""
+        slot = lax.rem(i, jnp.int32(2))
+        k0 = (first_step + i) * block_kv
+        if chunked:
+            chunks = left_chunks if part == "left" else right_chunks
+            if final:
+                for c in chunks:
+                    zero_rows_past(ring.at[slot, c], k0, kv_end, interpret)
+            return ring.at[slot], (chunks[0], len(chunks))
+        values = (k_left if part == "left" else k_right).at[slot, :, pl.ds(0, half)]
         if final:
-            zero_rows_past(values, (first_step + i) * block_kv, kv_end, interpret)
-        return values
+            zero_rows_past(values, k0, kv_end, interpret)
+        return values, None
 
     def publish(ref, x):
         ref[...] = x
@@ -303,8 +406,8 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         plgpu.copy_gmem_to_smem(q_ref.at[tile, :, pl.ds(rank, width - rank)],
                                 _first_rows(q_rope, live), q_bar)
         for i in range(2):
-            load_if(jnp.int32(i), False)
-            load_if(jnp.int32(i), True)
+            for part in ("rope", "left", "right"):
+                load_if(jnp.int32(i), part)
 
     plgpu.barrier_wait(q_bar)
     # Each warpgroup reads the rope columns into registers before the first P1 overwrites
@@ -344,9 +447,9 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             p0_smem[...] = p0
             publish(m_smem, m0)
             plgpu.barrier_arrive(m0_ready)
-            acc = _accumulate(scaled(acc, scale0), p0, value_half(k_left, b0, final),
-                              interpret)
-            load_if(b0 + 2, False)                  # this half of slot 0 is free now
+            values, chunks = value_half("left", b0, final)
+            acc = _accumulate(scaled(acc, scale0), p0, values, interpret, chunks=chunks)
+            load_if(b0 + 2, "left")                 # this half of slot 0 is free now
             plgpu.barrier_wait(m1_ready)
             m1 = _load_rows(m_smem, interpret)
             scale1 = factor(m0, m1)                 # bit for bit wg 1's
@@ -354,9 +457,9 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             if not has_b1:                          # the lone last block
                 return scaled(acc, scale1), m1, l_i, zeros_s()
             plgpu.barrier_wait(p1_ready)
-            values = value_half(k_left, b0 + 1, final)
-            acc = _accumulate(scaled(acc, scale1), p1_smem, values, interpret)
-            load_if(b0 + 3, False)              # this half of slot 1 is free now
+            values, chunks = value_half("left", b0 + 1, final)
+            acc = _accumulate(scaled(acc, scale1), p1_smem, values, interpret, chunks=chunks)
+            load_if(b0 + 3, "left")                 # this half of slot 1 is free now
             # (not `lambda: s0`: that would keep this pair's logits alive through it)
             s0 = lax.cond(b0 + 2 < steps, lambda: block_logits(b0 + 2, rope), zeros_s)
             return acc, m1, l_i, s0
@@ -374,11 +477,11 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             plgpu.barrier_wait(m0_ready)
             m0 = _load_rows(m_smem, interpret)
             scale0 = factor(m_i, m0)                 # bit for bit wg 0's
-            values0 = value_half(k_right, b0, final)
+            values0, chunks0 = value_half("right", b0, final)
             overlap = schedule >= 2 and has_b1
             if overlap:        # P0 . V0_R computes while this warpgroup's softmax runs
                 acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret,
-                                  wait=False)
+                                  wait=False, chunks=chunks0)
             if has_b1:
                 p1, m1, scale1 = softmax(s1, b0 + 1, m0, masked)
                 l_i = l_i * (scale0 * scale1) + p1.sum(axis=1)
@@ -395,14 +498,15 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             if overlap:
                 acc = _waited(acc, 0, interpret)
             else:
-                acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret)
+                acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret,
+                                  chunks=chunks0)
             plgpu.barrier_arrive(p0_free)
-            load_if(b0 + 2, True)                   # this half of slot 0 is free now
+            load_if(b0 + 2, "right")                # this half of slot 0 is free now
             if not has_b1:
                 return acc, m1, l_i, zeros_s()
-            acc = _accumulate(scaled(acc, scale1), p1, value_half(k_right, b0 + 1, final),
-                              interpret)
-            load_if(b0 + 3, True)                   # this half of slot 1 is free now
+            values, chunks = value_half("right", b0 + 1, final)
+            acc = _accumulate(scaled(acc, scale1), p1, values, interpret, chunks=chunks)
+            load_if(b0 + 3, "right")                # this half of slot 1 is free now
             s1 = lax.cond(b0 + 3 < steps, lambda: block_logits(b0 + 3, rope), zeros_s)
             return acc, m1, l_i, s1
 
@@ -432,7 +536,11 @@ def mla_tiles_seesaw(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_nt
     def smem(*shape):
         return plgpu.SMEM(shape, jnp.bfloat16, transforms=_SWIZZLED)
 
-    ring = (smem(2, block_kv, half), smem(2, block_kv, width - half))
+    chunked = schedule == 4
+    if chunked:
+        ring = smem(2, width // 64, block_kv, 64)
+    else:
+        ring = (smem(2, block_kv, half), smem(2, block_kv, width - half))
     output = smem(2, TILE_ROWS, half)
     # Q's rope columns share their place with P1 (each warpgroup holds them in registers
     # once loaded), and the output halves take the KV ring's after the loop. The interpreter
@@ -453,8 +561,9 @@ def mla_tiles_seesaw(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_nt
          union(ring, output),
          rows_f32, rows_f32),
         (plgpu.Barrier(num_arrivals=3),
-         plgpu.Barrier(num_arrivals=copies, num_barriers=2),
-         plgpu.Barrier(num_arrivals=copies, num_barriers=2),
+         plgpu.Barrier(num_arrivals=copies, num_barriers=2 * (width // 64)) if chunked else
+         (plgpu.Barrier(num_arrivals=copies, num_barriers=2),
+          plgpu.Barrier(num_arrivals=copies, num_barriers=2)),
          plgpu.Barrier(num_arrivals=2),
          plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier()),
         (tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent),
