@@ -55,7 +55,7 @@ from pallas_kernels.mla_paged_attention.kernel_mgpu import (
 _SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _REF = plgpu.RefType(transforms=_SWIZZLED)
 _ACC = plgpu.Layout._WGMMA_ACC_32BIT     # an accumulator still being written by a wgmma
-SCHEDULES = (1, 2, 3, 4)   # 3: 2 without split logits waits; 4: 2 chunked (A/B)
+SCHEDULES = (1, 2, 3, 4, 5)   # 3: 2 without split logits waits; 4: 2 chunked; 5: 2 with early maxima (A/B)
 
 
 def _opaque_zero():
@@ -249,7 +249,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             out_ref, lse_ref, scoped, *, block_h, block_kv, rank, num_splits, page_size,
             scale_log2, zero_masked, schedule, interpret):
     (q_left, q_right, (q_rope, p1_smem), p0_smem, (ring, o_stage), m_smem, l_smem), bars = scoped
-    q_bar, ring_bars, done_bar, m0_ready, m1_ready, p1_ready, p0_free = bars
+    q_bar, ring_bars, done_bar, m0_ready, m1_ready, p1_ready, p0_free, p0_ready = bars
     chunked = schedule == 4
     if not chunked:
         k_left, k_right = ring
@@ -270,7 +270,8 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     live = q_ref.shape[1]
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
     piece = min(block_kv, page_size)
-    split_waits = schedule == 2
+    split_waits = schedule in (2, 5)
+    early_max = schedule == 5      # each maximum published before its exponentials
     # chunk-major slots (schedule 4): chunk c = latent columns 64c .. 64c + 63, its own TMA
     # barrier (ring_bars[slot * C + c]); the left value half is chunks 0 .. R/128 - 1, the
     # right one the next R/128, the rope columns the rest.
@@ -335,9 +336,10 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         return _logits(q_left, q_right, rope, k_left.at[slot], k_right.at[slot], interpret,
                        wait_right)
 
-    def softmax(s, i, m_prev, masked):
-        """Raw logits [64, bk] of block i -> (p [64, bk] f32, m_new, scale = the factor from
-        m_prev to m_new): scaled to log2 units, masked if `masked`, lazy max."""
+    def row_max(s, i, m_prev, masked):
+        """Raw logits [64, bk] of block i -> (s, visible, m_new): the lazy running max (and
+        s in log2 units with the invisible positions at MASKED, if `masked`)."""
+        visible = None
         if masked:
             k0 = (first_step + i) * block_kv
             row_tok = lax.div(_iota(s.shape, 0, interpret), jnp.int32(block_h))
@@ -346,7 +348,15 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             block_max = s.max(axis=1)
         else:
             block_max = s.max(axis=1) * scale_log2       # the scale is > 0: the same max
-        m_new = jnp.where(block_max > m_prev + LAZY_MAX, block_max, m_prev)
+        return s, visible, jnp.where(block_max > m_prev + LAZY_MAX, block_max, m_prev)
+
+    def softmax(s, i, m_prev, masked):
+        """Raw logits [64, bk] of block i -> (p [64, bk] f32, m_new, scale = the factor from
+        m_prev to m_new): scaled to log2 units, masked if `masked`, lazy max."""
+        s, visible, m_new = row_max(s, i, m_prev, masked)
+        return exponentials(s, visible, m_new, masked), m_new, factor(m_prev, m_new)
+
+    def exponentials(s, visible, m_new, masked):
         if masked:
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             if zero_masked:       # a row with no visible key: l = 0, output 0, weight 0
@@ -354,7 +364,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         else:
             p = _exp2_split(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]),
                             interpret)
-        return p, m_new, factor(m_prev, m_new)
+        return p
 
     def factor(m_old, m_new):
         return jnp.where(m_new == m_old, 1.0, jnp.exp2(m_old - m_new))   # exactly 1: skipped
@@ -440,13 +450,24 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         def pair(j, carry, *, masked, final, has_b1):
             acc, m_i, l_i, s0 = carry
             b0 = 2 * j
-            p0, m0, scale0 = softmax(s0, b0, m_i, masked)
+            if early_max:       # wg 1's softmax needs only m0: it starts beside P0's
+                s, visible, m0 = row_max(s0, b0, m_i, masked)
+                publish(m_smem, m0)
+                plgpu.barrier_arrive(m0_ready)
+                p0 = exponentials(s, visible, m0, masked)
+                scale0 = factor(m_i, m0)
+            else:
+                p0, m0, scale0 = softmax(s0, b0, m_i, masked)
             l_i = l_i * scale0 + p0.sum(axis=1)
             p0 = p0.astype(p0_smem.dtype)
             pl.when(j > 0)(lambda: plgpu.barrier_wait(p0_free))   # wg 1 is done with P0
             p0_smem[...] = p0
-            publish(m_smem, m0)
-            plgpu.barrier_arrive(m0_ready)
+            if early_max:
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p0_ready)
+            else:
+                publish(m_smem, m0)
+                plgpu.barrier_arrive(m0_ready)
             values, chunks = value_half("left", b0, final)
             acc = _accumulate(scaled(acc, scale0), p0, values, interpret, chunks=chunks)
             load_if(b0 + 2, "left")                 # this half of slot 0 is free now
@@ -479,27 +500,50 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             scale0 = factor(m_i, m0)                 # bit for bit wg 0's
             values0, chunks0 = value_half("right", b0, final)
             overlap = schedule >= 2 and has_b1
-            if overlap:        # P0 . V0_R computes while this warpgroup's softmax runs
+            if early_max:
+                if has_b1:
+                    s, visible, m1 = row_max(s1, b0 + 1, m0, masked)
+                    publish(m_smem, m1)
+                    plgpu.barrier_arrive(m1_ready)
+                else:   # a lone last block: nothing to add, the maximum stays m0
+                    m1 = m0
+                    plgpu.barrier_arrive(m1_ready)
+                plgpu.barrier_wait(p0_ready)
                 acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret,
-                                  wait=False, chunks=chunks0)
-            if has_b1:
-                p1, m1, scale1 = softmax(s1, b0 + 1, m0, masked)
-                l_i = l_i * (scale0 * scale1) + p1.sum(axis=1)
-                publish(m_smem, m1)
-                plgpu.barrier_arrive(m1_ready)
-                p1 = p1.astype(p1_smem.dtype)
-                p1_smem[...] = p1
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(p1_ready)
-            else:     # a lone last block: nothing to add, the maximum stays m0
-                m1 = m0
-                l_i = l_i * scale0
-                plgpu.barrier_arrive(m1_ready)
-            if overlap:
-                acc = _waited(acc, 0, interpret)
+                                  wait=not has_b1, chunks=chunks0)
+                if has_b1:
+                    p1 = exponentials(s, visible, m1, masked)
+                    scale1 = factor(m0, m1)
+                    l_i = l_i * (scale0 * scale1) + p1.sum(axis=1)
+                    p1 = p1.astype(p1_smem.dtype)
+                    p1_smem[...] = p1
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(p1_ready)
+                    acc = _waited(acc, 0, interpret)
+                else:
+                    l_i = l_i * scale0
             else:
-                acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret,
-                                  chunks=chunks0)
+                if overlap:    # P0 . V0_R computes while this warpgroup's softmax runs
+                    acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret,
+                                      wait=False, chunks=chunks0)
+                if has_b1:
+                    p1, m1, scale1 = softmax(s1, b0 + 1, m0, masked)
+                    l_i = l_i * (scale0 * scale1) + p1.sum(axis=1)
+                    publish(m_smem, m1)
+                    plgpu.barrier_arrive(m1_ready)
+                    p1 = p1.astype(p1_smem.dtype)
+                    p1_smem[...] = p1
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(p1_ready)
+                else:     # a lone last block: nothing to add, the maximum stays m0
+                    m1 = m0
+                    l_i = l_i * scale0
+                    plgpu.barrier_arrive(m1_ready)
+                if overlap:
+                    acc = _waited(acc, 0, interpret)
+                else:
+                    acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret,
+                                      chunks=chunks0)
             plgpu.barrier_arrive(p0_free)
             load_if(b0 + 2, "right")                # this half of slot 0 is free now
             if not has_b1:
@@ -565,6 +609,6 @@ def mla_tiles_seesaw(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_nt
          (plgpu.Barrier(num_arrivals=copies, num_barriers=2),
           plgpu.Barrier(num_arrivals=copies, num_barriers=2)),
          plgpu.Barrier(num_arrivals=2),
-         plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier()),
+         plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier()),
         (tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent),
         num_splits=num_splits, rank=rank, num_threads=2, interpret=interpret)
