@@ -55,7 +55,7 @@ from pallas_kernels.mla_paged_attention.kernel_mgpu import (
 _SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _REF = plgpu.RefType(transforms=_SWIZZLED)
 _ACC = plgpu.Layout._WGMMA_ACC_32BIT     # an accumulator still being written by a wgmma
-SCHEDULES = (1, 2, 3, 4, 5)   # 3: 2 without split logits waits; 4: 2 chunked; 5: 2 with early maxima (A/B)
+SCHEDULES = (1, 2, 3, 4, 5, 6, 7)   # A/B
 
 
 def _opaque_zero():
@@ -270,8 +270,10 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     live = q_ref.shape[1]
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
     piece = min(block_kv, page_size)
-    split_waits = schedule in (2, 5)
-    early_max = schedule == 5      # each maximum published before its exponentials
+    split_waits = schedule in (2, 5, 6, 7)
+    early_max = schedule >= 5      # each maximum published before its exponentials
+    p0_behind = schedule >= 6      # wg 0's P0 . V0_L issued before P0's hand-over
+    p1_first = schedule == 7       # wg 1's exponentials before it waits for P0
     # chunk-major slots (schedule 4): chunk c = latent columns 64c .. 64c + 63, its own TMA
     # barrier (ring_bars[slot * C + c]); the left value half is chunks 0 .. R/128 - 1, the
     # right one the next R/128, the rope columns the rest.
@@ -460,6 +462,10 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
                 p0, m0, scale0 = softmax(s0, b0, m_i, masked)
             l_i = l_i * scale0 + p0.sum(axis=1)
             p0 = p0.astype(p0_smem.dtype)
+            values, chunks = value_half("left", b0, final)
+            if p0_behind:
+                acc = _accumulate(scaled(acc, scale0), p0, values, interpret, wait=False,
+                                  chunks=chunks)
             pl.when(j > 0)(lambda: plgpu.barrier_wait(p0_free))   # wg 1 is done with P0
             p0_smem[...] = p0
             if early_max:
@@ -468,8 +474,10 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             else:
                 publish(m_smem, m0)
                 plgpu.barrier_arrive(m0_ready)
-            values, chunks = value_half("left", b0, final)
-            acc = _accumulate(scaled(acc, scale0), p0, values, interpret, chunks=chunks)
+            if p0_behind:
+                acc = _waited(acc, 0, interpret)
+            else:
+                acc = _accumulate(scaled(acc, scale0), p0, values, interpret, chunks=chunks)
             load_if(b0 + 2, "left")                 # this half of slot 0 is free now
             plgpu.barrier_wait(m1_ready)
             m1 = _load_rows(m_smem, interpret)
@@ -508,18 +516,26 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
                 else:   # a lone last block: nothing to add, the maximum stays m0
                     m1 = m0
                     plgpu.barrier_arrive(m1_ready)
-                plgpu.barrier_wait(p0_ready)
-                acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret,
-                                  wait=not has_b1, chunks=chunks0)
-                if has_b1:
+                def p1_handed_over():
                     p1 = exponentials(s, visible, m1, masked)
-                    scale1 = factor(m0, m1)
-                    l_i = l_i * (scale0 * scale1) + p1.sum(axis=1)
+                    p1_sum = p1.sum(axis=1)
                     p1 = p1.astype(p1_smem.dtype)
                     p1_smem[...] = p1
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(p1_ready)
-                    acc = _waited(acc, 0, interpret)
+                    return p1, p1_sum
+
+                if has_b1 and p1_first:     # P1 first: wg 0's P1 . V1_L waits for it
+                    p1, p1_sum = p1_handed_over()
+                plgpu.barrier_wait(p0_ready)
+                acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret,
+                                  wait=not has_b1 or p1_first, chunks=chunks0)
+                if has_b1:
+                    if not p1_first:
+                        p1, p1_sum = p1_handed_over()
+                        acc = _waited(acc, 0, interpret)
+                    scale1 = factor(m0, m1)
+                    l_i = l_i * (scale0 * scale1) + p1_sum
                 else:
                     l_i = l_i * scale0
             else:
