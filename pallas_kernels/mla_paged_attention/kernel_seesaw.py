@@ -55,7 +55,7 @@ from pallas_kernels.mla_paged_attention.kernel_mgpu import (
 _SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _REF = plgpu.RefType(transforms=_SWIZZLED)
 _ACC = plgpu.Layout._WGMMA_ACC_32BIT     # an accumulator still being written by a wgmma
-SCHEDULES = (1, 2, 3, 4, 5, 6, 7)   # A/B
+SCHEDULES = (1, 2, 3, 4, 5, 6, 7, 8, 9)   # A/B
 
 
 def _opaque_zero():
@@ -186,11 +186,11 @@ def _chunk_view(ref, chunks):
     return mgpu.memref_transpose(view, (1, 0, 2, 3))
 
 
-def _accumulate(acc, p, values, interpret, wait=True, chunks=None):
+def _accumulate(acc, p, values, interpret, wait=True, chunks=None, in_flight=False):
     """acc [64, R/2] f32 + p [64, bk] bf16 (registers, or shared memory) . values [bk, R/2]
     (shared memory; with chunks=(c0, n), columns of chunks c0 .. c0 + n - 1 of a
     chunk-major slot [C, bk, 64]). With wait=False the product is only issued
-    (`_waited`)."""
+    (`_waited`); in_flight: acc is itself an issued product's result."""
     p_in_registers = _in_registers(p)
     if interpret:
         p = p if p_in_registers else p[...]
@@ -200,13 +200,18 @@ def _accumulate(acc, p, values, interpret, wait=True, chunks=None):
         return acc + jnp.dot(p, v, preferred_element_type=jnp.float32)
 
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA if p_in_registers else _REF, _REF),
+        arg_types=(_ACC if in_flight else plgpu.Layout.WGMMA,
+                   plgpu.Layout.WGMMA if p_in_registers else _REF, _REF),
         return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32,
                                            layout=plgpu.Layout.WGMMA if wait else _ACC))
     def run(ctx, acc, p, values):
         del ctx
         z = _opaque_zero()
-        out = mgpu.WGMMAAccumulator.from_registers(acc)
+        if in_flight:
+            out = mgpu.WGMMAAccumulator(_value=acc, _original_layout=mgpu.WGMMA_LAYOUT,
+                                        _sync=False)
+        else:
+            out = mgpu.WGMMAAccumulator.from_registers(acc)
         values = _at(values, z)
         if chunks is not None:
             values = _chunk_view(values, chunks)
@@ -236,6 +241,13 @@ def _waited(in_flight, pending, interpret):
         return x.to_layout(mgpu.WGMMA_LAYOUT)
 
     return run(in_flight)
+
+
+def _load_p(p_smem, interpret):
+    """P [64, bk] bf16 from shared memory into registers (WGMMA layout: a wgmma A operand)."""
+    if interpret:
+        return p_smem[...]
+    return plgpu.load(p_smem, (), layout=plgpu.Layout.WGMMA)
 
 
 def _rope_registers(q_rope, interpret):
@@ -270,10 +282,13 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     live = q_ref.shape[1]
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
     piece = min(block_kv, page_size)
-    split_waits = schedule in (2, 5, 6, 7)
+    split_waits = schedule in (2, 5, 6, 7, 8, 9)
     early_max = schedule >= 5      # each maximum published before its exponentials
-    p0_behind = schedule >= 6      # wg 0's P0 . V0_L issued before P0's hand-over
-    p1_first = schedule == 7       # wg 1's exponentials before it waits for P0
+    p0_behind = schedule in (6, 7)  # wg 0's P0 . V0_L issued before P0's hand-over
+    p1_first = schedule >= 7       # wg 1's exponentials before it waits for P0
+    # wg 1 scales P0 by scale1 in registers (as FlashMLA hands it over), so its two value
+    # products go back to back without a wait between them
+    p0_scaled = schedule == 9
     # chunk-major slots (schedule 4): chunk c = latent columns 64c .. 64c + 63, its own TMA
     # barrier (ring_bars[slot * C + c]); the left value half is chunks 0 .. R/128 - 1, the
     # right one the next R/128, the rope columns the rest.
@@ -527,6 +542,25 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
 
                 if has_b1 and p1_first:     # P1 first: wg 0's P1 . V1_L waits for it
                     p1, p1_sum = p1_handed_over()
+                if has_b1 and p0_scaled:
+                    scale1 = factor(m0, m1)
+                    l_i = l_i * (scale0 * scale1) + p1_sum
+                    plgpu.barrier_wait(p0_ready)
+                    p0 = _load_p(p0_smem, interpret).astype(jnp.float32)
+                    p0 = (p0 * lax.broadcast_in_dim(scale1, p0.shape, [0])).astype(p1.dtype)
+                    acc = _accumulate(scaled(acc, scale0 * scale1), p0, values0, interpret,
+                                      wait=False, chunks=chunks0)
+                    values1, chunks1 = value_half("right", b0 + 1, final)
+                    acc = _accumulate(acc, p1, values1, interpret, wait=False,
+                                      chunks=chunks1, in_flight=True)
+                    if not interpret:
+                        plgpu.wgmma_wait(1)         # P0 . V0_R is done
+                    plgpu.barrier_arrive(p0_free)
+                    load_if(b0 + 2, "right")        # this half of slot 0 is free now
+                    acc = _waited(acc, 0, interpret)
+                    load_if(b0 + 3, "right")        # this half of slot 1 is free now
+                    s1 = lax.cond(b0 + 3 < steps, lambda: block_logits(b0 + 3, rope), zeros_s)
+                    return acc, m1, l_i, s1
                 plgpu.barrier_wait(p0_ready)
                 acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret,
                                   wait=not has_b1 or p1_first, chunks=chunks0)
