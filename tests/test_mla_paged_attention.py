@@ -115,10 +115,10 @@ MOSAIC_CASES = [
     # (3 splits of at most 2 blocks: the last split of each row is empty)
     (4, 8, [4, 1], [67, 20], 9, dict(block_q=4, num_splits=3, compact=True)),
     # FlashMLA's seesaw (kernel_seesaw.py): 5 blocks (pairs in the loop, the last full pair
-    # masked, a lone last block) with blocking products; then the overlapped schedule with
-    # 3 splits (a lone block, a pair, an empty split) over compact tiles
-    (4, 16, [1, 4, 3], [300, 70, 150], 19, dict(block_q=4, seesaw=1)),
-    (4, 64, [4, 1], [129, 200], 4, dict(block_q=4, num_splits=3, compact=True, seesaw=2)),
+    # masked, a lone last block); then 3 splits (a lone block, a pair, an empty split) over
+    # compact tiles
+    (4, 16, [1, 4, 3], [300, 70, 150], 19, dict(block_q=4, seesaw=True)),
+    (4, 64, [4, 1], [129, 200], 4, dict(block_q=4, num_splits=3, compact=True, seesaw=True)),
 ]
 
 
@@ -334,7 +334,7 @@ def test_value_errors_name_the_bad_value():
   err("sm_scale must be > 0", *ok, sm_scale=-1.0)
   err("kernel must be one of", *ok, kernel="cuda")
   err("share_logits is an option of kernel='mosaic'", *ok, kernel="triton", share_logits=True)
-  err("seesaw is an option of kernel='mosaic'", *ok, kernel="triton", seesaw=1)
+  err("seesaw is an option of kernel='mosaic'", *ok, kernel="triton", seesaw=True)
   err("kernel='mosaic' takes bfloat16", *ok, kernel="mosaic")
   qb, lb = q.astype(jnp.bfloat16), lat.astype(jnp.bfloat16)
   err("kernel='mosaic' needs kv_lora_rank % 128 == 0", qb, lb, *ok[2:], kernel="mosaic")
@@ -346,12 +346,12 @@ def test_value_errors_name_the_bad_value():
   err("share_logits must be a bool, got 2", jnp.zeros((4, 2, 192), jnp.bfloat16),
       jnp.zeros((6, 8, 192), jnp.bfloat16), *ok[2:], kv_lora_rank=128, kernel="mosaic",
       share_logits=2)
-  err(r"seesaw must be 0 \(off\) or a schedule in \(1, 2\), got 3",
+  err("seesaw must be a bool, got 2", jnp.zeros((4, 2, 192), jnp.bfloat16),
+      jnp.zeros((6, 8, 192), jnp.bfloat16), *ok[2:], kv_lora_rank=128, kernel="mosaic",
+      seesaw=2)
+  err("seesaw=True: needs 64 rope columns .* got block_k 128",
       jnp.zeros((4, 2, 192), jnp.bfloat16), jnp.zeros((6, 8, 192), jnp.bfloat16), *ok[2:],
-      kv_lora_rank=128, kernel="mosaic", seesaw=3)
-  err("seesaw=1: needs 64 rope columns .* got block_k 128",
-      jnp.zeros((4, 2, 192), jnp.bfloat16), jnp.zeros((6, 8, 192), jnp.bfloat16), *ok[2:],
-      kv_lora_rank=128, kernel="mosaic", seesaw=1, block_k=128)
+      kv_lora_rank=128, kernel="mosaic", seesaw=True, block_k=128)
   err("num_stages=3 with block_k=64 needs 305152 B of shared memory; it takes >= 2 stages",
       jnp.zeros((4, 2, 576), jnp.bfloat16), jnp.zeros((6, 64, 576), jnp.bfloat16), *ok[2:],
       kv_lora_rank=512, kernel="mosaic", num_stages=3)

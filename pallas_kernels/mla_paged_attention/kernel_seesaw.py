@@ -1,4 +1,4 @@
-"""MLA paged attention, Mosaic-GPU, with FlashMLA's "seesaw" schedule (opt-in: `seesaw=1|2`).
+"""MLA paged attention, Mosaic-GPU, with FlashMLA's "seesaw" schedule (`seesaw=True`).
 
 Why (docs/kernels.md, "MLA at H=128"): in `kernel_mgpu.py` warpgroup 0 computes every
 block's 576-deep logits product and softmax while warpgroup 1 only multiplies P by its value
@@ -6,11 +6,11 @@ half, so the tensor cores idle through each softmax. Here (deepseek-ai/FlashMLA,
 docs/20250422-new-kernel-deep-dive.md) the output is split by columns as there (wg 0 holds
 O_L = O[:, :R/2], wg 1 O_R), and KV blocks go in pairs (b0 in slot 0, b1 in slot 1):
 
-    wg 0: S0 = Q K0^T; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0) -> shared memory; publish m0
+    wg 0: S0 = Q K0^T; m0 = max(m, rowmax S0), published; P0 = exp2(S0 - m0) -> shared memory
           O_L = O_L * scale0 + P0 V0_L                        (scale0 = exp2(m - m0))
-          wait m1; O_L = O_L * scale1 + P1 V1_L               (scale1 = exp2(m0 - m1))
-    wg 1: S1 = Q K1^T; wait m0; m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1) -> shared memory
-          publish m1; O_R = (O_R * scale0 + P0 V0_R) * scale1 + P1 V1_R
+          wait m1, P1; O_L = O_L * scale1 + P1 V1_L           (scale1 = exp2(m0 - m1))
+    wg 1: S1 = Q K1^T; wait m0; m1 = max(m0, rowmax S1), published; P1 = exp2(S1 - m1) ->
+          shared memory; wait P0; O_R = (O_R * scale0 + P0 V0_R) * scale1 + P1 V1_R
 
 One warpgroup's softmax runs while the other's products keep the tensor cores busy. Both
 sides derive scale0 and scale1 from the published maxima, bit for bit alike; the maxima are
@@ -26,10 +26,16 @@ at an *opaque zero* (`_opaque_zero`). Without it, LLVM hoists the loop-invariant
 descriptors (Q's, and the slots', whose indices fold to constants in a pair) out of the loop:
 ~80 registers held across it, and ~1 KB of spills (round 3 session 26).
 
-seesaw=1 issues each product and waits for it. seesaw=2 overlaps them: wg 1 issues P0 . V0_R
-before its softmax and waits after it (its softmax then runs beside its own product), and
-wg 0 issues block b0 + 2's logits right behind P1 . V1_L, waiting for the value product only
-(wgmma groups complete in order) before it frees that half.
+Against FlashMLA's order as first built (round 3 session 17), three changes shorten the
+chain that links the warpgroups (m0 -> wg 1's softmax -> P1 -> wg 0's P1 . V1_L -> the next
+logits; measured H100 A/B in docs/kernels.md, round 3 session 27):
+- each maximum is published as soon as its row max is known, before its exponentials (P0
+  then goes over through a barrier of its own, p0_ready): wg 1's softmax starts beside
+  wg 0's exponentials;
+- wg 1 computes and hands over P1 before it multiplies P0 . V0_R, so wg 0's P1 . V1_L does
+  not wait behind that product;
+- the logits wait for the right buffer only after the left product is issued: it computes
+  while the right half, the later-freed one, may still be arriving.
 
 Layouts, tiles and causality: as `kernel_mgpu.py` (`mla_tiles_seesaw` takes and returns the
 same arrays as `mla_tiles_mgpu`).
@@ -55,7 +61,6 @@ from pallas_kernels.mla_paged_attention.kernel_mgpu import (
 _SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _REF = plgpu.RefType(transforms=_SWIZZLED)
 _ACC = plgpu.Layout._WGMMA_ACC_32BIT     # an accumulator still being written by a wgmma
-SCHEDULES = (1, 2, 3, 4, 5, 6, 7, 8, 9)   # A/B
 
 
 def _opaque_zero():
@@ -142,112 +147,27 @@ def _in_registers(x):
     return isinstance(getattr(x, "aval", None), jax.core.ShapedArray)   # not a ref
 
 
-def _logits_step(acc, a, keys, interpret, wait):
-    """acc (None: zeros; else the in-flight result of an earlier step) + a [64, 64] (Q's
-    columns of one chunk: shared memory, or registers) . keys [bk, 64]^T (one chunk of a
-    block) -> [64, bk] f32, in flight unless `wait`."""
-    a_regs = _in_registers(a)
-    bk = keys.shape[0]
-    if interpret:
-        d = jnp.dot(a if a_regs else a[...], keys[...].T, preferred_element_type=jnp.float32)
-        return d if acc is None else acc + d
-    first = acc is None
-
-    @plgpu.inline_mgpu(
-        arg_types=(() if first else (_ACC,)) + (plgpu.Layout.WGMMA if a_regs else _REF, _REF),
-        return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, bk), jnp.float32,
-                                           layout=plgpu.Layout.WGMMA if wait else _ACC))
-    def run(ctx, *args):
-        del ctx
-        if first:
-            a, k = args
-            out = mgpu.WGMMAAccumulator.zero(TILE_ROWS, bk)
-        else:
-            prev, a, k = args
-            out = mgpu.WGMMAAccumulator(_value=prev, _original_layout=mgpu.WGMMA_LAYOUT,
-                                        _sync=False)
-        z = _opaque_zero()
-        out = mgpu.wgmma(out, a if a_regs else _at(a, z), _transposed(_at(k, z)))
-        nvvm.wgmma_commit_group_sync_aligned()
-        if not wait:
-            return out._value
-        nvvm.wgmma_wait_group_sync_aligned(0)
-        return out.value
-
-    return run(*(() if first else (acc,)), a, keys)
-
-
-def _chunk_view(ref, chunks):
-    """Chunks c0 .. c0 + n - 1 of a chunk-major slot (tiled memref [C, bk / 8, 1, 8, 64])
-    as one [bk, n * 64] wgmma operand: tiled [bk / 8, n, 8, 64], strides (512, 4096, 64,
-    1) in elements."""
-    c0, n = chunks
-    view = mgpu.memref_slice(ref, (slice(c0, c0 + n), slice(None), 0))
-    return mgpu.memref_transpose(view, (1, 0, 2, 3))
-
-
-def _accumulate(acc, p, values, interpret, wait=True, chunks=None, in_flight=False):
+def _accumulate(acc, p, values, interpret):
     """acc [64, R/2] f32 + p [64, bk] bf16 (registers, or shared memory) . values [bk, R/2]
-    (shared memory; with chunks=(c0, n), columns of chunks c0 .. c0 + n - 1 of a
-    chunk-major slot [C, bk, 64]). With wait=False the product is only issued
-    (`_waited`); in_flight: acc is itself an issued product's result."""
+    (shared memory)."""
     p_in_registers = _in_registers(p)
     if interpret:
         p = p if p_in_registers else p[...]
-        v = values[...]
-        if chunks is not None:
-            v = jnp.concatenate([v[c] for c in range(chunks[0], chunks[0] + chunks[1])], 1)
-        return acc + jnp.dot(p, v, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(p, values[...], preferred_element_type=jnp.float32)
 
     @plgpu.inline_mgpu(
-        arg_types=(_ACC if in_flight else plgpu.Layout.WGMMA,
-                   plgpu.Layout.WGMMA if p_in_registers else _REF, _REF),
-        return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32,
-                                           layout=plgpu.Layout.WGMMA if wait else _ACC))
+        arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA if p_in_registers else _REF, _REF),
+        return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
     def run(ctx, acc, p, values):
         del ctx
         z = _opaque_zero()
-        if in_flight:
-            out = mgpu.WGMMAAccumulator(_value=acc, _original_layout=mgpu.WGMMA_LAYOUT,
-                                        _sync=False)
-        else:
-            out = mgpu.WGMMAAccumulator.from_registers(acc)
-        values = _at(values, z)
-        if chunks is not None:
-            values = _chunk_view(values, chunks)
-        out = mgpu.wgmma(out, p if p_in_registers else _at(p, z), values)
+        out = mgpu.WGMMAAccumulator.from_registers(acc)
+        out = mgpu.wgmma(out, p if p_in_registers else _at(p, z), _at(values, z))
         nvvm.wgmma_commit_group_sync_aligned()
-        if not wait:
-            return out._value
         nvvm.wgmma_wait_group_sync_aligned(0)
         return out.value
 
     return run(acc, p, values)
-
-
-def _waited(in_flight, pending, interpret):
-    """Waits until at most `pending` wgmma groups are in flight, then hands `in_flight` (an
-    issued product, older than those pending) back as a [64, N] f32 array."""
-    if interpret:
-        return in_flight
-
-    @plgpu.inline_mgpu(
-        arg_types=(_ACC,),
-        return_type=plgpu.ShapeDtypeStruct(in_flight.shape, jnp.float32,
-                                           layout=plgpu.Layout.WGMMA))
-    def run(ctx, x):
-        del ctx
-        nvvm.wgmma_wait_group_sync_aligned(pending)
-        return x.to_layout(mgpu.WGMMA_LAYOUT)
-
-    return run(in_flight)
-
-
-def _load_p(p_smem, interpret):
-    """P [64, bk] bf16 from shared memory into registers (WGMMA layout: a wgmma A operand)."""
-    if interpret:
-        return p_smem[...]
-    return plgpu.load(p_smem, (), layout=plgpu.Layout.WGMMA)
 
 
 def _rope_registers(q_rope, interpret):
@@ -259,13 +179,11 @@ def _rope_registers(q_rope, interpret):
 
 def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             out_ref, lse_ref, scoped, *, block_h, block_kv, rank, num_splits, page_size,
-            scale_log2, zero_masked, schedule, interpret):
-    (q_left, q_right, (q_rope, p1_smem), p0_smem, (ring, o_stage), m_smem, l_smem), bars = scoped
-    q_bar, ring_bars, done_bar, m0_ready, m1_ready, p1_ready, p0_free, p0_ready = bars
-    chunked = schedule == 4
-    if not chunked:
-        k_left, k_right = ring
-        left_bars, right_bars = ring_bars
+            scale_log2, zero_masked, interpret):
+    (q_left, q_right, (q_rope, p1_smem), p0_smem, ((k_left, k_right), o_stage),
+     m_smem, l_smem), bars = scoped
+    (q_bar, left_bars, right_bars, done_bar, m0_ready, p0_ready, m1_ready, p1_ready,
+     p0_free) = bars
     tile = lax.axis_index("tile")
     split = lax.axis_index("split")
     wg = lax.axis_index("wg")
@@ -282,80 +200,34 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     live = q_ref.shape[1]
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
     piece = min(block_kv, page_size)
-    split_waits = schedule in (2, 5, 6, 7, 8, 9)
-    early_max = schedule >= 5      # each maximum published before its exponentials
-    p0_behind = schedule in (6, 7)  # wg 0's P0 . V0_L issued before P0's hand-over
-    p1_first = schedule >= 7       # wg 1's exponentials before it waits for P0
-    # wg 1 scales P0 by scale1 in registers (as FlashMLA hands it over), so its two value
-    # products go back to back without a wait between them
-    p0_scaled = schedule == 9
-    # chunk-major slots (schedule 4): chunk c = latent columns 64c .. 64c + 63, its own TMA
-    # barrier (ring_bars[slot * C + c]); the left value half is chunks 0 .. R/128 - 1, the
-    # right one the next R/128, the rope columns the rest.
-    num_chunks = width // 64
-    left_chunks = tuple(range(half // 64))
-    right_chunks = tuple(range(half // 64, rank // 64))
-    rope_chunks = tuple(range(rank // 64, num_chunks))
 
-    def load(i, part):
-        """TMA-copies a part of block i into slot i % 2, one copy per page piece (and per
-        chunk): "left" (value half), "right" (value half, and the rope columns unless
-        chunked) or "rope" (chunked only)."""
+    def load(i, right):
+        """TMA-copies block i's left value half (or the rest: right value half and rope)
+        into slot i % 2, one copy per page piece."""
         slot = lax.rem(i, jnp.int32(2))
-        pages = kv_block_pages(lat_ref, bt_ref, seq, (first_step + i) * block_kv,
-                               block_kv=block_kv, page_size=page_size)
-        if chunked:
-            chunks = dict(left=left_chunks, right=right_chunks, rope=rope_chunks)[part]
-            for c in chunks:
-                for j, (page, row0) in enumerate(pages):
-                    plgpu.copy_gmem_to_smem(lat_ref.at[page, pl.ds(row0, piece),
-                                                       pl.ds(64 * c, 64)],
-                                            ring.at[slot, c, pl.ds(j * piece, piece)],
-                                            ring_bars.at[slot * num_chunks + c])
-            return
-        if part == "rope":
-            return
-        right = part == "right"
         cols = pl.ds(half, width - half) if right else pl.ds(0, half)
         buf, buf_bars = (k_right, right_bars) if right else (k_left, left_bars)
+        pages = kv_block_pages(lat_ref, bt_ref, seq, (first_step + i) * block_kv,
+                               block_kv=block_kv, page_size=page_size)
         for j, (page, row0) in enumerate(pages):
             plgpu.copy_gmem_to_smem(lat_ref.at[page, pl.ds(row0, piece), cols],
-                                    buf.at[slot, pl.ds(j * piece, piece)],
-                                    buf_bars.at[slot])
+                                    buf.at[slot, pl.ds(j * piece, piece)], buf_bars.at[slot])
 
-    def load_if(i, part):
-        pl.when(i < steps)(lambda: load(i, part))
+    def load_if(i, right):
+        pl.when(i < steps)(lambda: load(i, right))
 
     def block_logits(i, rope):
-        """Block i's logits; with split_waits the left product computes while the right
-        buffer may still be arriving. Chunked: chunk by chunk (rope first: it is reloaded
-        first), each product issued once its chunk has arrived; then the rope chunk of
-        block i + 2 is loaded (it takes part in no value product)."""
+        """Block i's logits: the left product is issued once the left buffer is in, and
+        computes while the right one may still be arriving."""
         slot = lax.rem(i, jnp.int32(2))
-        if chunked:
-            s = None
-            order = rope_chunks + left_chunks + right_chunks
-            for n, c in enumerate(order):
-                plgpu.barrier_wait(ring_bars.at[slot * num_chunks + c])
-                if c in rope_chunks:
-                    a = rope
-                else:
-                    q_half = q_left if c in left_chunks else q_right
-                    a = q_half.at[:, pl.ds(64 * (c % (half // 64)), 64)]
-                s = _logits_step(s, a, ring.at[slot, c], interpret, wait=n == len(order) - 1)
-            load_if(i + 2, "rope")
-            return s
         plgpu.barrier_wait(left_bars.at[slot])
-        wait_right = lambda: plgpu.barrier_wait(right_bars.at[slot])   # noqa: E731
-        if not split_waits:
-            wait_right()
-            wait_right = None
         return _logits(q_left, q_right, rope, k_left.at[slot], k_right.at[slot], interpret,
-                       wait_right)
+                       wait_right=lambda: plgpu.barrier_wait(right_bars.at[slot]))
 
     def row_max(s, i, m_prev, masked):
-        """Raw logits [64, bk] of block i -> (s, visible, m_new): the lazy running max (and
-        s in log2 units with the invisible positions at MASKED, if `masked`)."""
+        """Raw logits [64, bk] of block i -> (s, visible, m_new): the lazy running max, as
+        in `kernel_mgpu.py` (and s in log2 units with the positions a row must not see at
+        MASKED, if `masked`)."""
         visible = None
         if masked:
             k0 = (first_step + i) * block_kv
@@ -367,45 +239,32 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             block_max = s.max(axis=1) * scale_log2       # the scale is > 0: the same max
         return s, visible, jnp.where(block_max > m_prev + LAZY_MAX, block_max, m_prev)
 
-    def softmax(s, i, m_prev, masked):
-        """Raw logits [64, bk] of block i -> (p [64, bk] f32, m_new, scale = the factor from
-        m_prev to m_new): scaled to log2 units, masked if `masked`, lazy max."""
-        s, visible, m_new = row_max(s, i, m_prev, masked)
-        return exponentials(s, visible, m_new, masked), m_new, factor(m_prev, m_new)
-
     def exponentials(s, visible, m_new, masked):
+        """P [64, bk] f32 of `row_max`'s s against the maximum m_new."""
         if masked:
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             if zero_masked:       # a row with no visible key: l = 0, output 0, weight 0
                 p = jnp.where(visible, p, 0.0)
-        else:
-            p = _exp2_split(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]),
-                            interpret)
-        return p
+            return p
+        return _exp2_split(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]),
+                           interpret)
 
     def factor(m_old, m_new):
         return jnp.where(m_new == m_old, 1.0, jnp.exp2(m_old - m_new))   # exactly 1: skipped
 
-    def value_half(part, i, final):
-        """This warpgroup's value half ("left" or "right") of block i [bk, R/2], as
-        (ref, chunks) for `_accumulate`; in the final pair its rows past kv_end are zeroed
-        first (spare pages may hold NaN, and 0 * NaN is NaN)."""
-        slot = lax.rem(i, jnp.int32(2))
-        k0 = (first_step + i) * block_kv
-        if chunked:
-            chunks = left_chunks if part == "left" else right_chunks
-            if final:
-                for c in chunks:
-                    zero_rows_past(ring.at[slot, c], k0, kv_end, interpret)
-            return ring.at[slot], (chunks[0], len(chunks))
-        values = (k_left if part == "left" else k_right).at[slot, :, pl.ds(0, half)]
+    def value_half(buffer, i, final):
+        """This warpgroup's value half of block i [bk, R/2]; in the final pair its rows past
+        kv_end are zeroed first (spare pages may hold NaN, and 0 * NaN is NaN)."""
+        values = buffer.at[lax.rem(i, jnp.int32(2)), :, pl.ds(0, half)]
         if final:
-            zero_rows_past(values, k0, kv_end, interpret)
-        return values, None
+            zero_rows_past(values, (first_step + i) * block_kv, kv_end, interpret)
+        return values
 
-    def publish(ref, x):
+    def publish(ref, x, barrier):
+        """Stores x into shared memory (fenced for wgmma too) and arrives on `barrier`."""
         ref[...] = x
         plgpu.commit_smem()
+        plgpu.barrier_arrive(barrier)
 
     def scaled(acc, alpha):
         return _rescaled(acc, alpha, interpret)
@@ -433,8 +292,8 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         plgpu.copy_gmem_to_smem(q_ref.at[tile, :, pl.ds(rank, width - rank)],
                                 _first_rows(q_rope, live), q_bar)
         for i in range(2):
-            for part in ("rope", "left", "right"):
-                load_if(jnp.int32(i), part)
+            load_if(jnp.int32(i), False)
+            load_if(jnp.int32(i), True)
 
     plgpu.barrier_wait(q_bar)
     # Each warpgroup reads the rope columns into registers before the first P1 overwrites
@@ -451,9 +310,8 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         """Sum both warpgroups' row sums (wg 0's through m_smem, wg 1's through l_smem),
         normalize, store this warpgroup's output half (and wg 0 the log2-sum-exp, staged in
         l_smem, which only wg 0 reads)."""
-        publish(l_smem if m_f is None else m_smem, l_own)
-        plgpu.barrier_arrive(done_bar)           # both are past their last ring read, too
-        plgpu.barrier_wait(done_bar)
+        publish(l_smem if m_f is None else m_smem, l_own, done_bar)
+        plgpu.barrier_wait(done_bar)             # both are past their last ring read, too
         l = l_own + _load_rows(m_smem if m_f is None else l_smem, interpret)
         l_safe = jnp.where(l > 0, l, 1.0)
         stage = o_stage.at[wg]
@@ -462,38 +320,25 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             l_smem[...] = m_f + jnp.log2(l_safe)
         store_tile(stage, l_smem, out_ref, lse_ref, tile, split, wg, live)
 
+    # m_smem holds one maximum at a time: wg 0 writes m0 (after reading the last m1), wg 1
+    # reads it and writes m1, wg 0 reads that. A row's value is read and written only by
+    # the 4 threads holding that row, with the row max's shuffles between.
     @pl.when(wg == 0)
     def _wg0():
         def pair(j, carry, *, masked, final, has_b1):
             acc, m_i, l_i, s0 = carry
             b0 = 2 * j
-            if early_max:       # wg 1's softmax needs only m0: it starts beside P0's
-                s, visible, m0 = row_max(s0, b0, m_i, masked)
-                publish(m_smem, m0)
-                plgpu.barrier_arrive(m0_ready)
-                p0 = exponentials(s, visible, m0, masked)
-                scale0 = factor(m_i, m0)
-            else:
-                p0, m0, scale0 = softmax(s0, b0, m_i, masked)
+            s, visible, m0 = row_max(s0, b0, m_i, masked)
+            publish(m_smem, m0, m0_ready)           # wg 1's softmax needs only m0
+            p0 = exponentials(s, visible, m0, masked)
+            scale0 = factor(m_i, m0)
             l_i = l_i * scale0 + p0.sum(axis=1)
             p0 = p0.astype(p0_smem.dtype)
-            values, chunks = value_half("left", b0, final)
-            if p0_behind:
-                acc = _accumulate(scaled(acc, scale0), p0, values, interpret, wait=False,
-                                  chunks=chunks)
             pl.when(j > 0)(lambda: plgpu.barrier_wait(p0_free))   # wg 1 is done with P0
-            p0_smem[...] = p0
-            if early_max:
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(p0_ready)
-            else:
-                publish(m_smem, m0)
-                plgpu.barrier_arrive(m0_ready)
-            if p0_behind:
-                acc = _waited(acc, 0, interpret)
-            else:
-                acc = _accumulate(scaled(acc, scale0), p0, values, interpret, chunks=chunks)
-            load_if(b0 + 2, "left")                 # this half of slot 0 is free now
+            publish(p0_smem, p0, p0_ready)
+            acc = _accumulate(scaled(acc, scale0), p0, value_half(k_left, b0, final),
+                              interpret)
+            load_if(b0 + 2, False)                  # this half of slot 0 is free now
             plgpu.barrier_wait(m1_ready)
             m1 = _load_rows(m_smem, interpret)
             scale1 = factor(m0, m1)                 # bit for bit wg 1's
@@ -501,9 +346,9 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             if not has_b1:                          # the lone last block
                 return scaled(acc, scale1), m1, l_i, zeros_s()
             plgpu.barrier_wait(p1_ready)
-            values, chunks = value_half("left", b0 + 1, final)
-            acc = _accumulate(scaled(acc, scale1), p1_smem, values, interpret, chunks=chunks)
-            load_if(b0 + 3, "left")                 # this half of slot 1 is free now
+            acc = _accumulate(scaled(acc, scale1), p1_smem,
+                              value_half(k_left, b0 + 1, final), interpret)
+            load_if(b0 + 3, False)                  # this half of slot 1 is free now
             # (not `lambda: s0`: that would keep this pair's logits alive through it)
             s0 = lax.cond(b0 + 2 < steps, lambda: block_logits(b0 + 2, rope), zeros_s)
             return acc, m1, l_i, s0
@@ -521,86 +366,29 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             plgpu.barrier_wait(m0_ready)
             m0 = _load_rows(m_smem, interpret)
             scale0 = factor(m_i, m0)                 # bit for bit wg 0's
-            values0, chunks0 = value_half("right", b0, final)
-            overlap = schedule >= 2 and has_b1
-            if early_max:
-                if has_b1:
-                    s, visible, m1 = row_max(s1, b0 + 1, m0, masked)
-                    publish(m_smem, m1)
-                    plgpu.barrier_arrive(m1_ready)
-                else:   # a lone last block: nothing to add, the maximum stays m0
-                    m1 = m0
-                    plgpu.barrier_arrive(m1_ready)
-                def p1_handed_over():
-                    p1 = exponentials(s, visible, m1, masked)
-                    p1_sum = p1.sum(axis=1)
-                    p1 = p1.astype(p1_smem.dtype)
-                    p1_smem[...] = p1
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(p1_ready)
-                    return p1, p1_sum
-
-                if has_b1 and p1_first:     # P1 first: wg 0's P1 . V1_L waits for it
-                    p1, p1_sum = p1_handed_over()
-                if has_b1 and p0_scaled:
-                    scale1 = factor(m0, m1)
-                    l_i = l_i * (scale0 * scale1) + p1_sum
-                    plgpu.barrier_wait(p0_ready)
-                    p0 = _load_p(p0_smem, interpret).astype(jnp.float32)
-                    p0 = (p0 * lax.broadcast_in_dim(scale1, p0.shape, [0])).astype(p1.dtype)
-                    acc = _accumulate(scaled(acc, scale0 * scale1), p0, values0, interpret,
-                                      wait=False, chunks=chunks0)
-                    values1, chunks1 = value_half("right", b0 + 1, final)
-                    acc = _accumulate(acc, p1, values1, interpret, wait=False,
-                                      chunks=chunks1, in_flight=True)
-                    if not interpret:
-                        plgpu.wgmma_wait(1)         # P0 . V0_R is done
-                    plgpu.barrier_arrive(p0_free)
-                    load_if(b0 + 2, "right")        # this half of slot 0 is free now
-                    acc = _waited(acc, 0, interpret)
-                    load_if(b0 + 3, "right")        # this half of slot 1 is free now
-                    s1 = lax.cond(b0 + 3 < steps, lambda: block_logits(b0 + 3, rope), zeros_s)
-                    return acc, m1, l_i, s1
-                plgpu.barrier_wait(p0_ready)
-                acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret,
-                                  wait=not has_b1 or p1_first, chunks=chunks0)
-                if has_b1:
-                    if not p1_first:
-                        p1, p1_sum = p1_handed_over()
-                        acc = _waited(acc, 0, interpret)
-                    scale1 = factor(m0, m1)
-                    l_i = l_i * (scale0 * scale1) + p1_sum
-                else:
-                    l_i = l_i * scale0
-            else:
-                if overlap:    # P0 . V0_R computes while this warpgroup's softmax runs
-                    acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret,
-                                      wait=False, chunks=chunks0)
-                if has_b1:
-                    p1, m1, scale1 = softmax(s1, b0 + 1, m0, masked)
-                    l_i = l_i * (scale0 * scale1) + p1.sum(axis=1)
-                    publish(m_smem, m1)
-                    plgpu.barrier_arrive(m1_ready)
-                    p1 = p1.astype(p1_smem.dtype)
-                    p1_smem[...] = p1
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(p1_ready)
-                else:     # a lone last block: nothing to add, the maximum stays m0
-                    m1 = m0
-                    l_i = l_i * scale0
-                    plgpu.barrier_arrive(m1_ready)
-                if overlap:
-                    acc = _waited(acc, 0, interpret)
-                else:
-                    acc = _accumulate(scaled(acc, scale0), p0_smem, values0, interpret,
-                                      chunks=chunks0)
+            if has_b1:
+                s, visible, m1 = row_max(s1, b0 + 1, m0, masked)
+                publish(m_smem, m1, m1_ready)
+                # P1 before P0 . V0_R: wg 0's P1 . V1_L waits for it
+                p1 = exponentials(s, visible, m1, masked)
+                scale1 = factor(m0, m1)
+                l_i = l_i * (scale0 * scale1) + p1.sum(axis=1)
+                p1 = p1.astype(p1_smem.dtype)
+                publish(p1_smem, p1, p1_ready)
+            else:     # a lone last block: nothing to add, the maximum stays m0
+                m1 = m0
+                l_i = l_i * scale0
+                plgpu.barrier_arrive(m1_ready)
+            plgpu.barrier_wait(p0_ready)
+            acc = _accumulate(scaled(acc, scale0), p0_smem, value_half(k_right, b0, final),
+                              interpret)
             plgpu.barrier_arrive(p0_free)
-            load_if(b0 + 2, "right")                # this half of slot 0 is free now
+            load_if(b0 + 2, True)                   # this half of slot 0 is free now
             if not has_b1:
                 return acc, m1, l_i, zeros_s()
-            values, chunks = value_half("right", b0 + 1, final)
-            acc = _accumulate(scaled(acc, scale1), p1, values, interpret, chunks=chunks)
-            load_if(b0 + 3, "right")                # this half of slot 1 is free now
+            acc = _accumulate(scaled(acc, scale1), p1, value_half(k_right, b0 + 1, final),
+                              interpret)
+            load_if(b0 + 3, True)                   # this half of slot 1 is free now
             s1 = lax.cond(b0 + 3 < steps, lambda: block_logits(b0 + 3, rope), zeros_s)
             return acc, m1, l_i, s1
 
@@ -611,18 +399,16 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
 
 def mla_tiles_seesaw(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok, *, rank,
                      block_h, sm_scale, block_kv=64, num_splits=1, zero_masked=False,
-                     schedule=1, interpret=False):
+                     interpret=False):
     """`mla_tiles_mgpu`'s contract (same inputs, outputs and checks) with the seesaw
     schedule: [n, rows, W] query tiles -> (out [n, splits, rows, R] bf16, lse [n, splits,
-    rows] f32). schedule: 1 or 2 (module docstring)."""
+    rows] f32)."""
     check_tiles(q_tiles, latent, rank, block_kv)
     width = q_tiles.shape[2]
     page_size = latent.shape[1]
     if width - rank != 64 or block_kv != 64:
         raise ValueError(f"the seesaw kernel needs 64 rope columns (width {width} - "
                          f"kv_lora_rank {rank}) and block_k 64, got block_k {block_kv}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"seesaw schedule must be one of {SCHEDULES}, got {schedule!r}")
     if not sm_scale > 0:    # the softmax takes the max of the unscaled logits
         raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
     half, rope = rank // 2, width - rank
@@ -630,11 +416,7 @@ def mla_tiles_seesaw(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_nt
     def smem(*shape):
         return plgpu.SMEM(shape, jnp.bfloat16, transforms=_SWIZZLED)
 
-    chunked = schedule == 4
-    if chunked:
-        ring = smem(2, width // 64, block_kv, 64)
-    else:
-        ring = (smem(2, block_kv, half), smem(2, block_kv, width - half))
+    ring = (smem(2, block_kv, half), smem(2, block_kv, width - half))
     output = smem(2, TILE_ROWS, half)
     # Q's rope columns share their place with P1 (each warpgroup holds them in registers
     # once loaded), and the output halves take the KV ring's after the loop. The interpreter
@@ -644,8 +426,9 @@ def mla_tiles_seesaw(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_nt
     kernel = functools.partial(
         _kernel, block_h=block_h, block_kv=block_kv, rank=rank, num_splits=num_splits,
         page_size=page_size, scale_log2=float(sm_scale) * LOG2E, zero_masked=zero_masked,
-        schedule=schedule, interpret=interpret)
+        interpret=interpret)
     copies = max(1, block_kv // page_size)
+    halves = plgpu.Barrier(num_arrivals=copies, num_barriers=2)     # a TMA barrier a slot
 
     return run_tiles(
         kernel,
@@ -654,11 +437,7 @@ def mla_tiles_seesaw(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_nt
          smem(TILE_ROWS, block_kv),
          union(ring, output),
          rows_f32, rows_f32),
-        (plgpu.Barrier(num_arrivals=3),
-         plgpu.Barrier(num_arrivals=copies, num_barriers=2 * (width // 64)) if chunked else
-         (plgpu.Barrier(num_arrivals=copies, num_barriers=2),
-          plgpu.Barrier(num_arrivals=copies, num_barriers=2)),
-         plgpu.Barrier(num_arrivals=2),
-         plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier()),
+        (plgpu.Barrier(num_arrivals=3), halves, halves, plgpu.Barrier(num_arrivals=2),
+         *(plgpu.Barrier() for _ in range(5))),
         (tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent),
         num_splits=num_splits, rank=rank, num_threads=2, interpret=interpret)

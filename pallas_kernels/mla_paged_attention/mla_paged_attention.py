@@ -25,15 +25,13 @@ from pallas_kernels import _checks
 from pallas_kernels._hopper import on_hopper
 from pallas_kernels.paged_reference import paged_attention_tokens, ragged_token_rows
 from pallas_kernels.mla_paged_attention.kernel import mla_core
-from pallas_kernels.mla_paged_attention.kernel_seesaw import SCHEDULES as SEESAW_SCHEDULES
 from pallas_kernels.mla_paged_attention.mosaic_tiles import mla_mosaic
 from pallas_kernels.mla_paged_attention.work_items import item_ends, max_items
 
 _TUNING_KEYS = ("block_q", "block_h", "block_k", "num_splits", "num_warps", "num_stages",
                 "value_split", "qk_chunk", "keys_first", "kernel", "share_logits", "compact",
                 "seesaw")
-_MOSAIC_FLAGS = ("share_logits", "compact")   # bool options of kernel="mosaic" only
-_MOSAIC_ONLY = _MOSAIC_FLAGS + ("seesaw",)
+_MOSAIC_FLAGS = ("share_logits", "compact", "seesaw")   # bool options of kernel="mosaic" only
 KERNELS = ("triton", "mosaic")
 _NUM_SMS = 132  # H100 / H200
 MAX_ROWS = 64   # default tile rows (block_q * block_h): a [64, 512] f32 accumulator
@@ -161,9 +159,10 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         sized tile whose KV block spans several pages: `default_tuning`).
         kernel: "triton" (`kernel.py`), "mosaic" (`kernel_mgpu.py`: Hopper warpgroups, bf16;
         takes block_q, block_h, block_k (a multiple of 64), num_splits, num_stages,
-        share_logits and compact (`mosaic_tiles.py`: tiles of only their live rows; default
-        on with uniform_q_len); defaults in `mosaic_tuning`) or None: `default_kernel`
-        ("mosaic" on a Hopper GPU where it fits).
+        share_logits, compact (`mosaic_tiles.py`: tiles of only their live rows; default
+        on with uniform_q_len) and seesaw (`kernel_seesaw.py`: FlashMLA's two-warpgroup
+        schedule; 64 rope columns, block_k 64); defaults in `mosaic_tuning`) or None:
+        `default_kernel` ("mosaic" on a Hopper GPU where it fits).
       uniform_q_len: None, or q when every sequence has exactly q tokens at q * s (T =
         num_seqs_max * q; decode and verify steps): with compact tiles and block_q == q the
         Mosaic kernel's tiles are a reshape of q. The caller vouches for it (values are not
@@ -185,7 +184,7 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         return _mosaic(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
                        kv_lora_rank, sm_scale, interpret, uniform_q_len, tuning)
     tuning.pop("kernel")
-    for key in _MOSAIC_ONLY:
+    for key in _MOSAIC_FLAGS:
         if key in tuning:
             raise ValueError(f"{key} is an option of kernel='mosaic', not of the Triton kernel")
     full = default_tuning(t, h, block_tables.shape[0], block_tables.shape[1],
@@ -253,7 +252,7 @@ def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q
     splits = _splits(num_tokens, num_heads, num_seqs, max_pages, page_size, block_h,
                      block_k=64, waves=1)
     return dict(block_q=block_q, block_h=block_h, block_k=64, num_splits=splits,
-                num_stages=2, share_logits=True, compact=None, seesaw=0)
+                num_stages=2, share_logits=True, compact=None, seesaw=False)
 
 
 def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scale,
@@ -263,7 +262,7 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
     tuning = dict(tuning)
     tuning.pop("kernel")
     unused = set(tuning) - {"block_q", "block_h", "block_k", "num_splits", "num_stages",
-                            *_MOSAIC_ONLY}
+                            *_MOSAIC_FLAGS}
     if unused:
         raise ValueError(f"kernel='mosaic' takes block_q, block_h, block_k, num_splits, "
                          f"num_stages, share_logits, compact and seesaw, got "
@@ -293,12 +292,8 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
     for key in _MOSAIC_FLAGS:
         if full[key] not in (True, False, 0, 1):
             raise ValueError(f"{key} must be a bool, got {full[key]!r}")
-    seesaw = full["seesaw"]
-    if isinstance(seesaw, bool) or seesaw not in (0, *SEESAW_SCHEDULES):
-        raise ValueError(f"seesaw must be 0 (off) or a schedule in {SEESAW_SCHEDULES}, got "
-                         f"{seesaw!r}")
-    if seesaw and (width - rank != 64 or full["block_k"] != 64):
-        raise ValueError(f"kernel='mosaic', seesaw={seesaw}: needs 64 rope columns (width "
+    if full["seesaw"] and (width - rank != 64 or full["block_k"] != 64):
+        raise ValueError(f"kernel='mosaic', seesaw=True: needs 64 rope columns (width "
                          f"{width} - kv_lora_rank {rank}) and block_k 64, got block_k "
                          f"{full['block_k']}")
     if uniform_q_len is not None and not (isinstance(uniform_q_len, int) and uniform_q_len >= 1
@@ -318,7 +313,7 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
                        num_splits=full["num_splits"], num_stages=full["num_stages"],
                        share_logits=bool(full["share_logits"]), interpret=interpret,
                        compact=bool(full["compact"]), uniform_q_len=uniform_q_len,
-                       seesaw=int(seesaw))
+                       seesaw=bool(full["seesaw"]))
 
 
 _mla_mosaic = jax.jit(mla_mosaic, static_argnames=(

@@ -52,7 +52,7 @@ def uniform_tiles(q, kv_lens, num_seqs, block_q, block_h):
 
 def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, sm_scale,
                block_q, block_h, block_kv, num_splits, num_stages, share_logits, interpret,
-               compact=False, uniform_q_len=None, seesaw=0):
+               compact=False, uniform_q_len=None, seesaw=False):
     """[T, H, W] queries -> [T, H, R] through `mla_tiles_mgpu` (arguments as for
     `mla_paged_attention`; jit by the caller).
 
@@ -60,7 +60,7 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
     64, and rows that see no key come out of the kernel as zeros. With uniform_q_len ==
     block_q as well (every sequence has exactly that many tokens, T = S * block_q: decode and
     verify steps), the tiles are a reshape of q and the outputs a reshape back: no gathers.
-    seesaw: 0, or the schedule (1, 2) of `mla_tiles_seesaw`, which then runs the tiles.
+    seesaw: the tiles run through `mla_tiles_seesaw` (FlashMLA's schedule) instead.
     """
     t, h, width = q.shape
     s = block_tables.shape[0]
@@ -71,8 +71,7 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
     if seesaw:
         kernel = functools.partial(
             mla_tiles_seesaw, rank=rank, block_h=block_h, sm_scale=sm_scale,
-            block_kv=block_kv, num_splits=num_splits, zero_masked=compact, schedule=seesaw,
-            interpret=interpret)
+            block_kv=block_kv, num_splits=num_splits, zero_masked=compact, interpret=interpret)
     else:
         kernel = functools.partial(
             mla_tiles_mgpu, rank=rank, block_h=block_h, sm_scale=sm_scale, block_kv=block_kv,
