@@ -127,6 +127,8 @@ def test_mla_default_picks_the_logits_order_measured_faster(heads, page, tuning,
     (16, 64, 1, {"share_logits": False}),       # both warpgroups compute the logits
     (16, 16, 1, {"compact": True, "uniform_q_len": 1}),   # 16-row tiles, reshaped from q
     (128, 64, 4, {"compact": True}),            # compact, gathered (verify q4 H=128)
+    (128, 64, 4, {"seesaw": True}),             # FlashMLA's schedule (kernel_seesaw.py)
+    (16, 16, 4, {"seesaw": True}),              # ... with 4 page copies a half block
 ])
 def test_mla_mosaic_kernel_lowers_for_cuda_within_shared_memory(heads, page, q_len, tuning):
     """kernel="mosaic" lowers to a Mosaic-GPU call on this machine: wgmma's operand layouts

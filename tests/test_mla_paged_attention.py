@@ -204,11 +204,49 @@ def test_mosaic_uniform_batch_tiles_are_a_reshape(h, q_len, kv_lens, splits):
     case = _case(seed, [q_len] * len(kv_lens), kv_lens, h, rank, rope, page, max_pages=9,
                  pad_seqs=0, pad_tokens=0)
     args = _args(case, "bfloat16")
-    out = mla_paged_attention(*args, kv_lora_rank=rank, sm_scale=0.1, kernel="mosaic",
-                              interpret=interpret_mode(), uniform_q_len=q_len, block_q=q_len,
-                              compact=True, num_splits=splits)
     ref = mla_paged_attention_reference(*args, kv_lora_rank=rank, sm_scale=0.1, token_chunk=8)
-    assert rel_err(out, ref) < TOL["bfloat16"], seed
+    # verify with one split: the default is the seesaw kernel; the other one too
+    for seesaw in (None, False) if q_len > 1 and splits == 1 else (None,):
+      out = mla_paged_attention(*args, kv_lora_rank=rank, sm_scale=0.1, kernel="mosaic",
+                                interpret=interpret_mode(), uniform_q_len=q_len,
+                                block_q=q_len, compact=True, num_splits=splits,
+                                seesaw=seesaw)
+      assert rel_err(out, ref) < TOL["bfloat16"], (seed, seesaw)
+
+
+@pytest.mark.parametrize("heads,q_len,uniform,expected", [
+    (128, 4, True, True),       # H=128 verify: 512 tiles, one split
+    (128, 1, True, False),      # H=128 decode
+    (16, 4, True, False),       # H=16 verify: 2 splits
+    (128, 4, False, False),     # a ragged batch (prefill chunks and verify rows)
+])
+def test_mosaic_default_takes_the_seesaw_where_it_measured_faster(monkeypatch, heads, q_len,
+                                                                  uniform, expected):
+  """kernel="mosaic" with no seesaw option: FlashMLA's schedule for uniform verify steps
+  without KV splits (B=64, ctx 4096: the H100 measured it faster there only)."""
+  from pallas_kernels.mla_paged_attention import mosaic_tiles
+  called = []
+
+  def recorder(name, fn):
+    def wrapped(*a, **kw):
+      called.append(name)
+      return fn(*a, **kw)
+    return wrapped
+
+  monkeypatch.setattr(mosaic_tiles, "mla_tiles_seesaw",
+                      recorder("seesaw", mosaic_tiles.mla_tiles_seesaw))
+  monkeypatch.setattr(mosaic_tiles, "mla_tiles_mgpu",
+                      recorder("split", mosaic_tiles.mla_tiles_mgpu))
+  b, ctx, page = 64, 4096, 64
+  S = jax.ShapeDtypeStruct
+  jax.eval_shape(
+      lambda *a: mla_paged_attention(*a, kv_lora_rank=512, kernel="mosaic", block_q=q_len,
+                                     uniform_q_len=q_len if uniform else None),
+      S((b * q_len, heads, 576), jnp.bfloat16),
+      S((b * ctx // page + 8, page, 576), jnp.bfloat16),
+      S((b, ctx // page), jnp.int32), S((b,), jnp.int32), S((b + 1,), jnp.int32),
+      S((), jnp.int32))
+  assert called == ["seesaw" if expected else "split"], called
 
 
 def _sub_jaxprs(jaxpr):
@@ -258,6 +296,36 @@ def test_mosaic_schedule_keeps_its_measured_orderings():
   params = [e.params["compiler_params"] for j in jaxprs for e in j.eqns
             if "compiler_params" in e.params]
   assert params and all(getattr(p, "unsafe_no_auto_barriers", False) for p in params)
+
+
+def test_seesaw_schedule_keeps_its_measured_orderings():
+  """Guards on the traced seesaw kernel (no GPU) for the orderings the H100 measured faster
+  (docs/benchmarks.md, round 3 session 27): wg 0 publishes its block maximum before its
+  exponentials; wg 1 publishes its maximum and hands P1 over before it waits for P0 (and
+  multiplies P0 . V0_R)."""
+  from pallas_kernels.mla_paged_attention.kernel_seesaw import mla_tiles_seesaw
+  q = jnp.zeros((4, 64, 576), jnp.bfloat16)
+  lat = jnp.zeros((8, 64, 576), jnp.bfloat16)
+  bt = jnp.zeros((2, 16), jnp.int32)
+  tiles = jnp.zeros((4,), jnp.int32)
+  traced = jax.make_jaxpr(
+      lambda *a: mla_tiles_seesaw(*a, rank=512, block_h=16, sm_scale=0.1))(
+          q, lat, bt, tiles, tiles, tiles)
+  wg0, wg1 = [], []
+  for j in _sub_jaxprs(traced.jaxpr):
+    prims = [e.primitive.name for e in j.eqns]
+    if prims.count("barrier_arrive") < 2 or "inline_mgpu_p" not in prims:
+      continue          # not a pair's body
+    syncs = [p for p in prims if p in ("barrier_arrive", "barrier_wait")]
+    if syncs[0] == "barrier_arrive":      # wg 0: m0 before any exponential
+      exps = [i for i, p in enumerate(prims) if p in ("exp2", "inline_mgpu_p")]
+      wg0.append(prims.index("barrier_arrive") < exps[0])
+    else:                                 # wg 1: wait m0, publish m1 and P1, wait P0
+      wg1.append(syncs[:4] == ["barrier_wait", "barrier_arrive", "barrier_arrive",
+                               "barrier_wait"])
+  assert len(wg0) == 3 and all(wg0), wg0      # unmasked, masked and lone-block pairs
+  # unmasked and masked pairs; a lone last block's pair hands over no P1
+  assert sorted(wg1) == [False, True, True], wg1
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -247,12 +247,23 @@ def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q
     compact None: on for uniform batches (`uniform_q_len` given: decode and verify steps),
     off otherwise. Round 3 session 13 (H100, B=64, ctx 4096, page 64), compact against 64-row
     tiles: H=16 decode 132 -> 122 us, H=16 verify q4 153 -> 133, H=128 decode 156 -> 149;
-    H=128 verify q4 627 -> 639 (its tiles are full either way)."""
+    H=128 verify q4 627 -> 639 (its tiles are full either way).
+    seesaw None: `_seesaw_default`."""
     block_q, block_h = _tile(num_heads, block_q)
     splits = _splits(num_tokens, num_heads, num_seqs, max_pages, page_size, block_h,
                      block_k=64, waves=1)
     return dict(block_q=block_q, block_h=block_h, block_k=64, num_splits=splits,
-                num_stages=2, share_logits=True, compact=None, seesaw=False)
+                num_stages=2, share_logits=True, compact=None, seesaw=None)
+
+
+def _seesaw_default(full, uniform_q_len, rope) -> bool:
+    """FlashMLA's schedule (`kernel_seesaw.py`) where it was measured faster: uniform steps
+    of several query tokens (verify) whose tiles need no KV split. H100, B=64, ctx 4096,
+    page 64, same run (docs/benchmarks.md, round 3 session 27): H=128 verify q4 502.7 ->
+    480.7 us; slower at H=128 decode (125.0 -> 131.7), H=16 decode (114.0 -> 118.1) and
+    H=16 verify q4 (2 splits; 121.2 -> 125.3)."""
+    return (uniform_q_len is not None and full["block_q"] > 1 and full["num_splits"] == 1
+            and rope == 64 and full["block_k"] == 64)
 
 
 def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scale,
@@ -289,6 +300,8 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
                          f"{full['block_k']}")
     if full["compact"] is None:
         full["compact"] = uniform_q_len is not None
+    if full["seesaw"] is None:
+        full["seesaw"] = _seesaw_default(full, uniform_q_len, width - rank)
     for key in _MOSAIC_FLAGS:
         if full[key] not in (True, False, 0, 1):
             raise ValueError(f"{key} must be a bool, got {full[key]!r}")
