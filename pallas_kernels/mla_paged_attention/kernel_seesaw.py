@@ -82,22 +82,21 @@ def _transposed(ref):
     return mgpu.memref_transpose(ref, (1, 0, 3, 2))
 
 
-def _logits(q_left, q_right, rope, k_left, k_right, interpret, wait_right=None):
+def _logits(q_left, q_right, rope, k_left, k_right, wait_right, interpret):
     """Q . K^T [64, bk] f32 over the left value half, the right one and the rope columns
-    (A operand in registers): k_right holds the right half then the rope columns. With
-    wait_right (a callable: the right buffer's barrier wait), the left product is issued
-    first and computes while the right buffer may still be arriving."""
+    (A operand in registers): k_right holds the right half then the rope columns. The left
+    product is issued first, then wait_right() (the right buffer's barrier wait) runs while
+    it computes: the right buffer may still be arriving."""
     half = q_left.shape[1]
     bk, width_right = k_right.shape
     if interpret:
-        if wait_right is not None:
-            wait_right()
+        wait_right()
         kr = k_right[...]
         return (jnp.dot(q_left[...], k_left[...].T, preferred_element_type=jnp.float32)
                 + jnp.dot(q_right[...], kr[:, :half].T, preferred_element_type=jnp.float32)
                 + jnp.dot(rope, kr[:, half:].T, preferred_element_type=jnp.float32))
-    shape = plgpu.ShapeDtypeStruct((TILE_ROWS, bk), jnp.float32, layout=plgpu.Layout.WGMMA)
-
+    # The left product's result crosses the Pallas code between the two calls in flight:
+    # in the accumulator's own layout, not waited for (ptxas keeps the wgmmas async).
     @plgpu.inline_mgpu(arg_types=(_REF, _REF),
                        return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, bk), jnp.float32,
                                                           layout=_ACC))
@@ -109,38 +108,24 @@ def _logits(q_left, q_right, rope, k_left, k_right, interpret, wait_right=None):
         nvvm.wgmma_commit_group_sync_aligned()
         return acc._value
 
-    def rest(acc, q_r, rope, k_v, k_r):
+    @plgpu.inline_mgpu(arg_types=(_ACC, _REF, plgpu.Layout.WGMMA, _REF, _REF),
+                       return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, bk), jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA))
+    def rest(ctx, acc, q_r, rope, k_v, k_r):
+        del ctx
         z = _opaque_zero()
+        acc = mgpu.WGMMAAccumulator(_value=acc, _original_layout=mgpu.WGMMA_LAYOUT,
+                                    _sync=False)
         acc = mgpu.wgmma(acc, _at(q_r, z), _transposed(_at(k_v, z)))
         acc = mgpu.wgmma(acc, rope, _transposed(_at(k_r, z)))
         nvvm.wgmma_commit_group_sync_aligned()
         nvvm.wgmma_wait_group_sync_aligned(0)
         return acc.value
 
-    @plgpu.inline_mgpu(arg_types=(_REF, _REF, plgpu.Layout.WGMMA, _REF, _REF, _REF),
-                       return_type=shape)
-    def whole(ctx, q_l, q_r, rope, k_l, k_v, k_r):
-        del ctx
-        z = _opaque_zero()
-        acc = mgpu.WGMMAAccumulator.zero(TILE_ROWS, bk)
-        acc = mgpu.wgmma(acc, _at(q_l, z), _transposed(_at(k_l, z)))
-        return rest(acc, q_r, rope, k_v, k_r)
-
-    @plgpu.inline_mgpu(arg_types=(_ACC, _REF, plgpu.Layout.WGMMA, _REF, _REF),
-                       return_type=shape)
-    def after_left(ctx, acc, q_r, rope, k_v, k_r):
-        del ctx
-        acc = mgpu.WGMMAAccumulator(_value=acc, _original_layout=mgpu.WGMMA_LAYOUT,
-                                    _sync=False)
-        return rest(acc, q_r, rope, k_v, k_r)
-
-    k_v = k_right.at[:, pl.ds(0, half)]
-    k_r = k_right.at[:, pl.ds(half, width_right - half)]
-    if wait_right is None:
-        return whole(q_left, q_right, rope, k_left, k_v, k_r)
     acc = left(q_left, k_left)
     wait_right()
-    return after_left(acc, q_right, rope, k_v, k_r)
+    return rest(acc, q_right, rope, k_right.at[:, pl.ds(0, half)],
+                k_right.at[:, pl.ds(half, width_right - half)])
 
 
 def _in_registers(x):
@@ -221,8 +206,8 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         computes while the right one may still be arriving."""
         slot = lax.rem(i, jnp.int32(2))
         plgpu.barrier_wait(left_bars.at[slot])
-        return _logits(q_left, q_right, rope, k_left.at[slot], k_right.at[slot], interpret,
-                       wait_right=lambda: plgpu.barrier_wait(right_bars.at[slot]))
+        return _logits(q_left, q_right, rope, k_left.at[slot], k_right.at[slot],
+                       lambda: plgpu.barrier_wait(right_bars.at[slot]), interpret)
 
     def row_max(s, i, m_prev, masked):
         """Raw logits [64, bk] of block i -> (s, visible, m_new): the lazy running max, as
