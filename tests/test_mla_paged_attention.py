@@ -205,8 +205,8 @@ def test_mosaic_uniform_batch_tiles_are_a_reshape(h, q_len, kv_lens, splits):
                  pad_seqs=0, pad_tokens=0)
     args = _args(case, "bfloat16")
     ref = mla_paged_attention_reference(*args, kv_lora_rank=rank, sm_scale=0.1, token_chunk=8)
-    # verify with one split: the default is the seesaw kernel; the other one too
-    for seesaw in (None, False) if q_len > 1 and splits == 1 else (None,):
+    # verify with one split: through both Mosaic kernels
+    for seesaw in (False, True) if q_len > 1 and splits == 1 else (None,):
       out = mla_paged_attention(*args, kv_lora_rank=rank, sm_scale=0.1, kernel="mosaic",
                                 interpret=interpret_mode(), uniform_q_len=q_len,
                                 block_q=q_len, compact=True, num_splits=splits,
@@ -214,16 +214,17 @@ def test_mosaic_uniform_batch_tiles_are_a_reshape(h, q_len, kv_lens, splits):
       assert rel_err(out, ref) < TOL["bfloat16"], (seed, seesaw)
 
 
-@pytest.mark.parametrize("heads,q_len,uniform,expected", [
-    (128, 4, True, True),       # H=128 verify: 512 tiles, one split
-    (128, 1, True, False),      # H=128 decode
-    (16, 4, True, False),       # H=16 verify: 2 splits
-    (128, 4, False, False),     # a ragged batch (prefill chunks and verify rows)
+@pytest.mark.parametrize("heads,q_len,uniform,ctx,expected", [
+    (128, 4, True, 4096, True),       # H=128 verify: 512 tiles, one split
+    (128, 1, True, 4096, False),      # H=128 decode
+    (16, 4, True, 4096, False),       # H=16 verify: 2 splits
+    (16, 4, True, 256, False),        # ... one split, but bytes-bound (64 rows a request)
+    (128, 4, False, 4096, False),     # a ragged batch (prefill chunks and verify rows)
 ])
 def test_mosaic_default_takes_the_seesaw_where_it_measured_faster(monkeypatch, heads, q_len,
-                                                                  uniform, expected):
-  """kernel="mosaic" with no seesaw option: FlashMLA's schedule for uniform verify steps
-  without KV splits (B=64, ctx 4096: the H100 measured it faster there only)."""
+                                                                  uniform, ctx, expected):
+  """kernel="mosaic" with no seesaw option: FlashMLA's schedule for compute-bound uniform
+  verify steps without KV splits (B=64, ctx 4096: the H100 measured it faster at H=128)."""
   from pallas_kernels.mla_paged_attention import mosaic_tiles
   called = []
 
@@ -237,7 +238,7 @@ def test_mosaic_default_takes_the_seesaw_where_it_measured_faster(monkeypatch, h
                       recorder("seesaw", mosaic_tiles.mla_tiles_seesaw))
   monkeypatch.setattr(mosaic_tiles, "mla_tiles_mgpu",
                       recorder("split", mosaic_tiles.mla_tiles_mgpu))
-  b, ctx, page = 64, 4096, 64
+  b, page = 64, 64
   S = jax.ShapeDtypeStruct
   jax.eval_shape(
       lambda *a: mla_paged_attention(*a, kv_lora_rank=512, kernel="mosaic", block_q=q_len,

@@ -256,14 +256,16 @@ def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q
                 num_stages=2, share_logits=True, compact=None, seesaw=None)
 
 
-def _seesaw_default(full, uniform_q_len, rope) -> bool:
+def _seesaw_default(full, uniform_q_len, num_heads, rope) -> bool:
     """FlashMLA's schedule (`kernel_seesaw.py`) where it was measured faster: uniform steps
-    of several query tokens (verify) whose tiles need no KV split. H100, B=64, ctx 4096,
-    page 64, same run (docs/benchmarks.md, round 3 session 27): H=128 verify q4 502.7 ->
-    480.7 us; slower at H=128 decode (125.0 -> 131.7), H=16 decode (114.0 -> 118.1) and
-    H=16 verify q4 (2 splits; 121.2 -> 125.3)."""
-    return (uniform_q_len is not None and full["block_q"] > 1 and full["num_splits"] == 1
-            and rope == 64 and full["block_k"] == 64)
+    of several query tokens whose rows per sequence (q_len x H) make the step compute-bound
+    (>= 256: each KV block serves >= 4 tiles, ~2 FLOPs a latent byte per row against the
+    H100's ~270 FLOPs a byte) and whose tiles need no KV split. H100, B=64, ctx 4096,
+    page 64, same run (docs/benchmarks.md, round 3 session 27): H=128 verify q4 (512 rows)
+    502.7 -> 480.7 us; slower at H=128 decode (128 rows: 125.0 -> 131.7), H=16 decode
+    (114.0 -> 118.1) and H=16 verify q4 (64 rows, 2 splits: 121.2 -> 125.3)."""
+    return (uniform_q_len is not None and uniform_q_len > 1 and uniform_q_len * num_heads >= 256
+            and full["num_splits"] == 1 and rope == 64 and full["block_k"] == 64)
 
 
 def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scale,
@@ -298,10 +300,14 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
     if full["block_k"] % 64:
         raise ValueError(f"kernel='mosaic' needs block_k a multiple of 64, got "
                          f"{full['block_k']}")
+    if uniform_q_len is not None and not (isinstance(uniform_q_len, int) and uniform_q_len >= 1
+                                          and t == block_tables.shape[0] * uniform_q_len):
+        raise ValueError(f"uniform_q_len must be None or an int q with num_tokens {t} == "
+                         f"num_seqs_max {block_tables.shape[0]} * q, got {uniform_q_len!r}")
     if full["compact"] is None:
         full["compact"] = uniform_q_len is not None
     if full["seesaw"] is None:
-        full["seesaw"] = _seesaw_default(full, uniform_q_len, width - rank)
+        full["seesaw"] = _seesaw_default(full, uniform_q_len, h, width - rank)
     for key in _MOSAIC_FLAGS:
         if full[key] not in (True, False, 0, 1):
             raise ValueError(f"{key} must be a bool, got {full[key]!r}")
@@ -309,10 +315,6 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
         raise ValueError(f"kernel='mosaic', seesaw=True: needs 64 rope columns (width "
                          f"{width} - kv_lora_rank {rank}) and block_k 64, got block_k "
                          f"{full['block_k']}")
-    if uniform_q_len is not None and not (isinstance(uniform_q_len, int) and uniform_q_len >= 1
-                                          and t == block_tables.shape[0] * uniform_q_len):
-        raise ValueError(f"uniform_q_len must be None or an int q with num_tokens {t} == "
-                         f"num_seqs_max {block_tables.shape[0]} * q, got {uniform_q_len!r}")
     smem = 2 * (MAX_ROWS + full["num_stages"] * full["block_k"]) * width + 2 * 1024 + (
         2 * MAX_ROWS * full["block_k"] if full["share_logits"] else 0)
     if full["num_stages"] < 2 or smem > 227 * 1024:
