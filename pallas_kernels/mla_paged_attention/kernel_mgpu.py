@@ -300,6 +300,44 @@ def store_tile(stage, lse_rows, out_ref, lse_ref, tile, split, wg, live):
     plgpu.wait_smem_to_gmem(0)
 
 
+def tile_blocks(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, *, block_kv, num_splits):
+    """This CTA's work in a (tile, split) grid: (tile, split, seq, pos0, kv_end, first_step,
+    steps): the tile's sequence, the KV position of its first query token, its KV end
+    (positions 0 .. kv_end - 1; 0 for a padding tile), and the split's first block and
+    block count."""
+    tile = lax.axis_index("tile")
+    split = lax.axis_index("split")
+    seq = tile_seq_ref[tile]
+    pos0 = tile_pos0_ref[tile]
+    ntok = tile_ntok_ref[tile]
+    kv_end = jnp.where(ntok > 0, pos0 + ntok, 0)
+    total_steps = lax.div(kv_end + (block_kv - 1), jnp.int32(block_kv))
+    per_split = lax.div(total_steps + (num_splits - 1), jnp.int32(num_splits))
+    first_step = split * per_split
+    steps = jnp.clip(total_steps - first_step, 0, per_split)
+    return tile, split, seq, pos0, kv_end, first_step, steps
+
+
+def visible_keys(shape, k0, pos0, block_h, interpret):
+    """The causal mask of a logits block [64, bk] whose first key is KV position k0: row r
+    (token r // block_h, at position pos0 + r // block_h) sees keys at or before it."""
+    row_tok = lax.div(_iota(shape, 0, interpret), jnp.int32(block_h))
+    return (_iota(shape, 1, interpret) + k0) <= (row_tok + pos0)
+
+
+def lazy_max(m_prev, block_max):
+    """The lazy running max: it moves only when a block's max exceeds it by more than
+    LAZY_MAX, so P <= 2^LAZY_MAX and most blocks need no rescale (`_rescaled`). H100,
+    same process, both orders: H=128 decode 135.8 -> 134.5 us, verify q4 553.9-561.5 ->
+    551.5-554.4, H=16 unchanged (round 3 session 21)."""
+    return jnp.where(block_max > m_prev + LAZY_MAX, block_max, m_prev)
+
+
+def rescale_factor(m_old, m_new):
+    """exp2(m_old - m_new), exactly 1 where the max did not move (`_rescaled` skips it)."""
+    return jnp.where(m_new == m_old, 1.0, jnp.exp2(m_old - m_new))
+
+
 def check_tiles(q_tiles, latent, rank, block_kv):
     """The Mosaic MLA kernel's checks of its tile inputs."""
     rows, width = q_tiles.shape[1:]
@@ -358,17 +396,9 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             page_size, scale_log2, share_logits, zero_masked, interpret, profile):
     (q_smem, p_smem, (kv_smem, o_stage), lse_smem, alpha_smem), bars = scoped
     q_bar, kv_bars, consumed_bars, done_bar, p_ready, p_free = bars
-    tile = lax.axis_index("tile")
-    split = lax.axis_index("split")
+    tile, split, seq, pos0, kv_end, first_step, steps = tile_blocks(
+        tile_seq_ref, tile_pos0_ref, tile_ntok_ref, block_kv=block_kv, num_splits=num_splits)
     wg = lax.axis_index("wg")
-    seq = tile_seq_ref[tile]
-    pos0 = tile_pos0_ref[tile]
-    ntok = tile_ntok_ref[tile]
-    kv_end = jnp.where(ntok > 0, pos0 + ntok, 0)            # KV positions 0 .. kv_end - 1
-    total_steps = lax.div(kv_end + (block_kv - 1), jnp.int32(block_kv))
-    per_split = lax.div(total_steps + (num_splits - 1), jnp.int32(num_splits))
-    first_step = split * per_split
-    steps = jnp.clip(total_steps - first_step, 0, per_split)
     half = rank // 2
     live = q_ref.shape[1]          # rows a tile holds in HBM (<= 64; the rest of q_smem idles)
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -383,22 +413,13 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             zero_rows_past(values, k0, kv_end, interpret)
         return values
 
-    def new_max(m_i, block_max):
-        """The lazy running max: it moves only when a block's max exceeds it by more than
-        LAZY_MAX, so P <= 2^LAZY_MAX and most blocks need no rescale (`_rescaled`). H100,
-        same process, both orders: H=128 decode 135.8 -> 134.5 us, verify q4 553.9-561.5 ->
-        551.5-554.4, H=16 unchanged (round 3 session 21)."""
-        return jnp.where(block_max > m_i + LAZY_MAX, block_max, m_i)
-
     def softmax_step(s, k0, m_i, l_i, masked):
         """Masked (if `masked`), scaled logits [64, block_kv] -> (p, alpha, m_new, l_new),
         online."""
         if masked:      # index tiles built here: not 64 registers held across the loop
-            row_tok = lax.div(_iota(s.shape, 0, interpret), jnp.int32(block_h))
-            col = _iota(s.shape, 1, interpret)
-            visible = (col + k0) <= (row_tok + pos0)
+            visible = visible_keys(s.shape, k0, pos0, block_h, interpret)
             s = jnp.where(visible, s * scale_log2, MASKED)
-            m_new = new_max(m_i, s.max(axis=1))
+            m_new = lazy_max(m_i, s.max(axis=1))
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             if zero_masked:     # a row with no visible key: l = 0, output 0, weight 0
                 p = jnp.where(visible, p, 0.0)
@@ -408,10 +429,10 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             # with the subtraction: 32 fewer multiplies per thread on wg 0's serial path.
             # H100, same process, both orders: H=128 decode -0.6-1.0%, verify q4 -0.6-1.2%
             # (round 3 session 21).
-            m_new = new_max(m_i, s.max(axis=1) * scale_log2)
+            m_new = lazy_max(m_i, s.max(axis=1) * scale_log2)
             p = _exp2_split(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]),
                             interpret)
-        alpha = jnp.where(m_new == m_i, 1.0, jnp.exp2(m_i - m_new))   # exactly 1: skipped
+        alpha = rescale_factor(m_i, m_new)
         return p, alpha, m_new, l_i * alpha + p.sum(axis=1)
 
     def block_softmax(i, m_i, l_i, masked):

@@ -55,8 +55,9 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith
 
 from pallas_kernels.mla_paged_attention.kernel_mgpu import (
-    LAZY_MAX, LOG2E, MASKED, TILE_ROWS, _exp2_split, _first_rows, _full, _iota, _load_rows,
-    _rescaled, check_tiles, kv_block_pages, run_tiles, store_tile, zero_rows_past)
+    LOG2E, MASKED, TILE_ROWS, _exp2_split, _first_rows, _full, _load_rows, _rescaled,
+    check_tiles, kv_block_pages, lazy_max, rescale_factor, run_tiles, store_tile, tile_blocks,
+    visible_keys, zero_rows_past)
 
 _SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _REF = plgpu.RefType(transforms=_SWIZZLED)
@@ -169,17 +170,9 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
      m_smem, l_smem), bars = scoped
     (q_bar, left_bars, right_bars, done_bar, m0_ready, p0_ready, m1_ready, p1_ready,
      p0_free) = bars
-    tile = lax.axis_index("tile")
-    split = lax.axis_index("split")
+    tile, split, seq, pos0, kv_end, first_step, steps = tile_blocks(
+        tile_seq_ref, tile_pos0_ref, tile_ntok_ref, block_kv=block_kv, num_splits=num_splits)
     wg = lax.axis_index("wg")
-    seq = tile_seq_ref[tile]
-    pos0 = tile_pos0_ref[tile]
-    ntok = tile_ntok_ref[tile]
-    kv_end = jnp.where(ntok > 0, pos0 + ntok, 0)            # KV positions 0 .. kv_end - 1
-    total_steps = lax.div(kv_end + (block_kv - 1), jnp.int32(block_kv))
-    per_split = lax.div(total_steps + (num_splits - 1), jnp.int32(num_splits))
-    first_step = split * per_split
-    steps = jnp.clip(total_steps - first_step, 0, per_split)   # this CTA's blocks
     half = rank // 2
     width = lat_ref.shape[2]
     live = q_ref.shape[1]
@@ -215,14 +208,13 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         MASKED, if `masked`)."""
         visible = None
         if masked:
-            k0 = (first_step + i) * block_kv
-            row_tok = lax.div(_iota(s.shape, 0, interpret), jnp.int32(block_h))
-            visible = (_iota(s.shape, 1, interpret) + k0) <= (row_tok + pos0)
+            visible = visible_keys(s.shape, (first_step + i) * block_kv, pos0, block_h,
+                                   interpret)
             s = jnp.where(visible, s * scale_log2, MASKED)
             block_max = s.max(axis=1)
         else:
             block_max = s.max(axis=1) * scale_log2       # the scale is > 0: the same max
-        return s, visible, jnp.where(block_max > m_prev + LAZY_MAX, block_max, m_prev)
+        return s, visible, lazy_max(m_prev, block_max)
 
     def exponentials(s, visible, m_new, masked):
         """P [64, bk] f32 of `row_max`'s s against the maximum m_new."""
@@ -233,9 +225,6 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             return p
         return _exp2_split(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]),
                            interpret)
-
-    def factor(m_old, m_new):
-        return jnp.where(m_new == m_old, 1.0, jnp.exp2(m_old - m_new))   # exactly 1: skipped
 
     def value_half(buffer, i, final):
         """This warpgroup's value half of block i [bk, R/2]; in the final pair its rows past
@@ -316,7 +305,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             s, visible, m0 = row_max(s0, b0, m_i, masked)
             publish(m_smem, m0, m0_ready)           # wg 1's softmax needs only m0
             p0 = exponentials(s, visible, m0, masked)
-            scale0 = factor(m_i, m0)
+            scale0 = rescale_factor(m_i, m0)
             l_i = l_i * scale0 + p0.sum(axis=1)
             p0 = p0.astype(p0_smem.dtype)
             pl.when(j > 0)(lambda: plgpu.barrier_wait(p0_free))   # wg 1 is done with P0
@@ -326,7 +315,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             load_if(b0 + 2, False)                  # this half of slot 0 is free now
             plgpu.barrier_wait(m1_ready)
             m1 = _load_rows(m_smem, interpret)
-            scale1 = factor(m0, m1)                 # bit for bit wg 1's
+            scale1 = rescale_factor(m0, m1)                 # bit for bit wg 1's
             l_i = l_i * scale1
             if not has_b1:                          # the lone last block
                 return scaled(acc, scale1), m1, l_i, zeros_s()
@@ -350,13 +339,13 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             b0 = 2 * j
             plgpu.barrier_wait(m0_ready)
             m0 = _load_rows(m_smem, interpret)
-            scale0 = factor(m_i, m0)                 # bit for bit wg 0's
+            scale0 = rescale_factor(m_i, m0)                 # bit for bit wg 0's
             if has_b1:
                 s, visible, m1 = row_max(s1, b0 + 1, m0, masked)
                 publish(m_smem, m1, m1_ready)
                 # P1 before P0 . V0_R: wg 0's P1 . V1_L waits for it
                 p1 = exponentials(s, visible, m1, masked)
-                scale1 = factor(m0, m1)
+                scale1 = rescale_factor(m0, m1)
                 l_i = l_i * (scale0 * scale1) + p1.sum(axis=1)
                 p1 = p1.astype(p1_smem.dtype)
                 publish(p1_smem, p1, p1_ready)
