@@ -195,10 +195,13 @@ def test_mosaic_masks_the_blocks_a_verify_row_straddles():
 @pytest.mark.parametrize("h,q_len,kv_lens,splits", [
     (16, 1, [70, 1, 130], 2),           # decode: 16-row tiles, reshaped from q
     (4, 4, [67, 2, 128], 1),            # verify: 4 tokens x 4 heads; one row's KV < q_len
+    (32, 4, [67, 2, 130], 1),           # token-major: 2 head groups of 16, read in place
+    (32, 4, [67, 2, 130], 2),           # ... with 2 KV splits merged
 ])
 def test_mosaic_uniform_batch_tiles_are_a_reshape(h, q_len, kv_lens, splits):
   """compact + uniform_q_len (what the model's dispatch passes for decode / verify steps):
-  the tiles are a reshape of q, no gathers, and the result is the reference's."""
+  no gathers (token-major in place where a tile's heads are a multiple of 8, else tiles by
+  reshape), and the result is the reference's."""
   rank, rope, page = 128, 64, 16
   for seed in draw_seeds(5 + q_len):      # draws apart from the cases' above (0-2)
     case = _case(seed, [q_len] * len(kv_lens), kv_lens, h, rank, rope, page, max_pages=9,

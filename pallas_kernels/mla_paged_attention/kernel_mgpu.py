@@ -16,17 +16,21 @@ warpgroups on one tile of 64 query rows:
 
 Rows of a tile: token r // block_h, head r % block_h of one work item (<= block_q query tokens
 of one sequence, folded into the rows like the Triton kernel, so verify reads the KV once).
-The wrapper (`mosaic_tiles.py`) gathers the queries into tiles and the outputs back; the
-kernel sees only tiles.
+The wrapper (`mosaic_tiles.py`) gathers the queries of a ragged batch into tiles and the
+outputs back; a uniform batch (decode, verify) the kernel reads and writes in place,
+token-major (`tile_views`).
 
 Layouts (n = tiles, R = kv_lora_rank, W = R + dr):
-    q_tiles      [n, rows, W] bf16  rows <= 64, a multiple of 8 (the tile's live rows)
+    q_tiles      [n, rows, W] bf16  rows <= 64, a multiple of 8 (the tile's live rows); or a
+                 uniform batch token-major, [S, block_q, H, W] (tile i: sequence
+                 tile_seq[i], heads of group i % (H / block_h); no tiles built)
     latent       [P, S, W]  bf16    the paged latent cache
     block_tables [num_seqs, M] int32
     tile_seq     [n] int32  the tile's sequence
     tile_pos0    [n] int32  KV position of the tile's first query token
     tile_ntok    [n] int32  query tokens in the tile (0: a padding tile, nothing computed)
-    out          [n, splits, rows, R] bf16   (normalized per split)
+    out          [n, splits, rows, R] bf16   (normalized per split; token-major:
+                                             [splits, S, block_q, H, R])
     lse          [n, splits, rows] f32       (log2-sum-exp of the scaled logits, per split)
 
 Profile (`mla_tiles_mgpu`'s `profile`, compiled only): Mosaic GPU's on-device profiler records,
@@ -284,14 +288,61 @@ def copy_kv_block(lat_ref, pages, ring, slot, barrier, *, rows):
         plgpu.copy_gmem_to_smem(lat_ref.at[src], ring.at[slot, pl.ds(j * rows, rows)], barrier)
 
 
-def store_tile(stage, lse_rows, out_ref, lse_ref, tile, split, wg, live):
+def _rows(ref, row0, rows):
+    """ref[row0 : row0 + rows] (whole 8-row tiles of a swizzled buffer are contiguous)."""
+    return ref if (row0, rows) == (0, ref.shape[0]) else ref.at[pl.ds(row0, rows)]
+
+
+def token_major(ref, tile_rank):
+    """Does an HBM query/output array hold a uniform batch token-major ([S, block_q, H, ...],
+    `tile_rank` + 1 dims) rather than as tiles ([n, ..., rows, C], `tile_rank` dims)?"""
+    return ref.ndim == tile_rank + 1
+
+
+def tile_live_rows(q_ref, block_h):
+    """Query rows a tile holds in HBM: a tile array's rows, or block_q x block_h."""
+    return q_ref.shape[1] * (block_h if token_major(q_ref, 3) else 1)
+
+
+def tile_views(ref, tile, seq, block_h, split=None):
+    """A tile's rows in an HBM array, as [(first tile row, cols -> [rows, cols] view)]: one
+    piece of a tile array (q [n, rows, W]; out [n, splits, rows, R] with `split`), or one
+    piece per query token of a token-major array (q [S, block_q, H, W]; out [splits, S,
+    block_q, H, R]): the block_h heads of group tile % (H / block_h). Reading and writing a
+    uniform batch token-major spares the two transposes that tiles would cost around the
+    kernel (H=128 verify q4: 26 + 23 us of 490, round 3 session 28)."""
+    if not token_major(ref, 3 if split is None else 4):
+        lead = (tile,) if split is None else (tile, split)
+        return [(0, lambda cols: ref.at[(*lead, slice(None), cols)])]
+    lead = (seq,) if split is None else (split, seq)
+    groups = ref.shape[-2] // block_h
+    heads = pl.ds(lax.rem(tile, jnp.int32(groups)) * block_h, block_h)
+    return [(j * block_h, lambda cols, j=j: ref.at[(*lead, j, heads, cols)])
+            for j in range(ref.shape[-3])]
+
+
+def query_copies(q, block_h):
+    """TMA copies a tile's query load takes per column range (see `copy_query`)."""
+    return q.shape[1] if token_major(q, 3) else 1
+
+
+def copy_query(q_ref, cols, smem, barrier, tile, seq, block_h):
+    """TMA-copies columns `cols` of a tile's query rows into smem [64, C] (its first live
+    rows), `query_copies` copies each arriving on `barrier`."""
+    for row0, view in tile_views(q_ref, tile, seq, block_h):
+        src = view(cols)
+        plgpu.copy_gmem_to_smem(src, _rows(smem, row0, src.shape[0]), barrier)
+
+
+def store_tile(stage, lse_rows, out_ref, lse_ref, tile, split, seq, wg, live, block_h):
     """Stores a warpgroup's staged output half [64, R/2] into its columns of the tile's
-    first `live` rows, and from wg 0 the staged log2-sum-exp rows [64], then waits for the
-    copies."""
+    first `live` rows (`tile_views`), and from wg 0 the staged log2-sum-exp rows [64], then
+    waits for the copies."""
     half = stage.shape[1]
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(_first_rows(stage, live),
-                            out_ref.at[tile, split, :, pl.ds(wg * half, half)])
+    for row0, view in tile_views(out_ref, tile, seq, block_h, split):
+        dst = view(pl.ds(wg * half, half))
+        plgpu.copy_smem_to_gmem(_rows(stage, row0, dst.shape[0]), dst)
 
     @pl.when(wg == 0)
     def _():
@@ -338,10 +389,23 @@ def rescale_factor(m_old, m_new):
     return jnp.where(m_new == m_old, 1.0, jnp.exp2(m_old - m_new))
 
 
-def check_tiles(q_tiles, latent, rank, block_kv):
-    """The Mosaic MLA kernel's checks of its tile inputs."""
-    rows, width = q_tiles.shape[1:]
+def check_tiles(q_tiles, latent, rank, block_kv, block_h, num_tiles):
+    """The Mosaic MLA kernel's checks of its query inputs: tiles [n, rows, W], or a uniform
+    batch token-major [S, block_q, H, W] (S x H / block_h tiles)."""
+    width = q_tiles.shape[-1]
     page_size = latent.shape[1]
+    if token_major(q_tiles, 3):
+        s, block_q, h = q_tiles.shape[:3]
+        if block_h % 8 or h % block_h or num_tiles != s * (h // block_h):
+            raise ValueError(f"token-major queries [S, block_q, H, W] = {q_tiles.shape} need "
+                             f"block_h a multiple of 8 dividing H and S * H / block_h tiles, "
+                             f"got block_h {block_h} and {num_tiles} tiles")
+        rows = block_q * block_h
+    elif q_tiles.ndim == 3 and q_tiles.shape[0] == num_tiles:
+        rows = q_tiles.shape[1]
+    else:
+        raise ValueError(f"queries must be tiles [n, rows, W] or token-major [S, block_q, H, "
+                         f"W], with n = {num_tiles} tiles, got {q_tiles.shape}")
     if not (8 <= rows <= TILE_ROWS and rows % 8 == 0):
         raise ValueError(f"q_tiles must hold a multiple of 8 rows, at most {TILE_ROWS}, per "
                          f"tile, got {rows}")
@@ -356,21 +420,24 @@ def check_tiles(q_tiles, latent, rank, block_kv):
                          f"whole 8-row pieces of pages")
 
 
-def run_tiles(kernel, scratch, barriers, args, *, num_splits, rank, num_threads, interpret,
-              profile=None):
+def run_tiles(kernel, scratch, barriers, args, *, num_splits, rank, block_h, num_threads,
+              interpret, profile=None):
     """Launches a Mosaic MLA kernel over a (tile, split) grid, warpgroups named "wg":
     kernel(*refs, (scratch refs, barrier refs)) with refs = tile_seq, tile_pos0, tile_ntok,
-    block_tables, q_tiles, latent (inputs; `args`) then out, lse -> (out [n, splits, rows,
-    R] bf16, lse [n, splits, rows] f32)."""
-    n, rows = args[4].shape[:2]
-
+    block_tables, q, latent (inputs; `args`) then out, lse -> (out bf16, lse [n, splits, rows]
+    f32); out is [n, splits, rows, R] for tiles q [n, rows, W], [splits, S, block_q, H, R]
+    for token-major q [S, block_q, H, W]."""
+    q = args[4]
+    n, rows = args[0].shape[0], tile_live_rows(q, block_h)
+    out_shape = ((num_splits, *q.shape[:3], rank) if token_major(q, 3)
+                 else (n, num_splits, rows, rank))
     def entry(*refs):
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), scratch, barriers,
                       collective_axes="wg")
 
     return plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((n, num_splits, rows, rank), jnp.bfloat16),
+        out_type=(jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
                   jax.ShapeDtypeStruct((n, num_splits, rows), jnp.float32)),
         grid=(n, num_splits), grid_names=("tile", "split"),
         num_threads=num_threads, thread_name="wg",
@@ -400,7 +467,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         tile_seq_ref, tile_pos0_ref, tile_ntok_ref, block_kv=block_kv, num_splits=num_splits)
     wg = lax.axis_index("wg")
     half = rank // 2
-    live = q_ref.shape[1]          # rows a tile holds in HBM (<= 64; the rest of q_smem idles)
+    live = tile_live_rows(q_ref, block_h)   # rows a tile holds in HBM (<= 64; the rest idle)
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def values_of(slot, k0, final):
@@ -478,7 +545,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
 
         @pl.when(wg == 0)
         def _():
-            plgpu.copy_gmem_to_smem(q_ref.at[tile], _first_rows(q_smem, live), q_bar)
+            copy_query(q_ref, pl.ds(0, q_ref.shape[-1]), q_smem, q_bar, tile, seq, block_h)
 
         plgpu.barrier_wait(q_bar)
         acc = _full((TILE_ROWS, half), 0.0, plgpu.Layout.WGMMA, interpret)
@@ -501,7 +568,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
                 def _():
                     lse_smem[...] = m_f + jnp.log2(l_safe)
 
-            store_tile(stage, lse_smem, out_ref, lse_ref, tile, split, wg, live)
+            store_tile(stage, lse_smem, out_ref, lse_ref, tile, split, seq, wg, live, block_h)
 
         if not share_logits:
             def step(i, carry, *, final, masked):
@@ -609,14 +676,16 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
                    share_logits=True, zero_masked=False, interpret=False, profile=None):
     """Runs the kernel over [n, rows, W] query tiles -> (out [n, splits, rows, R] bf16,
     lse [n, splits, rows] f32), rows <= 64 a multiple of 8: the tile's first rows (a tile of
-    fewer than 64 live rows need not be padded in HBM). zero_masked: rows that see no key
+    fewer than 64 live rows need not be padded in HBM). Or over a uniform batch token-major,
+    q [S, block_q, H, W] (tile i: sequence tile_seq[i], heads of group i % (H / block_h))
+    -> (out [splits, S, block_q, H, R], lse as for tiles). zero_masked: rows that see no key
     (in a split, or at all) output exactly 0 with log2-sum-exp -1e30, so callers need not
     mask them. profile: None, or (directory, events): the on-device profiler's trace of each
     call into the directory (Perfetto JSON), with room for `events` regions per warpgroup
     (two a KV block on wg 0, and up to two of Mosaic's own; the events take the shared
     memory's last ~1 KiB, 19 at the default shapes, so 8 KV blocks). See the module
     docstring for the regions and the layouts."""
-    check_tiles(q_tiles, latent, rank, block_kv)
+    check_tiles(q_tiles, latent, rank, block_kv, block_h, tile_seq.shape[0])
     if profile is not None and (interpret or not isinstance(profile, (tuple, list))
                                 or len(profile) != 2 or not isinstance(profile[1], int)
                                 or profile[1] < 1):
@@ -624,7 +693,7 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
                          f"got {profile!r} with interpret={interpret}")
     if not sm_scale > 0:    # the softmax takes the max of the unscaled logits
         raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
-    width = q_tiles.shape[2]
+    width = q_tiles.shape[-1]
     page_size = latent.shape[1]
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = functools.partial(
@@ -653,12 +722,12 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
          ring_then_output,
          rows_f32,
          rows_f32 if share_logits else None),
-        (plgpu.Barrier(),
+        (plgpu.Barrier(num_arrivals=query_copies(q_tiles, block_h)),
          plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
          plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
          plgpu.Barrier(num_arrivals=2),
          plgpu.Barrier() if share_logits else None,
          plgpu.Barrier() if share_logits else None),
         (tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent),
-        num_splits=num_splits, rank=rank, num_threads=3, interpret=interpret,
+        num_splits=num_splits, rank=rank, block_h=block_h, num_threads=3, interpret=interpret,
         profile=None if profile is None else (str(profile[0]), int(profile[1])))

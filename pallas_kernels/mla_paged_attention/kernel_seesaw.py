@@ -55,9 +55,9 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith
 
 from pallas_kernels.mla_paged_attention.kernel_mgpu import (
-    LOG2E, MASKED, TILE_ROWS, _exp2_split, _first_rows, _full, _load_rows, _rescaled,
-    check_tiles, kv_block_pages, lazy_max, rescale_factor, run_tiles, store_tile, tile_blocks,
-    visible_keys, zero_rows_past)
+    LOG2E, MASKED, TILE_ROWS, _exp2_split, _full, _load_rows, _rescaled,
+    check_tiles, copy_query, kv_block_pages, lazy_max, query_copies, rescale_factor, run_tiles,
+    store_tile, tile_blocks, tile_live_rows, visible_keys, zero_rows_past)
 
 _SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _REF = plgpu.RefType(transforms=_SWIZZLED)
@@ -175,7 +175,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     wg = lax.axis_index("wg")
     half = rank // 2
     width = lat_ref.shape[2]
-    live = q_ref.shape[1]
+    live = tile_live_rows(q_ref, block_h)
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
     piece = min(block_kv, page_size)
 
@@ -259,12 +259,9 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
 
     @pl.when(wg == 0)
     def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[tile, :, pl.ds(0, half)], _first_rows(q_left, live),
-                                q_bar)
-        plgpu.copy_gmem_to_smem(q_ref.at[tile, :, pl.ds(half, half)],
-                                _first_rows(q_right, live), q_bar)
-        plgpu.copy_gmem_to_smem(q_ref.at[tile, :, pl.ds(rank, width - rank)],
-                                _first_rows(q_rope, live), q_bar)
+        for cols, smem in ((pl.ds(0, half), q_left), (pl.ds(half, half), q_right),
+                           (pl.ds(rank, width - rank), q_rope)):
+            copy_query(q_ref, cols, smem, q_bar, tile, seq, block_h)
         for i in range(2):
             load_if(jnp.int32(i), False)
             load_if(jnp.int32(i), True)
@@ -292,7 +289,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         stage[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(stage.dtype)
         if m_f is not None:                      # wg 0 (wg 1 passes None)
             l_smem[...] = m_f + jnp.log2(l_safe)
-        store_tile(stage, l_smem, out_ref, lse_ref, tile, split, wg, live)
+        store_tile(stage, l_smem, out_ref, lse_ref, tile, split, seq, wg, live, block_h)
 
     # m_smem holds one maximum at a time: wg 0 writes m0 (after reading the last m1), wg 1
     # reads it and writes m1, wg 0 reads that. A row's value is read and written only by
@@ -375,10 +372,10 @@ def mla_tiles_seesaw(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_nt
                      block_h, sm_scale, block_kv=64, num_splits=1, zero_masked=False,
                      interpret=False):
     """`mla_tiles_mgpu`'s contract (same inputs, outputs and checks) with the seesaw
-    schedule: [n, rows, W] query tiles -> (out [n, splits, rows, R] bf16, lse [n, splits,
-    rows] f32)."""
-    check_tiles(q_tiles, latent, rank, block_kv)
-    width = q_tiles.shape[2]
+    schedule: [n, rows, W] query tiles (or token-major [S, block_q, H, W]) -> (out [n,
+    splits, rows, R] bf16 (or [splits, S, block_q, H, R]), lse [n, splits, rows] f32)."""
+    check_tiles(q_tiles, latent, rank, block_kv, block_h, tile_seq.shape[0])
+    width = q_tiles.shape[-1]
     page_size = latent.shape[1]
     if width - rank != 64 or block_kv != 64:
         raise ValueError(f"the seesaw kernel needs 64 rope columns (width {width} - "
@@ -411,7 +408,7 @@ def mla_tiles_seesaw(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_nt
          smem(TILE_ROWS, block_kv),
          union(ring, output),
          rows_f32, rows_f32),
-        (plgpu.Barrier(num_arrivals=3), halves, halves, plgpu.Barrier(num_arrivals=2),
+        (plgpu.Barrier(num_arrivals=3 * query_copies(q_tiles, block_h)), halves, halves, plgpu.Barrier(num_arrivals=2),
          *(plgpu.Barrier() for _ in range(5))),
         (tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent),
-        num_splits=num_splits, rank=rank, num_threads=2, interpret=interpret)
+        num_splits=num_splits, rank=rank, block_h=block_h, num_threads=2, interpret=interpret)

@@ -5,7 +5,9 @@ holds those tokens x block_h heads, row r = token r // block_h, head r % block_h
 64 rows (H=16 decode: 16 live rows), or with `compact` to a multiple of 8. Tiles are items x
 head groups (H / block_h), item-major.
 Everything is jnp on device (per-step lengths never recompile), and both directions are
-gathers: the queries into tiles, the tile outputs back to [T, H, R].
+gathers: the queries into tiles, the tile outputs back to [T, H, R]. Uniform batches
+(decode and verify steps) skip both: the kernel reads their queries and writes their outputs
+token-major, in place (`kernel_mgpu.tile_views`).
 """
 from __future__ import annotations
 
@@ -36,18 +38,25 @@ def _items(cu_q_lens, kv_lens, num_seqs, block_q, num_items):
     return seq, cu_q_lens[seq] + j0, ntok.astype(jnp.int32), pos0.astype(jnp.int32), item_starts
 
 
+def uniform_tile_args(kv_lens, num_seqs, block_q, groups):
+    """(tile_seq, tile_pos0, tile_ntok) [S * groups] of a uniform batch's tiles (every
+    sequence block_q tokens), item-major; sequences past num_seqs get 0 tokens."""
+    seq = jnp.arange(kv_lens.shape[0], dtype=jnp.int32)
+    ntok = jnp.where(seq < num_seqs, block_q, 0).astype(jnp.int32)
+    return tuple(jnp.repeat(x, groups) for x in (seq, kv_lens - block_q, ntok))
+
+
 def uniform_tiles(q, kv_lens, num_seqs, block_q, block_h):
     """A uniform batch (every sequence block_q tokens, T = S * block_q: decode and verify
     steps) as the kernel's tiles, by reshape: (q_tiles [S * groups, block_q * block_h, W],
     tile_seq, tile_pos0, tile_ntok [S * groups]), item-major; sequences past num_seqs get
-    0 tokens."""
+    0 tokens. (A transpose when block_q > 1 and H > block_h: `mla_mosaic` passes such
+    batches token-major instead.)"""
     s, width = kv_lens.shape[0], q.shape[2]
     groups = q.shape[1] // block_h
-    seq = jnp.arange(s, dtype=jnp.int32)
-    ntok = jnp.where(seq < num_seqs, block_q, 0).astype(jnp.int32)
     q_tiles = q.reshape(s, block_q, groups, block_h, width).transpose(0, 2, 1, 3, 4)
     return (q_tiles.reshape(s * groups, block_q * block_h, width),
-            *(jnp.repeat(x, groups) for x in (seq, kv_lens - block_q, ntok)))
+            *uniform_tile_args(kv_lens, num_seqs, block_q, groups))
 
 
 def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, sm_scale,
@@ -61,6 +70,8 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
     block_q as well (every sequence has exactly that many tokens, T = S * block_q: decode and
     verify steps), the tiles are a reshape of q and the outputs a reshape back: no gathers.
     seesaw: the tiles run through `mla_tiles_seesaw` (FlashMLA's schedule) instead.
+    A uniform batch whose heads a tile takes in multiples of 8 (block_h) goes to the kernel
+    token-major, not as tiles: the kernel then reads q and writes the output in place.
     """
     t, h, width = q.shape
     s = block_tables.shape[0]
@@ -77,7 +88,18 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
             mla_tiles_mgpu, rank=rank, block_h=block_h, sm_scale=sm_scale, block_kv=block_kv,
             num_splits=num_splits, num_stages=num_stages, share_logits=share_logits,
             zero_masked=compact, interpret=interpret)
-    if compact and uniform_q_len == block_q and rows == live and t == s * block_q:
+    uniform = compact and uniform_q_len == block_q and rows == live and t == s * block_q
+    if uniform and block_h % 8 == 0:
+        # Token-major: the kernel reads q [S, block_q, H, W] and writes out [splits, S,
+        # block_q, H, R] in place (free reshapes of [T, H, .]), no transposes around it.
+        out, lse = kernel(q.reshape(s, block_q, h, width), latent, tables,
+                          *uniform_tile_args(kv_lens, num_seqs, block_q, groups))
+        if num_splits > 1:    # lse [S * groups, splits, rows] -> [splits, S, block_q, H]
+            lse = lse.reshape(s, groups, num_splits, block_q, block_h).transpose(2, 0, 3, 1, 4)
+            out = _merge_splits(out.reshape(num_splits, t, h, rank),
+                                lse.reshape(num_splits, t, h), axis=0)
+        return out.reshape(t, h, rank).astype(q.dtype)
+    if uniform:
         q_tiles, *tile_args = uniform_tiles(q, kv_lens, num_seqs, block_q, block_h)
         out, lse = kernel(q_tiles, latent, tables, *tile_args)
         merged = _merge_splits(out, lse).reshape(s, groups, block_q, block_h, rank)
@@ -106,11 +128,12 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
     return jnp.where((pos >= 0)[:, None, None], flat, 0).astype(q.dtype)
 
 
-def _merge_splits(out, lse):
-    """[n, NS, rows, R] per-split outputs and [n, NS, rows] log2-sum-exps -> [n, rows, R]."""
-    if out.shape[1] == 1:
-        return out[:, 0]
-    m = jnp.max(lse, axis=1, keepdims=True)
+def _merge_splits(out, lse, axis=1):
+    """Per-split outputs [..., NS (at `axis`), ..., R] and log2-sum-exps (the same without R)
+    -> the outputs merged over the splits."""
+    if out.shape[axis] == 1:
+        return jnp.squeeze(out, axis)
+    m = jnp.max(lse, axis=axis, keepdims=True)
     wgt = jnp.exp2(lse - m)
-    return jnp.sum(out.astype(jnp.float32) * wgt[..., None], axis=1) / jnp.sum(
-        wgt, axis=1)[..., None]
+    return jnp.sum(out.astype(jnp.float32) * wgt[..., None], axis=axis) / jnp.sum(
+        wgt, axis=axis)[..., None]
