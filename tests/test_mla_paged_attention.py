@@ -217,17 +217,20 @@ def test_mosaic_uniform_batch_tiles_are_a_reshape(h, q_len, kv_lens, splits):
       assert rel_err(out, ref) < TOL["bfloat16"], (seed, seesaw)
 
 
-@pytest.mark.parametrize("heads,q_len,uniform,ctx,expected", [
-    (128, 4, True, 4096, True),       # H=128 verify: 512 tiles, one split
-    (128, 1, True, 4096, False),      # H=128 decode
-    (16, 4, True, 4096, False),       # H=16 verify: 2 splits
-    (16, 4, True, 256, False),        # ... one split, but bytes-bound (64 rows a request)
-    (128, 4, False, 4096, False),     # a ragged batch (prefill chunks and verify rows)
+@pytest.mark.parametrize("heads,q_len,uniform,ctx,page,expected", [
+    (128, 4, True, 4096, 64, True),       # H=128 verify: 512 tiles, one split
+    (128, 4, True, 4096, 16, False),      # ... at page 16 (four copies a half block)
+    (128, 1, True, 4096, 64, False),      # H=128 decode
+    (16, 4, True, 4096, 64, False),       # H=16 verify: 2 splits
+    (16, 4, True, 256, 64, False),        # ... one split, but bytes-bound (64 rows a request)
+    (128, 4, False, 4096, 64, False),     # a ragged batch (prefill chunks and verify rows)
 ])
 def test_mosaic_default_takes_the_seesaw_where_it_measured_faster(monkeypatch, heads, q_len,
-                                                                  uniform, ctx, expected):
+                                                                  uniform, ctx, page,
+                                                                  expected):
   """kernel="mosaic" with no seesaw option: FlashMLA's schedule for compute-bound uniform
-  verify steps without KV splits (B=64, ctx 4096: the H100 measured it faster at H=128)."""
+  verify steps without KV splits, on 64-token pages (B=64, ctx 4096: the H100 measured it
+  faster at H=128, page 64, and slower at page 16)."""
   from pallas_kernels.mla_paged_attention import mosaic_tiles
   called = []
 
@@ -241,7 +244,7 @@ def test_mosaic_default_takes_the_seesaw_where_it_measured_faster(monkeypatch, h
                       recorder("seesaw", mosaic_tiles.mla_tiles_seesaw))
   monkeypatch.setattr(mosaic_tiles, "mla_tiles_mgpu",
                       recorder("split", mosaic_tiles.mla_tiles_mgpu))
-  b, page = 64, 64
+  b = 64
   S = jax.ShapeDtypeStruct
   jax.eval_shape(
       lambda *a: mla_paged_attention(*a, kv_lora_rank=512, kernel="mosaic", block_q=q_len,

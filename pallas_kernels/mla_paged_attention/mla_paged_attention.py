@@ -165,7 +165,8 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
         `default_kernel` ("mosaic" on a Hopper GPU where it fits).
       uniform_q_len: None, or q when every sequence has exactly q tokens at q * s (T =
         num_seqs_max * q; decode and verify steps): with compact tiles and block_q == q the
-        Mosaic kernel's tiles are a reshape of q. The caller vouches for it (values are not
+        Mosaic kernel reads q and writes the output in place, token-major (tiles by
+        reshape where a tile's heads are not a multiple of 8). The caller vouches for it (values are not
         checked under jit); the Triton kernel ignores it.
     Returns:
       [T, H, R] in q's dtype (softmax and accumulation in f32).
@@ -256,16 +257,21 @@ def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q
                 num_stages=2, share_logits=True, compact=None, seesaw=None)
 
 
-def _seesaw_default(full, uniform_q_len, num_heads, rope) -> bool:
+def _seesaw_default(full, uniform_q_len, num_heads, rope, page_size) -> bool:
     """FlashMLA's schedule (`kernel_seesaw.py`) where it was measured faster: uniform steps
     of several query tokens whose rows per sequence (q_len x H) make the step compute-bound
     (>= 256: each KV block serves >= 4 tiles, ~2 FLOPs a latent byte per row against the
-    H100's ~270 FLOPs a byte) and whose tiles need no KV split. H100, B=64, ctx 4096,
-    page 64, same run (docs/benchmarks.md, round 3 session 27): H=128 verify q4 (512 rows)
-    502.7 -> 480.7 us; slower at H=128 decode (128 rows: 125.0 -> 131.7), H=16 decode
-    (114.0 -> 118.1) and H=16 verify q4 (64 rows, 2 splits: 121.2 -> 125.3)."""
+    H100's ~270 FLOPs a byte), whose tiles need no KV split, and whose pages hold a whole
+    64-token block (one TMA copy a half block: the seesaw's compute warpgroups issue their
+    own loads, block-table reads included, while the split kernel's memory warpgroup hides
+    page 16's four). H100, B=64, ctx 4096, same runs (docs/benchmarks.md, round 3 sessions
+    27-28): H=128 verify q4 (512 rows), page 64: 502.7 -> 480.7 us (tiles), 459.8 -> 438.7
+    (token-major); slower at page 16 (467.1-468.9 -> 472.8-474.6), H=128 decode (128 rows:
+    125.0 -> 131.7), H=16 decode (114.0 -> 118.1) and H=16 verify q4 (64 rows, 2 splits:
+    121.2 -> 125.3)."""
     return (uniform_q_len is not None and uniform_q_len > 1 and uniform_q_len * num_heads >= 256
-            and full["num_splits"] == 1 and rope == 64 and full["block_k"] == 64)
+            and full["num_splits"] == 1 and rope == 64 and full["block_k"] == 64
+            and page_size >= 64)
 
 
 def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scale,
@@ -307,7 +313,7 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
     if full["compact"] is None:
         full["compact"] = uniform_q_len is not None
     if full["seesaw"] is None:
-        full["seesaw"] = _seesaw_default(full, uniform_q_len, h, width - rank)
+        full["seesaw"] = _seesaw_default(full, uniform_q_len, h, width - rank, page_size)
     for key in _MOSAIC_FLAGS:
         if full[key] not in (True, False, 0, 1):
             raise ValueError(f"{key} must be a bool, got {full[key]!r}")
