@@ -5,10 +5,10 @@ profiler (GPU only; a diagnostic, not a benchmark):
                                        [--events 19] [--out DIR]
 
 Each case (d = decode q_len 1, v = verify q_len 4, then the number of heads) runs B=64
-requests at context `--ctx` through `mla_tiles_mgpu` with its `profile` on, tiles built as
-the model's uniform decode / verify steps build them (`mosaic_tiles.uniform_tiles`; one KV
-split). The profiler keeps its events in the kernel's spare shared memory (~1 KiB at the
-default shapes): `--events` 19 holds two regions a block on warpgroup 0 for 8 KV blocks,
+requests at context `--ctx` through `mla_tiles_mgpu` with its `profile` on, the queries
+passed as the model's uniform decode / verify steps pass them (token-major, read in place;
+`mosaic_tiles.uniform_tile_args`; one KV split). The profiler keeps its events in the
+kernel's spare shared memory (~1 KiB at the default shapes): `--events` 19 holds two regions a block on warpgroup 0 for 8 KV blocks,
 so the context stays short (<= 512). Per case it prints, in SM clock cycles (medians over
 CTAs; blocks 3 .. n-1 for the per-block phases, where the pipeline is steady):
 
@@ -37,7 +37,7 @@ import numpy as np
 from mtpjax.bench import mla
 from pallas_kernels.mla_paged_attention.kernel_mgpu import mla_tiles_mgpu
 from pallas_kernels.mla_paged_attention.mla_paged_attention import mosaic_tuning
-from pallas_kernels.mla_paged_attention.mosaic_tiles import uniform_tiles
+from pallas_kernels.mla_paged_attention.mosaic_tiles import uniform_tile_args
 
 # wg 0 records two regions a KV block (logits, softmax) and Mosaic's own "Init" scopes (up
 # to two a warpgroup, outside the loop).
@@ -105,8 +105,8 @@ def run_case(case, ctx, page, events, out_dir):
     f = jax.jit(lambda *a: mla_tiles_mgpu(
         *a, rank=mla.RANK, block_h=bh, sm_scale=mla.WIDTH ** -0.5,
         zero_masked=True, profile=(trace_dir, events)))
-    q_tiles, *tile_args = uniform_tiles(qs[0], kv, s, tun["block_q"], bh)
-    args = (q_tiles, lat, bt, *tile_args)
+    q = qs[0].reshape(s, tun["block_q"], h, qs[0].shape[-1])          # token-major, in place
+    args = (q, lat, bt, *uniform_tile_args(kv, s, tun["block_q"], h // bh))
     for _ in range(2):
         jax.block_until_ready(f(*args))
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.json"), recursive=True),
