@@ -198,7 +198,7 @@ def test_mosaic_masks_the_blocks_a_verify_row_straddles():
     (32, 4, [67, 2, 130], 1),           # token-major: 2 head groups of 16, read in place
     (32, 4, [67, 2, 130], 2),           # ... with 2 KV splits merged
 ])
-def test_mosaic_uniform_batch_tiles_are_a_reshape(h, q_len, kv_lens, splits):
+def test_mosaic_uniform_batch_runs_without_gathers(h, q_len, kv_lens, splits):
   """compact + uniform_q_len (what the model's dispatch passes for decode / verify steps):
   no gathers (token-major in place where a tile's heads are a multiple of 8, else tiles by
   reshape), and the result is the reference's."""

@@ -8,9 +8,10 @@ Each case (d = decode q_len 1, v = verify q_len 4, then the number of heads) run
 requests at context `--ctx` through `mla_tiles_mgpu` with its `profile` on, the queries
 passed as the model's uniform decode / verify steps pass them (token-major, read in place;
 `mosaic_tiles.uniform_tile_args`; one KV split). The profiler keeps its events in the
-kernel's spare shared memory (~1 KiB at the default shapes): `--events` 19 holds two regions a block on warpgroup 0 for 8 KV blocks,
-so the context stays short (<= 512). Per case it prints, in SM clock cycles (medians over
-CTAs; blocks 3 .. n-1 for the per-block phases, where the pipeline is steady):
+kernel's spare shared memory (~1 KiB at the default shapes): `--events` 19 holds two
+regions a block on warpgroup 0 for 8 KV blocks, so the context stays short (<= 512). Per
+case it prints, in SM clock cycles (medians over CTAs; blocks 3 .. n-1 for the per-block
+phases, where the pipeline is steady):
 
 - wg 0's period (one KV block) and its phases: "logits" (the slot wait and the QK product),
   "softmax", and the rest of the block (the P . V issue and wait, the P hand-over, the loop);

@@ -431,6 +431,7 @@ def run_tiles(kernel, scratch, barriers, args, *, num_splits, rank, block_h, num
     n, rows = args[0].shape[0], tile_live_rows(q, block_h)
     out_shape = ((num_splits, *q.shape[:3], rank) if token_major(q, 3)
                  else (n, num_splits, rows, rank))
+
     def entry(*refs):
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), scratch, barriers,
                       collective_axes="wg")

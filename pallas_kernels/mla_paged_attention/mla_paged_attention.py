@@ -166,8 +166,8 @@ def mla_paged_attention(q, latent_pages, block_tables, kv_lens, cu_q_lens, num_s
       uniform_q_len: None, or q when every sequence has exactly q tokens at q * s (T =
         num_seqs_max * q; decode and verify steps): with compact tiles and block_q == q the
         Mosaic kernel reads q and writes the output in place, token-major (tiles by
-        reshape where a tile's heads are not a multiple of 8). The caller vouches for it (values are not
-        checked under jit); the Triton kernel ignores it.
+        reshape where a tile's heads are not a multiple of 8). The caller vouches for it
+        (values are not checked under jit); the Triton kernel ignores it.
     Returns:
       [T, H, R] in q's dtype (softmax and accumulation in f32).
     """
