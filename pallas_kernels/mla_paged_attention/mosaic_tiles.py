@@ -68,10 +68,10 @@ def mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, *, rank, s
     compact: tiles hold only their live rows (block_q * block_h, rounded up to 8) in HBM, not
     64, and rows that see no key come out of the kernel as zeros. With uniform_q_len ==
     block_q as well (every sequence has exactly that many tokens, T = S * block_q: decode and
-    verify steps), the tiles are a reshape of q and the outputs a reshape back: no gathers.
+    verify steps), no gathers: the kernel reads q and writes the output in place,
+    token-major, where a tile takes its heads in multiples of 8 (block_h); otherwise the
+    tiles are a reshape of q (a transpose when H > block_h) and the outputs one back.
     seesaw: the tiles run through `mla_tiles_seesaw` (FlashMLA's schedule) instead.
-    A uniform batch whose heads a tile takes in multiples of 8 (block_h) goes to the kernel
-    token-major, not as tiles: the kernel then reads q and writes the output in place.
     """
     t, h, width = q.shape
     s = block_tables.shape[0]
