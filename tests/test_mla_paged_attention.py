@@ -192,20 +192,22 @@ def test_mosaic_masks_the_blocks_a_verify_row_straddles():
       assert rel_err(out[j], ref[j]) < TOL["bfloat16"], (seed, j)
 
 
-@pytest.mark.parametrize("h,q_len,kv_lens,splits", [
-    (16, 1, [70, 1, 130], 2),           # decode: 16-row tiles, reshaped from q
-    (4, 4, [67, 2, 128], 1),            # verify: 4 tokens x 4 heads; one row's KV < q_len
-    (32, 4, [67, 2, 130], 1),           # token-major: 2 head groups of 16, read in place
-    (32, 4, [67, 2, 130], 2),           # ... with 2 KV splits merged
+@pytest.mark.parametrize("h,q_len,kv_lens,splits,pad_seqs", [
+    (16, 1, [70, 1, 130], 2, 0),        # decode: 16-row tiles, reshaped from q
+    (4, 4, [67, 2, 128], 1, 0),         # verify: 4 tokens x 4 heads; one row's KV < q_len
+    (32, 4, [67, 2, 130], 1, 0),        # token-major: 2 head groups of 16, read in place
+    (32, 4, [67, 2, 130], 2, 1),        # ... with 2 KV splits merged, and a padding slot
 ])
-def test_mosaic_uniform_batch_runs_without_gathers(h, q_len, kv_lens, splits):
+def test_mosaic_uniform_batch_runs_without_gathers(h, q_len, kv_lens, splits, pad_seqs):
   """compact + uniform_q_len (what the model's dispatch passes for decode / verify steps):
   no gathers (token-major in place where a tile's heads are a multiple of 8, else tiles by
-  reshape), and the result is the reference's."""
+  reshape), and the result is the reference's; a padding slot's rows (past num_seqs, its
+  block table into NaN pages) come out exactly 0."""
   rank, rope, page = 128, 64, 16
+  live = q_len * len(kv_lens)
   for seed in draw_seeds(5 + q_len):      # draws apart from the cases' above (0-2)
     case = _case(seed, [q_len] * len(kv_lens), kv_lens, h, rank, rope, page, max_pages=9,
-                 pad_seqs=0, pad_tokens=0)
+                 pad_seqs=pad_seqs, pad_tokens=pad_seqs * q_len)
     args = _args(case, "bfloat16")
     ref = mla_paged_attention_reference(*args, kv_lora_rank=rank, sm_scale=0.1, token_chunk=8)
     # verify with one split: through both Mosaic kernels
@@ -214,7 +216,8 @@ def test_mosaic_uniform_batch_runs_without_gathers(h, q_len, kv_lens, splits):
                                 interpret=interpret_mode(), uniform_q_len=q_len,
                                 block_q=q_len, compact=True, num_splits=splits,
                                 seesaw=seesaw)
-      assert rel_err(out, ref) < TOL["bfloat16"], (seed, seesaw)
+      assert rel_err(out[:live], ref[:live]) < TOL["bfloat16"], (seed, seesaw)
+      assert not np.any(np.asarray(out[live:], np.float32)), (seed, seesaw)
 
 
 @pytest.mark.parametrize("heads,q_len,uniform,ctx,page,expected", [
