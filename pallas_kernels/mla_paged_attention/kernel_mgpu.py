@@ -234,11 +234,6 @@ def _full(shape, value, layout, interpret):
     return x if interpret else plgpu.layout_cast(x, layout)   # no CPU rule for layout_cast
 
 
-def _first_rows(ref, rows):
-    """ref[:rows] (whole 8-row tiles of a swizzled buffer are contiguous)."""
-    return ref if rows == ref.shape[0] else ref.at[pl.ds(0, rows)]
-
-
 def _load_rows(ref, interpret):
     """A [64] f32 vector from shared memory in the layout of the logits' row statistics."""
     if interpret:
@@ -321,7 +316,7 @@ def tile_views(ref, tile, seq, block_h, split=None):
             for j in range(ref.shape[-3])]
 
 
-def query_copies(q, block_h):
+def query_copies(q):
     """TMA copies a tile's query load takes per column range (see `copy_query`)."""
     return q.shape[1] if token_major(q, 3) else 1
 
@@ -346,7 +341,7 @@ def store_tile(stage, lse_rows, out_ref, lse_ref, tile, split, seq, wg, live, bl
 
     @pl.when(wg == 0)
     def _():
-        plgpu.copy_smem_to_gmem(_first_rows(lse_rows, live), lse_ref.at[tile, split])
+        plgpu.copy_smem_to_gmem(_rows(lse_rows, 0, live), lse_ref.at[tile, split])
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -395,17 +390,15 @@ def check_tiles(q_tiles, latent, rank, block_kv, block_h, num_tiles):
     width = q_tiles.shape[-1]
     page_size = latent.shape[1]
     if token_major(q_tiles, 3):
-        s, block_q, h = q_tiles.shape[:3]
+        s, _, h = q_tiles.shape[:3]
         if block_h % 8 or h % block_h or num_tiles != s * (h // block_h):
             raise ValueError(f"token-major queries [S, block_q, H, W] = {q_tiles.shape} need "
                              f"block_h a multiple of 8 dividing H and S * H / block_h tiles, "
                              f"got block_h {block_h} and {num_tiles} tiles")
-        rows = block_q * block_h
-    elif q_tiles.ndim == 3 and q_tiles.shape[0] == num_tiles:
-        rows = q_tiles.shape[1]
-    else:
+    elif not (q_tiles.ndim == 3 and q_tiles.shape[0] == num_tiles):
         raise ValueError(f"queries must be tiles [n, rows, W] or token-major [S, block_q, H, "
                          f"W], with n = {num_tiles} tiles, got {q_tiles.shape}")
+    rows = tile_live_rows(q_tiles, block_h)
     if not (8 <= rows <= TILE_ROWS and rows % 8 == 0):
         raise ValueError(f"q_tiles must hold a multiple of 8 rows, at most {TILE_ROWS}, per "
                          f"tile, got {rows}")
@@ -723,7 +716,7 @@ def mla_tiles_mgpu(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_ntok
          ring_then_output,
          rows_f32,
          rows_f32 if share_logits else None),
-        (plgpu.Barrier(num_arrivals=query_copies(q_tiles, block_h)),
+        (plgpu.Barrier(num_arrivals=query_copies(q_tiles)),
          plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
          plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
          plgpu.Barrier(num_arrivals=2),

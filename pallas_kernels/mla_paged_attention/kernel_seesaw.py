@@ -408,7 +408,7 @@ def mla_tiles_seesaw(q_tiles, latent, block_tables, tile_seq, tile_pos0, tile_nt
          smem(TILE_ROWS, block_kv),
          union(ring, output),
          rows_f32, rows_f32),
-        (plgpu.Barrier(num_arrivals=3 * query_copies(q_tiles, block_h)), halves, halves,
+        (plgpu.Barrier(num_arrivals=3 * query_copies(q_tiles)), halves, halves,
          plgpu.Barrier(num_arrivals=2), *(plgpu.Barrier() for _ in range(5))),
         (tile_seq, tile_pos0, tile_ntok, block_tables, q_tiles, latent),
         num_splits=num_splits, rank=rank, block_h=block_h, num_threads=2, interpret=interpret)
