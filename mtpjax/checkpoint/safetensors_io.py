@@ -6,7 +6,9 @@ then the tensor bytes (offsets relative to the end of the header). Reading the h
 gives every name, dtype and shape, so a checkpoint is validated before any data is read; each
 tensor is then read into its own buffer (`read_tensor`), and files are written tensor by tensor
 (`write_file`), so neither direction ever holds a whole file. bfloat16 / float8 use `ml_dtypes`
-(a JAX dependency): no torch at runtime.
+(a JAX dependency): no torch at runtime, and no `safetensors` package either: `read_header`
+checks a header as that library does (the tensors, sorted by offset, tile the data section
+exactly), so a damaged header fails by name instead of reading some other bytes as a tensor.
 
 A sharded folder has `model.safetensors.index.json` (`{"weight_map": {name: file}}`); an
 unsharded one a single `model.safetensors`. `scan_folder` reads every header, checks the index
@@ -54,40 +56,155 @@ class TensorInfo:
         return DTYPES[self.dtype]
 
 
+# Bits per element of every dtype name the format defines (the `safetensors` library rejects any
+# other name); only those in DTYPES can be read, the others still size-check their headers.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8,
+    "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16,
+    "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64,
+    "U64": 64}
+# The `safetensors` library's limit: a larger length is a damaged file, not a big header.
+MAX_HEADER_BYTES = 100_000_000
+
+
+class _Pairs(list):
+    """A JSON object as its (key, value) pairs, so a key given twice is seen (a dict keeps the
+    last one silently)."""
+
+
+def _dup(pairs) -> str | None:
+    seen = set()
+    for k, _ in pairs:
+        if k in seen:
+            return k
+        seen.add(k)
+    return None
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _parse_header(file: str, raw: bytes) -> list[tuple[str, dict]]:
+    """The header's (tensor name, entry) pairs, in file order; `__metadata__` checked and
+    dropped. Every entry is an object with a known dtype, a shape and two offsets (not yet
+    checked against each other)."""
+    try:
+        top = json.loads(raw.decode("utf-8"), object_pairs_hook=_Pairs)
+    except ValueError as e:              # UnicodeDecodeError and JSONDecodeError alike
+        raise CheckpointError(f"{file}: unreadable safetensors header ({e})") from None
+    if not isinstance(top, _Pairs):
+        raise CheckpointError(f"{file}: unreadable safetensors header (expected a JSON object "
+                              f"of tensors, got a {type(top).__name__})")
+    dup = _dup(top)
+    if dup is not None:
+        what = "__metadata__" if dup == "__metadata__" else f"tensor {dup}"
+        raise CheckpointError(f"{file}: damaged safetensors header: {what} appears twice "
+                              "(expected each name once)")
+    out = []
+    for name, entry in top:
+        if name == "__metadata__":
+            if entry is not None and not (isinstance(entry, _Pairs) and _dup(entry) is None and all(
+                    isinstance(v, str) for _, v in entry)):
+                raise CheckpointError(f"{file}: damaged safetensors header: __metadata__ must "
+                                      "map names to strings (each once), got "
+                                      f"{json.dumps(_plain(entry))}")
+            continue
+        where = f"{file}: damaged safetensors header: tensor {name}"
+        if not isinstance(entry, _Pairs):
+            raise CheckpointError(f"{where}: expected an object with dtype, shape and "
+                                  f"data_offsets, got {json.dumps(_plain(entry))}")
+        dup = _dup(entry)
+        if dup is not None:
+            raise CheckpointError(f"{where}: field {dup} appears twice")
+        entry = dict(entry)
+        missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
+        if missing:
+            raise CheckpointError(f"{where}: no {', '.join(missing)}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in DTYPE_BITS:
+            raise CheckpointError(f"{where}: dtype {json.dumps(_plain(dtype))} is not a "
+                                  f"safetensors dtype (one of {', '.join(DTYPE_BITS)})")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise CheckpointError(f"{where}: shape must be a list of ints >= 0, got "
+                                  f"{json.dumps(_plain(shape))}")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(_is_count(o) for o in offsets)):
+            raise CheckpointError(f"{where}: data_offsets must be two ints >= 0 [begin, end], "
+                                  f"got {json.dumps(_plain(offsets))}")
+        out.append((name, entry))
+    return out
+
+
+def _plain(x):
+    """A parsed JSON value with its objects back as dicts (for messages)."""
+    if isinstance(x, _Pairs):
+        return {k: _plain(v) for k, v in x}
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
+    return x
+
+
 def read_header(file: str) -> list[TensorInfo]:
-    """Every tensor of one file, checked against the file size (a truncated file fails here)."""
+    """Every tensor of one file. The header is validated as the `safetensors` library does:
+    known dtypes, each tensor's byte count equal to its dtype and shape, and the tensors, sorted
+    by offset, tiling the data section from its first byte to the end of the file without gap or
+    overlap; stricter than it, a name given twice is refused too (JSON would keep the last one).
+    So a damaged header fails here, naming the file and the tensor, instead of reading another
+    tensor's bytes (or the header's) as this one."""
     size = os.path.getsize(file)
     with open(file, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{file}: truncated file ({size} bytes, no safetensors header)")
         (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{file}: not a safetensors file, or a damaged one: its first "
+                                  f"8 bytes give a header of {n} bytes, over the format's limit "
+                                  f"of {MAX_HEADER_BYTES}")
         if n > size - 8:
             raise CheckpointError(f"{file}: truncated file (header of {n} bytes, file {size})")
         raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise CheckpointError(f"{file}: unreadable safetensors header ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: unreadable safetensors header (not a JSON object)")
-    infos = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (int(x) for x in entry["data_offsets"])
-            dtype, shape = str(entry["dtype"]), tuple(int(s) for s in entry["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{file}: malformed header entry for tensor {name}") from None
-        if dtype in DTYPES and (end - begin) != math.prod(shape) * DTYPES[dtype].itemsize:
+    entries = _parse_header(file, raw)
+    data_bytes = size - 8 - n
+    spans = []
+    for name, entry in entries:
+        dtype, shape = entry["dtype"], tuple(entry["shape"])
+        begin, end = entry["data_offsets"]
+        where = f"{file}: damaged safetensors header: tensor {name}"
+        if end < begin:
+            raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] end before they begin")
+        bits = math.prod(shape) * DTYPE_BITS[dtype]
+        if bits % 8:
+            raise CheckpointError(f"{where}: {dtype} {list(shape)} is {bits} bits, not whole "
+                                  "bytes")
+        if end - begin != bits // 8:
             raise CheckpointError(f"{file}: tensor {name} has {end - begin} bytes for {dtype} "
-                                  f"{list(shape)}")
-        if 8 + n + end > size:
-            raise CheckpointError(f"{file}: truncated file: tensor {name} ends at byte "
-                                  f"{8 + n + end}, the file has {size}")
-        infos.append(TensorInfo(name, dtype, shape, file, 8 + n + begin, end - begin))
-    return infos
+                                  f"{list(shape)}, expected {bits // 8}")
+        spans.append((begin, end, name))
+    # As the library does: sorted by offsets, each tensor starts where the one before ends.
+    pos, prev = 0, None
+    for begin, end, name in sorted(spans, key=lambda s: s[:2]):
+        where = f"{file}: damaged safetensors header: tensor {name}: data_offsets [{begin}, {end}]"
+        if begin < pos:
+            raise CheckpointError(f"{where} overlap tensor {prev[2]}'s [{prev[0]}, {prev[1]}] "
+                                  f"(expected it to start at {pos}, where {prev[2]} ends)")
+        if begin > pos:
+            after = f"after tensor {prev[2]}" if prev else "at the start of the data"
+            raise CheckpointError(f"{where} leave bytes [{pos}, {begin}) of the data unused "
+                                  f"({after}; expected the tensors to cover the data without "
+                                  "gaps)")
+        pos, prev = end, (begin, end, name)
+    if pos > data_bytes:
+        raise CheckpointError(f"{file}: truncated file: tensor {prev[2]} ends at byte "
+                              f"{8 + n + pos}, the file has {size}")
+    if pos < data_bytes:
+        last = f"the last tensor, {prev[2]}," if prev else "the header (no tensors)"
+        raise CheckpointError(f"{file}: damaged safetensors file: {data_bytes - pos} bytes after "
+                              f"the end of {last} at byte {8 + n + pos} (expected the tensors to "
+                              f"end at the end of the file, byte {size})")
+    return [TensorInfo(name, e["dtype"], tuple(e["shape"]), file, 8 + n + e["data_offsets"][0],
+                       e["data_offsets"][1] - e["data_offsets"][0]) for name, e in entries]
 
 
 def read_tensor(info: TensorInfo) -> np.ndarray:
@@ -104,16 +221,38 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
     return arr
 
 
+def read_index(index_path: str) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map (tensor name -> shard file name), checked."""
+    try:
+        with open(index_path, "rb") as f:
+            index = json.loads(f.read().decode("utf-8"))
+    except ValueError as e:              # UnicodeDecodeError and JSONDecodeError alike
+        raise CheckpointError(f"{index_path}: not valid JSON ({e})") from None
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{index_path}: expected a JSON object with a weight_map, got a "
+                              f"{type(index).__name__}")
+    if "weight_map" not in index:
+        raise CheckpointError(f"{index_path}: no weight_map (expected {{\"weight_map\": "
+                              "{tensor name: shard file name}})")
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: weight_map must be an object {{tensor name: shard "
+                              f"file name}}, got {json.dumps(weight_map)[:200]}")
+    for name, fname in weight_map.items():
+        # a file name of this folder: shards are compared by name with the files they are in
+        if not (isinstance(fname, str) and fname and os.path.basename(fname) == fname
+                and fname not in (".", "..")):
+            raise CheckpointError(f"{index_path}: weight_map[{name!r}] must be the file name of "
+                                  f"a shard in this folder, got {json.dumps(fname)}")
+    return weight_map
+
+
 def scan_folder(path: str) -> dict[str, TensorInfo]:
     """name -> TensorInfo for a Hugging Face folder (sharded with its index, or not)."""
     index_path = os.path.join(path, INDEX_FILE)
     weight_map: Mapping[str, str] | None = None
     if os.path.isfile(index_path):
-        with open(index_path) as f:
-            try:
-                weight_map = json.load(f)["weight_map"]
-            except (ValueError, KeyError, TypeError):
-                raise CheckpointError(f"{index_path}: no readable weight_map") from None
+        weight_map = read_index(index_path)
         files = sorted(set(weight_map.values()))
         for fname in files:
             if not os.path.isfile(os.path.join(path, fname)):

@@ -1,0 +1,258 @@
+"""Damaged or malformed checkpoint inputs fail with a `CheckpointError` (a ValueError) that names
+the file, the tensor or field, and what was expected; none loads silently with wrong weights.
+
+Everything here is header / JSON work on tiny folders (no model is compiled)."""
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+from mtpjax import ModelConfig
+from mtpjax.checkpoint import CheckpointError, export_hf, load_hf, load_pretrained
+from mtpjax.checkpoint.bundle import Assets, flat_items
+from mtpjax.checkpoint.hf_load import read_hf_config
+from mtpjax.checkpoint.orbax_io import FORMAT, FORMAT_FILE, read_meta
+from mtpjax.checkpoint.safetensors_io import read_header, read_tensor
+from mtpjax.config import RopeScaling
+from mtpjax.model.params import param_specs
+from tests.conftest import random_params, tiny_config
+
+INDEX = "model.safetensors.index.json"
+
+
+def ds_config(**overrides) -> ModelConfig:
+    """A tiny DeepSeek-V3 (MLA + MoE), as in test_deepseek.py."""
+    return ModelConfig(**{**dict(
+        model_type="deepseek_v3", vocab_size=96, hidden_size=32, intermediate_size=48,
+        num_layers=2, num_heads=4, num_kv_heads=4, attention_kind="mla", q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        rope_interleave=True, ffn_kind="moe", n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=1),
+        **overrides})
+
+
+def _library_rejects(file) -> bool:
+    """Whether the reference `safetensors` library refuses the file (skips without it)."""
+    safetensors = pytest.importorskip("safetensors")
+    try:
+        with safetensors.safe_open(str(file), "np") as f:
+            for name in f.keys():
+                f.get_tensor(name)
+    except Exception:
+        return True
+    return False
+
+
+# ---- safetensors headers -------------------------------------------------------------------------
+
+A = np.arange(4, dtype=np.float32).reshape(2, 2)
+B = np.arange(4, 8, dtype=np.float32)
+C = np.array([8, -9], np.int8)
+DATA = A.tobytes() + B.tobytes() + C.tobytes()
+ENTRIES = [("__metadata__", {"format": "pt"}),
+           ("a", {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}),
+           ("b", {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}),
+           ("c", {"dtype": "I8", "shape": [2], "data_offsets": [32, 34]})]
+
+
+def _write(path, entries=ENTRIES, data=DATA, raw=None):
+    """A safetensors file from (name, entry) pairs, which may repeat a name (a dict cannot)."""
+    if raw is None:
+        raw = "{" + ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in entries) + "}"
+    raw = raw.encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def _edit(name, **fields):
+    return lambda entries, data: ([(k, {**v, **fields} if k == name else v) for k, v in entries],
+                                  data)
+
+
+def _header(raw):
+    return lambda entries, data: (raw, data)
+
+
+DAMAGED = {   # id: (damage(entries, data) -> (entries or raw header, data), message after "file: ")
+    "overlap": (_edit("b", data_offsets=[0, 16]),
+                r"damaged safetensors header: tensor b: data_offsets \[0, 16\] overlap tensor "
+                r"a's \[0, 16\] \(expected it to start at 16, where a ends\)"),
+    "negative_offset": (_edit("b", data_offsets=[-16, 0]),
+                        r"tensor b: data_offsets must be two ints >= 0 \[begin, end\], got "
+                        r"\[-16, 0\]"),
+    "named_twice": (lambda e, d: (e + [("b", ENTRIES[1][1])], d),
+                    r"tensor b appears twice \(expected each name once\)"),
+    "named_twice_same_entry": (lambda e, d: (e + [("b", ENTRIES[2][1])], d),
+                               r"tensor b appears twice"),
+    "gap": (lambda e, d: ([x for x in e if x[0] != "b"], d),
+            r"tensor c: data_offsets \[32, 34\] leave bytes \[16, 32\) of the data unused "
+            r"\(after tensor a; expected the tensors to cover the data without gaps\)"),
+    "gap_at_start": (lambda e, d: ([(k, {**v, "data_offsets": [o + 8 for o in v["data_offsets"]]}
+                                     if k != "__metadata__" else v) for k, v in e],
+                                   bytes(8) + d),
+                     r"tensor a: data_offsets \[8, 24\] leave bytes \[0, 8\) of the data unused "
+                     r"\(at the start of the data"),
+    "trailing_bytes": (lambda e, d: (e, d + bytes(8)),
+                       r"damaged safetensors file: 8 bytes after the end of the last tensor, c, "
+                       r"at byte \d+ \(expected the tensors to end at the end of the file"),
+    "wrong_byte_count": (_edit("b", shape=[3]),
+                         r"tensor b has 16 bytes for F32 \[3\], expected 12"),
+    "end_before_begin": (_edit("b", data_offsets=[32, 16]),
+                         r"tensor b: data_offsets \[32, 16\] end before they begin"),
+    "float_offsets": (_edit("b", data_offsets=[16.0, 32.0]),
+                      r"tensor b: data_offsets must be two ints >= 0 \[begin, end\], got "
+                      r"\[16\.0, 32\.0\]"),
+    "three_offsets": (_edit("b", data_offsets=[16, 32, 48]),
+                      r"tensor b: data_offsets must be two ints"),
+    "unknown_dtype": (_edit("c", dtype="I4"),
+                      r"tensor c: dtype \"I4\" is not a safetensors dtype \(one of BOOL, "),
+    "negative_shape": (_edit("b", shape=[-4]),
+                       r"tensor b: shape must be a list of ints >= 0, got \[-4\]"),
+    "sub_byte": (_edit("c", dtype="F4", shape=[3]),
+                 r"tensor c: F4 \[3\] is 12 bits, not whole bytes"),
+    "metadata_not_strings": (lambda e, d: ([("__metadata__", {"format": 1})] + e[1:], d),
+                             r"__metadata__ must map names to strings \(each once\), got "
+                             r"\{\"format\": 1\}"),
+    "field_twice": (_header('{"a": {"dtype": "F32", "dtype": "F32", "shape": [2, 2], '
+                            '"data_offsets": [0, 16]}, "b": {"dtype": "F32", "shape": [4], '
+                            '"data_offsets": [16, 32]}, "c": {"dtype": "I8", "shape": [2], '
+                            '"data_offsets": [32, 34]}}'),
+                    r"tensor a: field dtype appears twice"),
+    "entry_not_object": (lambda e, d: (e[:2] + [("b", [16, 32])] + e[3:], d),
+                         r"tensor b: expected an object with dtype, shape and data_offsets, "
+                         r"got \[16, 32\]"),
+    "not_an_object": (_header("[]"),
+                      r"unreadable safetensors header \(expected a JSON object of tensors, got a "
+                      r"list\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_damaged_safetensors_header_names_the_file_and_tensor(tmp_path, case):
+    damage, message = DAMAGED[case]
+    got, data = damage(list(ENTRIES), DATA)
+    file = tmp_path / "x.safetensors"
+    if isinstance(got, str):
+        _write(file, raw=got, data=data)
+    else:
+        _write(file, got, data)
+    with pytest.raises(CheckpointError, match=re.escape(str(file)) + ": .*" + message):
+        read_header(str(file))
+    # the reference library refuses the same files, except a name given twice with one entry
+    # (its JSON map keeps one of them; we refuse any header that names a tensor twice)
+    assert _library_rejects(file) == (case != "named_twice_same_entry")
+
+
+def test_header_length_over_the_format_limit(tmp_path):
+    file = tmp_path / "x.safetensors"
+    file.write_bytes(struct.pack("<Q", 2**40) + b"{}" + bytes(6))
+    with pytest.raises(CheckpointError, match=re.escape(str(file)) + r": not a safetensors file, "
+                       r"or a damaged one: its first 8 bytes give a header of 1099511627776 "
+                       r"bytes, over the format's limit"):
+        read_header(str(file))
+
+
+def test_valid_headers_read_as_the_library_reads_them(tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    mine = _write(tmp_path / "mine.safetensors")
+    zero = np.zeros((0, 3), np.float32)
+    theirs = tmp_path / "theirs.safetensors"
+    safetensors_numpy.save_file({"a": A, "z": zero, "b": B, "c": C}, str(theirs),
+                                metadata={"format": "pt"})
+    for file, want in ((mine, {"a": A, "b": B, "c": C}),
+                       (theirs, {"a": A, "b": B, "c": C, "z": zero})):
+        infos = {i.name: i for i in read_header(str(file))}
+        assert sorted(infos) == sorted(want)
+        lib = safetensors_numpy.load_file(str(file))
+        for name, value in want.items():
+            got = read_tensor(infos[name])
+            assert got.dtype == value.dtype and got.shape == value.shape
+            np.testing.assert_array_equal(got, value)
+            np.testing.assert_array_equal(got, lib[name])
+    empty = _write(tmp_path / "empty.safetensors", [("__metadata__", {"format": "pt"})], b"")
+    assert read_header(str(empty)) == [] and not _library_rejects(empty)
+    null_meta = _write(tmp_path / "null_meta.safetensors", [("__metadata__", None)] + ENTRIES[1:])
+    assert len(read_header(str(null_meta))) == 3 and not _library_rejects(null_meta)
+
+
+# ---- a tiny Hugging Face folder ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A llama folder without MTP modules (one model.safetensors)."""
+    cfg = tiny_config(num_mtp_layers=0)
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    export_hf(str(path), random_params(cfg), cfg)
+    return path
+
+
+@pytest.fixture
+def folder(tmp_path, hf_folder):
+    """A fresh copy of `hf_folder` to damage."""
+    return shutil.copytree(hf_folder, tmp_path / "llama")
+
+
+def _rewrite_header(file, edit):
+    """edit(header dict) -> header JSON text, keeping the data section as it was."""
+    b = file.read_bytes()
+    (n,) = struct.unpack("<Q", b[:8])
+    raw = edit(json.loads(b[8:8 + n])).encode()
+    raw += b" " * (-len(raw) % 8)
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + b[8 + n:])
+
+
+def test_load_hf_refuses_a_tensor_pointing_at_another_tensors_bytes(folder):
+    """A checkpoint whose up_proj points at gate_proj's bytes loaded as if nothing were wrong."""
+    up, gate = "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_proj.weight"
+
+    def overlap(h):
+        h[up]["data_offsets"] = list(h[gate]["data_offsets"])
+        return json.dumps(h)
+    _rewrite_header(folder / "model.safetensors", overlap)
+    with pytest.raises(CheckpointError, match=re.escape(str(folder / "model.safetensors"))
+                       + r": damaged safetensors header: tensor " + re.escape(up)
+                       + r": data_offsets \[\d+, \d+\] overlap tensor " + re.escape(gate)):
+        load_hf(str(folder))
+
+
+# ---- model.safetensors.index.json ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sharded_folder(tmp_path_factory):
+    cfg = tiny_config(num_mtp_layers=0)
+    path = tmp_path_factory.mktemp("hf") / "sharded"
+    export_hf(str(path), random_params(cfg), cfg, max_shard_size="16KB")
+    return path
+
+
+INDEX_DAMAGE = {
+    "not_json": ("{weight_map", r"not valid JSON"),
+    "a_list": ("[]", r"expected a JSON object with a weight_map, got a list"),
+    "no_weight_map": ('{"metadata": {}}', r"no weight_map \(expected \{\"weight_map\": "),
+    "weight_map_a_list": ('{"weight_map": ["model.norm.weight"]}',
+                          r"weight_map must be an object \{tensor name: shard file name\}, got "
+                          r"\[\"model.norm.weight\"\]"),
+    "shard_not_a_name": ('{"weight_map": {"model.norm.weight": 3}}',
+                         r"weight_map\['model.norm.weight'\] must be the file name of a shard in "
+                         r"this folder, got 3"),
+    "shard_outside": ('{"weight_map": {"model.norm.weight": "../model.safetensors"}}',
+                      r"weight_map\['model.norm.weight'\] must be the file name of a shard in "
+                      r"this folder, got \"../model.safetensors\""),
+}
+
+
+@pytest.mark.parametrize("case", list(INDEX_DAMAGE))
+def test_malformed_index_names_the_file(tmp_path, sharded_folder, case):
+    text, message = INDEX_DAMAGE[case]
+    src = shutil.copytree(sharded_folder, tmp_path / "src")
+    (src / INDEX).write_text(text)
+    with pytest.raises(CheckpointError, match=re.escape(str(src / INDEX)) + ": " + message):
+        load_hf(str(src))
