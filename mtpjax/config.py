@@ -8,6 +8,7 @@ construction; shrink them in tests with `dataclasses.replace` (which re-validate
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping
 
@@ -25,6 +26,19 @@ SPEC_METHODS = ("chain", "multi_layer")
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _finite(name: str, value: Any, positive: bool = False) -> None:
+    """A finite real number (> 0 when `positive`): inf or nan would reach the model as NaN
+    logits, a string would fail later as a TypeError that names nothing."""
+    if not _is_real(value) or not math.isfinite(value) or (positive and not value > 0):
+        raise ValueError(f"{name} must be a finite number{' > 0' if positive else ''}, got "
+                         f"{value!r}")
+
+
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +66,21 @@ class RopeScaling:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope_scaling type {self.rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-        if not self.factor > 0:
-            raise ValueError(f"rope_scaling factor must be > 0, got {self.factor!r}")
+        _finite("rope_scaling factor", self.factor, positive=True)
+        _finite("rope_scaling original_max_position_embeddings",
+                self.original_max_position_embeddings, positive=True)
+        for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
+                     "mscale_all_dim"):
+            _finite(f"rope_scaling {name}", getattr(self, name))
+        if self.attention_factor is not None:
+            _finite("rope_scaling attention_factor", self.attention_factor)
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any] | None) -> "RopeScaling":
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ValueError(f"rope_scaling must be an object (or null), got {d!r}")
         if not d:
             return cls()
         rope_type = d.get("rope_type", d.get("type", "default"))
@@ -145,12 +169,17 @@ class ModelConfig:
         if self.mtp_concat_order not in MTP_CONCAT_ORDERS:
             raise ValueError(
                 f"mtp_concat_order {self.mtp_concat_order!r} not in {MTP_CONCAT_ORDERS}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        _finite("rms_norm_eps", self.rms_norm_eps, positive=True)
+        _finite("rope_theta", self.rope_theta, positive=True)
+        for name in ("qkv_bias", "qk_norm", "tie_word_embeddings", "mtp_normed_hidden_to_next",
+                     "rope_interleave", "norm_topk_prob"):
+            _flag(name, getattr(self, name))
+            object.__setattr__(self, name, bool(getattr(self, name)))
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", RopeScaling.from_hf(self.rope_scaling))
+        if not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling must be a RopeScaling or a dict, got "
+                             f"{self.rope_scaling!r}")
         from mtpjax.model.kinds import attention_kind, ffn_kind   # the registries (lazy: cycle)
         attention_kind(self.attention_kind)
         ffn_kind(self.ffn_kind)
@@ -204,8 +233,7 @@ class ModelConfig:
             raise ValueError("norm_topk_prob=True with scoring_func 'softmax' is not supported "
                              "(DeepSeek-V2's code and transformers disagree on it; released V2 "
                              "checkpoints set it False)")
-        if not self.routed_scaling_factor > 0:
-            raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
+        _finite("routed_scaling_factor", self.routed_scaling_factor, positive=True)
 
     def layer_kinds(self) -> tuple[tuple[str, str], ...]:
         """(attention kind, FFN kind) of each target layer (MoE models: dense first layers)."""
@@ -233,6 +261,10 @@ class ModelConfig:
             raise ValueError(f"unknown ModelConfig keys: {unknown}")
         d = dict(d)
         if isinstance(d.get("rope_scaling"), Mapping):
+            known = {f.name for f in dataclasses.fields(RopeScaling)}
+            unknown = sorted(set(d["rope_scaling"]) - known)
+            if unknown:
+                raise ValueError(f"unknown rope_scaling keys: {unknown}")
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         return cls(**d)
 
@@ -245,38 +277,43 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
-        if config.get("use_sliding_window", False):
+        get = functools.partial(_hf_value, config)
+        if get("use_sliding_window", FLAG, False):
             raise ValueError("use_sliding_window=True is not supported (sliding-window attention)")
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; supported: ('silu',)")
-        num_heads = config["num_attention_heads"]
-        hidden = config["hidden_size"]
+        num_heads = get("num_attention_heads", POSITIVE)
+        hidden = get("hidden_size", POSITIVE)
         rope_scaling = config.get("rope_scaling")
-        rope_theta = config.get("rope_theta")
+        rope_theta = get("rope_theta", NUMBER, 10000.0)
         # transformers >= 5 may nest theta and scaling into `rope_parameters`.
         rope_params = config.get("rope_parameters")
-        if isinstance(rope_params, Mapping):
-            rope_theta = rope_params.get("rope_theta", rope_theta)
+        if rope_params is not None:
+            if not isinstance(rope_params, Mapping):
+                raise ValueError(f"rope_parameters must be an object (or null), got "
+                                 f"{rope_params!r}")
+            rope_theta = _hf_value(rope_params, "rope_theta", NUMBER, rope_theta,
+                                   "rope_parameters.rope_theta")
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
         kwargs = dict(
             model_type=model_type,
-            vocab_size=config["vocab_size"],
+            vocab_size=get("vocab_size", POSITIVE),
             hidden_size=hidden,
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
+            intermediate_size=get("intermediate_size", POSITIVE),
+            num_layers=get("num_hidden_layers", POSITIVE),
             num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or None,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta if rope_theta is not None else 10000.0,
+            num_kv_heads=get("num_key_value_heads", COUNT, 0) or num_heads,
+            head_dim=get("head_dim", COUNT, 0) or None,
+            rms_norm_eps=get("rms_norm_eps", NUMBER, 1e-6),
+            rope_theta=rope_theta,
             rope_scaling=RopeScaling.from_hf(rope_scaling),
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
-            qkv_bias=bool(config.get("attention_bias", model_type in ("qwen2", "mimo"))),
+            max_position_embeddings=get("max_position_embeddings", POSITIVE, 4096),
+            qkv_bias=get("attention_bias", FLAG, model_type in ("qwen2", "mimo")),
             qk_norm=model_type == "qwen3",
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            num_mtp_layers=int(config.get("num_nextn_predict_layers", 0) or 0),
+            tie_word_embeddings=get("tie_word_embeddings", FLAG, False),
+            num_mtp_layers=get("num_nextn_predict_layers", COUNT, 0),
             mtp_concat_order="hidden_embed" if model_type == "mimo" else "embed_hidden",
             mtp_normed_hidden_to_next=model_type == "mimo",
         )
@@ -292,44 +329,75 @@ def _deepseek_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """MLA + MoE fields of a DeepSeek-V2/V3 / Kimi-K2 config.json (their own names)."""
     model_type = config["model_type"]
     v2 = model_type == "deepseek_v2"
-    if config.get("attention_bias", False):
+    get = functools.partial(_hf_value, config)
+    if get("attention_bias", FLAG, False):
         raise ValueError("attention_bias=True is not supported for MLA models (DeepSeek ships none)")
-    if config.get("mlp_bias", False):
+    if get("mlp_bias", FLAG, False):
         raise ValueError("mlp_bias=True is not supported (DeepSeek ships none)")
     if config.get("moe_layer_freq", 1) != 1:
         raise ValueError(f"moe_layer_freq {config['moe_layer_freq']!r} is not supported; "
                          "supported: 1 (every layer after first_k_dense_replace is MoE)")
-    get = lambda name, default: default if config.get(name) is None else config[name]  # noqa: E731
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
+    heads = get("num_attention_heads", POSITIVE)
+    kv = get("num_key_value_heads", COUNT, 0) or heads
     if kv != heads:
         raise ValueError(f"num_key_value_heads {kv} != num_attention_heads {heads}: MLA has no "
                          "KV heads to group")
-    experts = get("n_routed_experts", get("num_experts", 0))
+    experts = get("n_routed_experts", COUNT, None)
+    if experts is None:
+        experts = get("num_experts", COUNT, 0)
+    rope_dim = get("qk_rope_head_dim", POSITIVE)
     fields = dict(
-        attention_kind="mla", head_dim=config["qk_rope_head_dim"], num_kv_heads=heads,
+        attention_kind="mla", head_dim=rope_dim, num_kv_heads=heads,
         qkv_bias=False, qk_norm=False,
-        q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"],
-        qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=config["qk_rope_head_dim"],
-        v_head_dim=config["v_head_dim"],
+        q_lora_rank=get("q_lora_rank", POSITIVE, None), kv_lora_rank=get("kv_lora_rank", POSITIVE),
+        qk_nope_head_dim=get("qk_nope_head_dim", POSITIVE), qk_rope_head_dim=rope_dim,
+        v_head_dim=get("v_head_dim", POSITIVE),
         # V2 rotates interleaved pairs (complex multiply); V3/K2 say so in `rope_interleave`
-        rope_interleave=True if v2 else bool(get("rope_interleave", True)),
+        rope_interleave=True if v2 else get("rope_interleave", FLAG, True),
         mtp_concat_order="embed_hidden", mtp_normed_hidden_to_next=False,
     )
     if experts:
         fields.update(
             ffn_kind="moe", n_routed_experts=experts,
-            num_experts_per_tok=config["num_experts_per_tok"],
-            n_shared_experts=get("n_shared_experts", 0),
-            moe_intermediate_size=config["moe_intermediate_size"],
-            first_k_dense_replace=get("first_k_dense_replace", 0),
-            n_group=get("n_group", 1), topk_group=get("topk_group", 1),
-            routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
-            norm_topk_prob=bool(get("norm_topk_prob", False)),
-            scoring_func=get("scoring_func", "softmax" if v2 else "sigmoid"),
-            topk_method=get("topk_method", "greedy" if v2 else "noaux_tc"),
+            num_experts_per_tok=get("num_experts_per_tok", POSITIVE),
+            n_shared_experts=get("n_shared_experts", COUNT, 0),
+            moe_intermediate_size=get("moe_intermediate_size", POSITIVE),
+            first_k_dense_replace=get("first_k_dense_replace", COUNT, 0),
+            n_group=get("n_group", POSITIVE, 1), topk_group=get("topk_group", POSITIVE, 1),
+            routed_scaling_factor=float(get("routed_scaling_factor", NUMBER, 1.0)),
+            norm_topk_prob=get("norm_topk_prob", FLAG, False),
+            scoring_func=get("scoring_func", TEXT, "softmax" if v2 else "sigmoid"),
+            topk_method=get("topk_method", TEXT, "greedy" if v2 else "noaux_tc"),
         )
     return fields
+
+
+# What a config.json value must be: (description for messages, check).
+POSITIVE = ("a positive int", lambda v: _is_int(v) and v > 0)
+COUNT = ("an int >= 0", lambda v: _is_int(v) and v >= 0)
+NUMBER = ("a finite number", lambda v: _is_real(v) and math.isfinite(v))
+FLAG = ("true or false", lambda v: isinstance(v, bool) or (_is_int(v) and v in (0, 1)))
+TEXT = ("a string", lambda v: isinstance(v, str))
+_REQUIRED = object()
+
+
+def _hf_value(config: Mapping[str, Any], key: str, kind: tuple, default: Any = _REQUIRED,
+              label: str | None = None) -> Any:
+    """config.json's `key` if it is of `kind` (ints as int, flags as bool); `default` when it is
+    absent or null. A value of another type raises naming the key and what was expected: read
+    unchecked, a string such as "32" would fail later (or, for a flag, "false" would be True)."""
+    what, ok = kind
+    value = config.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            got = "null" if key in config else "missing"
+            raise ValueError(f"{label or key} is {got}; expected {what}")
+        return default
+    if not ok(value):
+        raise ValueError(f"{label or key} must be {what}, got {value!r}")
+    if kind is FLAG:
+        return bool(value)
+    return int(value) if _is_int(value) else value
 
 
 # A request's PRNG key is jax.random.PRNGKey(seed), which keeps the low 32 bits of the seed

@@ -256,3 +256,72 @@ def test_malformed_index_names_the_file(tmp_path, sharded_folder, case):
     (src / INDEX).write_text(text)
     with pytest.raises(CheckpointError, match=re.escape(str(src / INDEX)) + ": " + message):
         load_hf(str(src))
+
+
+# ---- config.json ---------------------------------------------------------------------------------
+
+CONFIG_DAMAGE = {   # field: (value written, message after "config.json: ")
+    "num_hidden_layers": ("2", r"num_hidden_layers must be a positive int, got '2'"),
+    "rms_norm_eps": ("1e-6", r"rms_norm_eps must be a finite number, got '1e-6'"),
+    "rope_theta": ("1e4", r"rope_theta must be a finite number, got '1e4'"),
+    "num_nextn_predict_layers": ("one", r"num_nextn_predict_layers must be an int >= 0, got "
+                                        r"'one'"),
+    "tie_word_embeddings": ("false", r"tie_word_embeddings must be true or false, got 'false'"),
+    "rope_scaling": ("yarn", r"rope_scaling must be an object \(or null\), got 'yarn'"),
+    "num_attention_heads": (None, r"num_attention_heads is null; expected a positive int"),
+}
+
+
+@pytest.mark.parametrize("field", list(CONFIG_DAMAGE))
+def test_config_json_value_of_the_wrong_type_names_the_field(folder, field):
+    value, message = CONFIG_DAMAGE[field]
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(CheckpointError, match=re.escape(str(folder / "config.json")) + ": "
+                       + message):
+        load_hf(str(folder))
+
+
+def test_config_json_missing_and_infinite_values(folder):
+    cfg = json.loads((folder / "config.json").read_text())
+    file = str(folder / "config.json")
+    del cfg["hidden_size"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=re.escape(file)
+                       + r": hidden_size is missing; expected a positive int"):
+        read_hf_config(str(folder))
+    cfg["hidden_size"] = 32
+    cfg["rope_theta"] = math.inf              # json writes Infinity, which Python reads back
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=re.escape(file)
+                       + r": rope_theta must be a finite number, got inf"):
+        read_hf_config(str(folder))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("routed_scaling_factor", "2.5", r"routed_scaling_factor must be a finite number, got '2\.5'"),
+    ("norm_topk_prob", "false", r"norm_topk_prob must be true or false, got 'false'"),
+    ("kv_lora_rank", "16", r"kv_lora_rank must be a positive int, got '16'"),
+    ("n_routed_experts", 8.0, r"n_routed_experts must be an int >= 0, got 8\.0"),
+])
+def test_deepseek_config_value_of_the_wrong_type_names_the_field(field, value, message):
+    from mtpjax.checkpoint.hf_export import hf_config_dict
+    d = hf_config_dict(ds_config(num_mtp_layers=0))
+    assert ModelConfig.from_hf(d) == ds_config(num_mtp_layers=0)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf({**d, field: value})
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: tiny_config(rope_theta=math.inf), r"rope_theta must be a finite number > 0, got inf"),
+    (lambda: tiny_config(rope_theta="1e4"), r"rope_theta must be a finite number > 0, got '1e4'"),
+    (lambda: tiny_config(rms_norm_eps=math.nan), r"rms_norm_eps must be a finite number > 0"),
+    (lambda: tiny_config(qkv_bias="no"), r"qkv_bias must be True or False, got 'no'"),
+    (lambda: ds_config(routed_scaling_factor=math.inf), r"routed_scaling_factor must be a finite"),
+    (lambda: RopeScaling("yarn", factor=math.inf), r"rope_scaling factor must be a finite number"),
+    (lambda: RopeScaling("yarn", factor=4.0, beta_fast="32"),
+     r"rope_scaling beta_fast must be a finite number, got '32'"),
+])
+def test_model_config_refuses_non_finite_and_mistyped_numbers(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
