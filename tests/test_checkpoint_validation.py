@@ -325,3 +325,64 @@ def test_deepseek_config_value_of_the_wrong_type_names_the_field(field, value, m
 def test_model_config_refuses_non_finite_and_mistyped_numbers(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+# ---- mtpjax_checkpoint.json (Orbax folders) ------------------------------------------------------
+
+def _meta(cfg):
+    return {"format": FORMAT, "version": 1, "model_config": cfg.to_dict(),
+            "dtypes": {p: "float32" for p, _ in flat_items(param_specs(cfg))}}
+
+
+def _edited(key, value):
+    def edit(meta):
+        target = meta["model_config"] if key.startswith("model_config.") else meta
+        k = key.split(".", 1)[-1]
+        if value is KeyError:
+            del target[k]
+        else:
+            target[k] = value
+        return json.dumps(meta)
+    return edit
+
+
+META_DAMAGE = {
+    "not_json": (lambda m: json.dumps(m)[:-10], r"not valid JSON"),
+    "a_list": (lambda m: "[]", r"expected a JSON object with format, version, model_config and "
+                               r"dtypes, got a list"),
+    "no_model_config": (_edited("model_config", KeyError),
+                        r"model_config must be an object of ModelConfig fields, got null"),
+    "string_size": (_edited("model_config.hidden_size", "32"),
+                    r"model_config: hidden_size must be a positive int, got '32'"),
+    "string_flag": (_edited("model_config.qkv_bias", "no"),
+                    r"model_config: qkv_bias must be True or False, got 'no'"),
+    "infinite_theta": (_edited("model_config.rope_theta", math.inf),
+                       r"model_config: rope_theta must be a finite number > 0, got inf"),
+    "unknown_key": (_edited("model_config.hiden_size", 32),
+                    r"model_config: unknown ModelConfig keys: \['hiden_size'\]"),
+    "unknown_rope_key": (_edited("model_config.rope_scaling", {"rope_type": "yarn", "factr": 2}),
+                         r"model_config: unknown rope_scaling keys: \['factr'\]"),
+    "no_dtypes": (_edited("dtypes", KeyError), r"dtypes must be an object \{param path: dtype "
+                                               r"name\}, got null"),
+    "dtype_missing": (lambda m: json.dumps({**m, "dtypes": {}}),
+                      r"dtypes has no entry for param embed \(expected one per param"),
+    "dtype_bad": (lambda m: json.dumps({**m, "dtypes": {**m["dtypes"], "final_norm": "floaty"}}),
+                  r"dtypes\['final_norm'\] is \"floaty\", expected a float dtype name"),
+}
+
+
+@pytest.mark.parametrize("case", list(META_DAMAGE))
+def test_damaged_orbax_meta_names_the_file_and_field(tmp_path, case):
+    damage, message = META_DAMAGE[case]
+    path = tmp_path / "orbax"
+    path.mkdir()
+    (path / FORMAT_FILE).write_text(damage(_meta(tiny_config(num_mtp_layers=0))))
+    with pytest.raises(CheckpointError, match=re.escape(str(path / FORMAT_FILE)) + ": "
+                       + message):
+        load_pretrained(str(path))
+
+
+def test_valid_orbax_meta_reads(tmp_path):
+    cfg = ds_config()
+    (tmp_path / FORMAT_FILE).write_text(json.dumps(_meta(cfg)))
+    assert read_meta(str(tmp_path))[1] == cfg

@@ -16,6 +16,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mtpjax.checkpoint.atomic import atomic_dir
@@ -53,17 +54,53 @@ def save(path: str, params, cfg: ModelConfig, *, assets: Assets | None = None) -
         assets.write(tmp)
 
 
+def _is_float_dtype_name(name) -> bool:
+    if not isinstance(name, str):
+        return False
+    try:
+        return bool(jnp.issubdtype(jnp.dtype(name), jnp.floating))
+    except TypeError:
+        return False
+
+
 def read_meta(path: str) -> tuple[dict, ModelConfig]:
+    """(mtpjax_checkpoint.json, its ModelConfig), checked: a damaged file fails here, naming the
+    file and the field, rather than as a KeyError inside `restore`."""
     file = os.path.join(path, FORMAT_FILE)
     if not os.path.isfile(file):
         raise CheckpointError(f"{path} has no {FORMAT_FILE}; expected a folder written by "
                               "mtpjax.checkpoint.save / `mtpjax convert`")
-    with open(file) as f:
-        meta = json.load(f)
+    try:
+        with open(file, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except ValueError as e:              # UnicodeDecodeError and JSONDecodeError alike
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{file}: expected a JSON object with format, version, "
+                              f"model_config and dtypes, got a {type(meta).__name__}")
     if meta.get("format") != FORMAT or meta.get("version") != 1:
         raise CheckpointError(f"{file}: format {meta.get('format')!r} version "
                               f"{meta.get('version')!r}, expected {FORMAT!r} version 1")
-    return meta, ModelConfig.from_dict(meta["model_config"])
+    model_config = meta.get("model_config")
+    if not isinstance(model_config, dict):
+        raise CheckpointError(f"{file}: model_config must be an object of ModelConfig fields, "
+                              f"got {json.dumps(model_config)[:200]}")
+    try:
+        cfg = ModelConfig.from_dict(model_config)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: model_config: {e}") from None
+    dtypes = meta.get("dtypes")
+    if not isinstance(dtypes, dict):
+        raise CheckpointError(f"{file}: dtypes must be an object {{param path: dtype name}}, "
+                              f"got {json.dumps(dtypes)[:200]}")
+    for p, _ in flat_items(param_specs(cfg)):
+        if p not in dtypes:
+            raise CheckpointError(f"{file}: dtypes has no entry for param {p} (expected one per "
+                                  "param of the model_config)")
+        if not _is_float_dtype_name(dtypes[p]):
+            raise CheckpointError(f"{file}: dtypes[{p!r}] is {json.dumps(dtypes[p])}, expected "
+                                  "a float dtype name such as \"float32\" or \"bfloat16\"")
+    return meta, cfg
 
 
 def restore(path: str, sharding=None, *, dtype=None, mesh=None) -> Checkpoint:
@@ -93,11 +130,20 @@ def restore(path: str, sharding=None, *, dtype=None, mesh=None) -> Checkpoint:
         return jax.ShapeDtypeStruct(spec.shape, dtype or meta["dtypes"]["/".join(map(str, p))],
                                     sharding=leaf_sharding(p))
 
+    # the small files first: a damaged one fails before the arrays are read
+    hf_config = None
+    hf_config_file = os.path.join(path, HF_CONFIG_FILE)
+    if os.path.isfile(hf_config_file):
+        try:
+            with open(hf_config_file, "rb") as f:
+                hf_config = json.loads(f.read().decode("utf-8"))
+        except ValueError as e:          # UnicodeDecodeError and JSONDecodeError alike
+            raise CheckpointError(f"{hf_config_file}: not valid JSON ({e})") from None
+        if not isinstance(hf_config, dict):
+            raise CheckpointError(f"{hf_config_file}: expected a JSON object (the source "
+                                  f"config.json), got a {type(hf_config).__name__}")
+    assets = Assets.from_dir(path, hf_config)
     target = tree_from_items((p, abstract(p, spec)) for p, spec in tree_items(param_specs(cfg)))
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), target)
-    hf_config = None
-    if os.path.isfile(os.path.join(path, HF_CONFIG_FILE)):
-        with open(os.path.join(path, HF_CONFIG_FILE)) as f:
-            hf_config = json.load(f)
-    return Checkpoint(cfg, params, Assets.from_dir(path, hf_config))
+    return Checkpoint(cfg, params, assets)
