@@ -386,3 +386,31 @@ def test_valid_orbax_meta_reads(tmp_path):
     cfg = ds_config()
     (tmp_path / FORMAT_FILE).write_text(json.dumps(_meta(cfg)))
     assert read_meta(str(tmp_path))[1] == cfg
+
+
+# ---- generation_config.json ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, message", [
+    ("{eos", r"not valid JSON"),
+    ("[2]", r"expected a JSON object, got a list"),
+    ('{"eos_token_id": "2"}', r"eos_token_id must be a token id \(an int >= 0\) or a list of "
+                              r"them, got \"2\""),
+    ('{"eos_token_id": [2, "x"]}', r"eos_token_id must be a token id .* got \[2, \"x\"\]"),
+    ('{"eos_token_id": -1}', r"eos_token_id must be a token id"),
+])
+def test_bad_generation_config_names_the_file(folder, text, message):
+    file = folder / "generation_config.json"
+    file.write_text(text)
+    with pytest.raises(CheckpointError, match=re.escape(str(file)) + ": " + message):
+        load_hf(str(folder))
+    with pytest.raises(CheckpointError, match=r"^generation_config\.json: " + message):
+        Assets(None, {"generation_config.json": text.encode()}).eos_token_id()
+
+
+def test_generation_config_eos_list_and_null():
+    gen = lambda eos: {"generation_config.json": json.dumps({"eos_token_id": eos}).encode()}  # noqa: E731
+    assert Assets({"eos_token_id": 9}, gen([5, 7])).eos_token_id() == 5
+    assert Assets({"eos_token_id": 9}, gen(None)).eos_token_id() == 9
+    assert Assets({"eos_token_id": [4, 9]}, gen([])).eos_token_id() == 4
+    with pytest.raises(CheckpointError, match=r"config\.json: eos_token_id must be a token id"):
+        Assets({"eos_token_id": "4"}).eos_token_id()

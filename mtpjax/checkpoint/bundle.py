@@ -48,12 +48,17 @@ class Assets:
 
     @classmethod
     def from_dir(cls, path: str, hf_config: dict | None = None) -> "Assets":
+        """The folder's asset files; generation_config.json is checked here (when present), so
+        a damaged one fails at load, naming its path."""
         files = {}
         for name in ASSET_FILES:
             p = os.path.join(path, name)
             if os.path.isfile(p):
                 with open(p, "rb") as f:
                     files[name] = f.read()
+        if GENERATION_CONFIG_FILE in files:
+            where = os.path.join(path, GENERATION_CONFIG_FILE)
+            _eos_id(_json_object(files[GENERATION_CONFIG_FILE], where), where)
         return cls(hf_config, files)
 
     def write(self, path: str) -> None:
@@ -73,17 +78,38 @@ class Assets:
 
     def eos_token_id(self) -> int | None:
         """generation_config.json's eos_token_id, else config.json's; the first of a list."""
-        sources: list[Any] = []
+        sources: list[tuple[Any, str]] = []
         if GENERATION_CONFIG_FILE in self.files:
-            sources.append(json.loads(self.files[GENERATION_CONFIG_FILE]))
-        sources.append(self.hf_config or {})
-        for src in sources:
-            eos = src.get("eos_token_id")
-            if isinstance(eos, list):
-                eos = eos[0] if eos else None
+            sources.append((_json_object(self.files[GENERATION_CONFIG_FILE],
+                                         GENERATION_CONFIG_FILE), GENERATION_CONFIG_FILE))
+        sources.append((self.hf_config or {}, "config.json"))
+        for src, where in sources:
+            eos = _eos_id(src, where)
             if eos is not None:
-                return int(eos)
+                return eos
         return None
+
+
+def _json_object(data: bytes, where: str) -> dict:
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except ValueError as e:              # UnicodeDecodeError and JSONDecodeError alike
+        raise CheckpointError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: expected a JSON object, got a {type(value).__name__}")
+    return value
+
+
+def _eos_id(config: dict, where: str) -> int | None:
+    """A config's eos_token_id: a token id, or a list of them (the first is used); None if
+    absent, null or an empty list."""
+    eos = config.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            raise CheckpointError(f"{where}: eos_token_id must be a token id (an int >= 0) or a "
+                                  f"list of them, got {json.dumps(eos)}")
+    return ids[0] if ids else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,6 +81,7 @@ def load_hf(path: str, dtype=None, *, sharding=None, mesh=None, mtp_layout: str 
     config_overrides: ModelConfig fields that replace what config.json says.
     """
     hf_config, cfg = read_hf_config(path, **config_overrides)
+    assets = Assets.from_dir(path, hf_config)     # checked before any tensor is read
     sharding = mesh_sharding(cfg, sharding, mesh)
     quant = fp8.from_hf_config(hf_config, os.path.join(path, CONFIG_FILE))
     infos = scan_folder(path)
@@ -114,4 +115,4 @@ def load_hf(path: str, dtype=None, *, sharding=None, mesh=None, mtp_layout: str 
 
     params = assemble(table, meta, read, dtype, place=_placer(sharding),
                       on_tensor=on_tensor)
-    return Checkpoint(cfg, params, Assets.from_dir(path, hf_config))
+    return Checkpoint(cfg, params, assets)
