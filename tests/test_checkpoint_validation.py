@@ -414,3 +414,53 @@ def test_generation_config_eos_list_and_null():
     assert Assets({"eos_token_id": [4, 9]}, gen([])).eos_token_id() == 4
     with pytest.raises(CheckpointError, match=r"config\.json: eos_token_id must be a token id"):
         Assets({"eos_token_id": "4"}).eos_token_id()
+
+
+# ---- a config that declares MTP modules the files do not have ------------------------------------
+
+def test_deepseek_saved_without_mtp_layers_says_how_to_load_it(tmp_path):
+    """transformers' DeepseekV3 config keeps num_nextn_predict_layers = 1, but its save_pretrained
+    writes no MTP layer: the error says what was found and that num_mtp_layers=0 loads it."""
+    cfg = ds_config(num_mtp_layers=0)
+    path = tmp_path / "ds"
+    export_hf(str(path), random_params(cfg), cfg)
+    hf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 1}))
+    with pytest.raises(CheckpointError) as e:
+        load_hf(str(path))
+    msg = str(e.value)
+    assert "missing tensors:\n    model.layers.2." in msg
+    assert ("The config declares 1 MTP module (num_mtp_layers; config.json's "
+            "num_nextn_predict_layers), but the checkpoint has no MTP module's tensors (nothing "
+            "under model.layers.2.*)") in msg
+    assert ("To load it as a target model only (no speculative decoding), pass "
+            "num_mtp_layers=0 (load_hf / load_pretrained(path, num_mtp_layers=0), `mtpjax "
+            "generate --num-mtp-layers 0`) or set \"num_nextn_predict_layers\": 0") in msg
+    assert load_hf(str(path), num_mtp_layers=0).cfg == cfg
+
+
+def test_fewer_mtp_modules_than_declared_suggests_the_count_found(tmp_path):
+    cfg = tiny_config(num_mtp_layers=1)
+    path = tmp_path / "llama"
+    export_hf(str(path), random_params(cfg), cfg)
+    hf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 3}))
+    with pytest.raises(CheckpointError, match=r"(?s)the checkpoint has the tensors of MTP "
+                       r"modules 0\.\.0 only \(nothing under model\.layers\.3\.\*, "
+                       r"model\.layers\.4\.\*\).*To load it with its 1 MTP module, pass "
+                       r"num_mtp_layers=1"):
+        load_hf(str(path))
+
+
+def test_a_partly_missing_mtp_module_is_damage_not_a_hint(tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    cfg = tiny_config(num_mtp_layers=1)
+    path = tmp_path / "llama"
+    export_hf(str(path), random_params(cfg), cfg)
+    tensors = safetensors_numpy.load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.2.eh_proj.weight"]
+    safetensors_numpy.save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensors:\n    "
+                       r"model\.layers\.2\.eh_proj\.weight") as e:
+        load_hf(str(path))
+    assert "num_mtp_layers=" not in str(e.value)

@@ -201,7 +201,36 @@ def validate(table: KeyTable, tensors: Mapping[str, tuple[tuple[int, ...], str]]
         head = (f"{source} does not match a {cfg.model_type} model with {cfg.num_layers} layers "
                 f"and {cfg.num_mtp_layers} MTP modules ({table.layout.name} MTP layout):")
         raise CheckpointError(head + "".join(f"\n  {label}:{_listing(items)}"
-                                             for items, label in parts if items))
+                                             for items, label in parts if items)
+                              + _absent_mtp_hint(table, tensors))
+
+
+def _absent_mtp_hint(table: KeyTable, tensors: Mapping) -> str:
+    """When the only missing tensors are whole MTP modules (k .. D-1), what was found and how to
+    load it: transformers' save_pretrained of a DeepSeek-V3 keeps the config's
+    num_nextn_predict_layers but writes no MTP layer."""
+    cfg = table.cfg
+    missing = [(n, s) for n, s in table.slots.items() if n not in tensors]
+    if not missing or any(s.path[0] != "mtp" for _, s in missing):
+        return ""
+    have = sorted({s.path[1] for n, s in table.slots.items() if s.path[0] == "mtp"
+                   and n in tensors})
+    first = min(s.path[1] for _, s in missing)       # modules first .. D-1 must be absent
+    if have and have[-1] >= first:
+        return ""                                    # a module partly there: damage, not this
+    where = ", ".join(f"{table.layout.module_prefix(cfg, k)}.*"
+                      for k in range(first, cfg.num_mtp_layers))
+    found = (f"the tensors of MTP modules 0..{first - 1} only" if first else
+             "no MTP module's tensors")
+    how = ("as a target model only (no speculative decoding)" if first == 0 else
+           f"with its {first} MTP module{'s' if first > 1 else ''}")
+    return (f"\n  The config declares {cfg.num_mtp_layers} MTP module"
+            f"{'s' if cfg.num_mtp_layers > 1 else ''} (num_mtp_layers; config.json's "
+            f"num_nextn_predict_layers), but the checkpoint has {found} (nothing under "
+            f"{where}); transformers' save_pretrained, for one, writes no MTP layers. To load it "
+            f"{how}, pass num_mtp_layers={first} (load_hf / load_pretrained(path, "
+            f"num_mtp_layers={first}), `mtpjax generate --num-mtp-layers {first}`) or set "
+            f"\"num_nextn_predict_layers\": {first} in its config.json.")
 
 
 def assemble(table: KeyTable, tensors: Mapping[str, tuple[tuple[int, ...], str]],
