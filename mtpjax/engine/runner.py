@@ -297,30 +297,66 @@ class ModelRunner:
                                          dict(cfg=self.cfg, spec=self.spec, **kw))
             found = [loads.submit(lookup, p[4], p[5]) if self.store is not None else None
                      for p in progs]
-            pending = []              # per program: (store key of a miss, a function -> executable)
             t_load = time.perf_counter()
-            results = [fut.result() if fut is not None else (None, None) for fut in found]
+            results = [fut.result() if fut is not None else (None, None, None) for fut in found]
             self.load_seconds = time.perf_counter() - t_load     # waiting for the store's loads
-            for (T, F, shape, m, inputs, kw), (key, hit) in zip(progs, results):
-                if hit is not None:
-                    pending.append((None, lambda hit=hit: hit))
-                    continue
+
+            def compile_later(inputs, kw):
                 lowered = _step.lower(self.params, self.cfg, self.spec, self.state, inputs, **kw)
-                pending.append((key, pool.submit(lowered.compile).result if threads > 1
-                                else lowered.compile))
+                return pool.submit(lowered.compile).result if threads > 1 else lowered.compile
+            # per program: a function -> its executable (a load, or a compile on the pool)
+            pending = [(lambda hit=hit: hit) if hit is not None else compile_later(p[4], p[5])
+                       for p, (_, _, hit) in zip(progs, results)]
             per_bucket: dict = {}
-            for (T, F, shape, m, inputs, kw), (miss_key, get) in zip(progs, pending):
+            for (T, F, shape, m, inputs, kw), (key, identity, hit), get in \
+                    zip(progs, results, pending):
                 t0 = time.perf_counter()
-                compiled = get()
-                if miss_key is not None:
-                    self.store.save(miss_key, compiled)
+                compiled = self._ready(get(), inputs, kw, key, identity, loaded=hit is not None)
                 self.executables[(shape, F, m)] = compiled
-                self.state, result = compiled(self.params, self.state, inputs)
-                jax.block_until_ready(result)
                 per_bucket[(T, F)] = per_bucket.get((T, F), 0.0) + time.perf_counter() - t0
                 if on_compiled is not None and m == SAMPLING_MODES[-1]:
                     on_compiled(T, F, per_bucket[(T, F)])
         request_key(SamplingParams(), self.seed, 0)      # its eager ops compile on first use
+
+    def _dry_run(self, compiled, inputs) -> None:
+        self.state, result = compiled(self.params, self.state, inputs)
+        jax.block_until_ready(result)
+
+    def _ready(self, compiled, inputs, kw, key, identity, loaded: bool):
+        """The executable to serve one warmed-up program with, after its dry run on `inputs`.
+        With a store, what runs the dry run is what the store holds: a loaded entry, or the
+        fresh compile loaded back from its own bytes (saved only once that ran). A copy that
+        fails to run is refused (deleted, one warning) and the compile serves instead, after
+        a fresh state (the failed call may have consumed the donated one; warm-up runs before
+        any request, so nothing is lost)."""
+        if self.store is None:
+            self._dry_run(compiled, inputs)
+            return compiled
+        if loaded:
+            try:
+                self._dry_run(compiled, inputs)
+                return compiled
+            except Exception as e:                   # noqa: BLE001 (any failure: recompile)
+                self.store.refuse(key, f"its first run failed: {type(e).__name__}: "
+                                       f"{str(e)[:200]}")
+                self.store.count_refused_hit()
+                self.reset_state()
+                compiled = _step.lower(self.params, self.cfg, self.spec, self.state, inputs,
+                                       **kw).compile()
+        serialized = self.store.serialized(compiled)
+        if serialized is not None:
+            bytes_, copy = serialized
+            try:
+                self._dry_run(copy, inputs)
+                self.store.save(key, identity, bytes_)
+                return copy
+            except Exception:                        # noqa: BLE001
+                # e.g. XLA:CPU re-serializing a step that JAX's persistent cache served: the
+                # copy loads but cannot run; the compile itself runs, unstored
+                self.store.unstored += 1
+                self.reset_state()
+        self._dry_run(compiled, inputs)
+        return compiled
 
     def collect(self, out: SchedulerOutput, result: jax.Array) -> list[list[int]]:
         """Waits for a dispatched step; each scheduled request's committed tokens (before the
