@@ -74,3 +74,43 @@ def test_generate_loop_holds_only_its_named_loops(monkeypatch, K, expected):
     hlo = capture_and_compile(monkeypatch, gen, "_loop", lambda: mtpjax.generate(
         params, CFG, [[1, 2, 3], [4, 5]], max_new_tokens=4, spec=spec))
     assert hlo_whiles(hlo) == expected
+
+
+class _LoopCalled(Exception):
+    pass
+
+
+@pytest.mark.parametrize("moe,spec", [(False, 2), (True, None), (True, 2)],
+                         ids=["dense-mtp", "moe-plain", "moe-mtp"])
+def test_generate_loop_graph_only_where_it_pays(monkeypatch, moe, spec):
+    """generate's loop runs as CUDA-graph WHILE / CONDITIONAL commands, except speculative
+    decoding on an MoE model: there the graph loop cost 1.8x the host-checked one at the
+    DeepSeek-V2-Lite shape on an H200 (docs/benchmarks.md). Checked on the loop generate calls
+    (its compile is skipped) and on its compiler options."""
+    import importlib
+
+    from mtpjax.step_jit import LOOP_COMPILER_OPTIONS, STEP_COMPILER_OPTIONS, compiler_options_of
+    gen = importlib.import_module("mtpjax.generate")
+    cfg = mtpjax.ModelConfig(
+        model_type="deepseek_v3", vocab_size=48, hidden_size=32, intermediate_size=48,
+        num_layers=2, num_heads=4, num_kv_heads=4, attention_kind="mla", q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        ffn_kind="moe" if moe else "dense", n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, n_group=4,
+        topk_group=2, num_mtp_layers=1)
+    called = []
+    for name in ("_loop", "_loop_host_checked"):
+        def spy(*a, _name=name, _options=compiler_options_of(getattr(gen, name)), **k):
+            called.append((_name, _options))
+            raise _LoopCalled
+        monkeypatch.setattr(gen, name, spy, raising=True)
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(0), std=0.02)
+    with pytest.raises(_LoopCalled):
+        mtpjax.generate(params, cfg, [[1, 2, 3]], max_new_tokens=4,
+                        spec=spec and mtpjax.SpecConfig(num_speculative_tokens=spec))
+    (name, options), = called
+    in_graph = not (moe and spec)
+    assert name == ("_loop" if in_graph else "_loop_host_checked")
+    graph_types = options.get("xla_gpu_enable_command_buffer", "")
+    assert ("WHILE" in graph_types) == in_graph, options
+    assert options == {**STEP_COMPILER_OPTIONS, **(LOOP_COMPILER_OPTIONS if in_graph else {})}
