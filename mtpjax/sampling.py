@@ -48,13 +48,24 @@ class SamplingArrays:
         keys = [request_key(p, base_seed, i) for i, p in enumerate(params)]
         temperature = np.asarray([p.temperature for p in params], np.float32)
         top_k = np.asarray([p.top_k for p in params], np.int32)
-        top_p = np.asarray([p.top_p for p in params], np.float32)
+        top_p = top_p_array([p.top_p for p in params])
         return cls(temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k),
                    top_p=jnp.asarray(top_p), keys=jnp.asarray(np.stack(keys)),
                    mode=sampling_mode(temperature))
 
 
 SAMPLING_MODES = ("greedy", "filter")
+
+# The smallest positive normal float32. A top_p that SamplingParams accepts (any p in (0, 1])
+# can be a subnormal or 0 once it is float32, and the device flushes subnormals to zero; at
+# p = 0 no token would be in the nucleus (every probability zeroed, the draw NaN: token 0).
+TOP_P_MIN = float(np.finfo(np.float32).tiny)
+
+
+def top_p_array(top_p) -> np.ndarray:
+    """Host side: top_p values as float32 [B], each clamped to [TOP_P_MIN, 1] in float64 first,
+    so a tiny nucleus stays positive on the device (it keeps exactly the top token)."""
+    return np.clip(np.asarray(top_p, np.float64), TOP_P_MIN, 1.0).astype(np.float32)
 
 
 def sampling_mode(temperature) -> str:
@@ -166,11 +177,16 @@ def _top_k_mask(scaled, k):
 
 def _top_p_mask(probs, p):
     """Zero outside each row's nucleus: the largest entries whose mass before them is < p
-    (p >= 1: row unchanged, even where the float32 running sum reaches 1 early)."""
+    (p >= 1: row unchanged, even where the float32 running sum reaches 1 early). The top entry
+    (and its ties) is always kept, whatever float p is: a p of 0 (a tiny top_p underflowed or
+    flushed to zero), negative or NaN would otherwise keep nothing, and the draw from an
+    all-zero row returns token 0. For p > 0 the top entry is kept anyway (its mass before is
+    exactly 0), so this changes no valid row."""
     sorted_p = -jnp.sort(-probs, axis=-1)
     before = jnp.cumsum(sorted_p, axis=-1) - sorted_p        # mass strictly before each entry
     keep = (before < p) | (p >= 1)
     threshold = jnp.min(jnp.where(keep, sorted_p, jnp.inf), axis=-1, keepdims=True)
+    threshold = jnp.minimum(threshold, sorted_p[..., :1])
     return jnp.where(probs >= threshold, probs, 0.0)
 
 

