@@ -177,7 +177,8 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         key_pos = jnp.where(is_dec, start + 1, kv_lens)
         thinking_in = jnp.where(is_dec, state.in_thinking[batch.slots], batch.thinking)
         acc, num_acc, thinking = apply_acceptance(spec, logits, drafts, probs, num_drafts,
-                                                  thinking_in, batch.sampling, key_pos)
+                                                  thinking_in, batch.sampling, key_pos,
+                                                  own_drafts=True)
         committed = jnp.where(is_dec, num_acc, jnp.where(is_last, 1, 0)).astype(jnp.int32)
         new_len = jnp.where(is_dec, start + num_acc, jnp.where(is_chunk, kv_lens, 0))
         pending = jnp.where(is_dec, jnp.take_along_axis(acc, (num_acc - 1)[:, None], 1)[:, 0],
