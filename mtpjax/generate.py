@@ -18,12 +18,13 @@ from flax import struct
 
 from mtpjax.cache import init_cache
 from mtpjax.compilation_cache import enable_compilation_cache
-from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
+from mtpjax.config import ModelConfig, SamplingParams, SpecConfig, check_seed
 from mtpjax.model.backend import resolve_backend
 from mtpjax.model.fused import check_fusable, fuse_projections as fuse, fusion_groups
 from mtpjax.parallel import check_mesh, sharded_inputs, to_host
 from mtpjax.parallel.sharding import pin
-from mtpjax.sampling import Limits, SamplingArrays, as_sampling_list, is_stop, stop_id_array
+from mtpjax.sampling import (Limits, SamplingArrays, is_stop, stop_id_array,
+                             validate_sampling_params)
 from mtpjax.speculative.draft import DRAFT_SOURCES, DraftOverride, draft_shape
 from mtpjax.speculative.draft_vocab import attach as attach_draft_vocab
 from mtpjax.speculative.draft_vocab import resolve_ids as draft_vocab_ids
@@ -170,9 +171,11 @@ def prefill_batch(prompts: list[list[int]], spec: SpecConfig | None, sampling: S
     return batch, bucket_size(sum(max(W, n) for n in lens))
 
 
-def decode_batch(state: GenerateState, sampling: SamplingArrays, K: int) -> MixedBatch:
+def decode_batch(state: GenerateState, sampling: SamplingArrays, K: int,
+                 num_drafts=None) -> MixedBatch:
     """Every unfinished request as a decode row of K+1 tokens (finished ones: padding rows),
-    built on device: a decode row's positions, tokens and drafts come from its slot."""
+    built on device: a decode row's positions, tokens and drafts come from its slot.
+    num_drafts: int32[B] drafts each row verifies (per-request num_speculative_tokens), None: K."""
     B, Q = state.done.shape[0], K + 1
     rows = jnp.arange(B, dtype=jnp.int32)
     return MixedBatch(
@@ -182,7 +185,7 @@ def decode_batch(state: GenerateState, sampling: SamplingArrays, K: int) -> Mixe
         kv_lens=jnp.zeros((B,), jnp.int32), block_tables=state.block_tables, slots=rows,
         kinds=jnp.where(state.done, KIND_PAD, KIND_DECODE).astype(jnp.int32),
         next_tokens=jnp.full((B, Q), -1, jnp.int32), thinking=jnp.zeros((B,), bool),
-        hist_from=jnp.zeros((B,), jnp.int32), sampling=sampling)
+        hist_from=jnp.zeros((B,), jnp.int32), sampling=sampling, num_drafts=num_drafts)
 
 
 def generate_prefill(params, cfg: ModelConfig, spec: SpecConfig | None, slots: SlotState,
@@ -202,19 +205,20 @@ def generate_prefill(params, cfg: ModelConfig, spec: SpecConfig | None, slots: S
 
 def generate_step(params, cfg: ModelConfig, spec: SpecConfig | None, state: GenerateState,
                   sampling: SamplingArrays, limits: Limits, *, backend,
-                  draft_source: str = "model", forced=None) -> GenerateState:
+                  draft_source: str = "model", forced=None, num_drafts=None) -> GenerateState:
     """One step of every unfinished request: the engine's step (`mixed_step`) on a batch of
-    decode rows, then stop / max-token truncation into the outputs."""
+    decode rows, then stop / max-token truncation into the outputs. num_drafts: int32[B]
+    per-request drafts verified (the engine's per-request K, by masking), None: K."""
     K, W = draft_shape(spec)
     B = state.done.shape[0]
     slots, acc, num_accepted = mixed_step(
-        params, cfg, spec, state.slots, decode_batch(state, sampling, K), first_pass_len=B * W,
-        backend=backend, draft_source=draft_source, forced=forced)
+        params, cfg, spec, state.slots, decode_batch(state, sampling, K, num_drafts),
+        first_pass_len=B * W, backend=backend, draft_source=draft_source, forced=forced)
     n, out, num_out, done = commit(state.out_tokens, state.num_out, state.done, acc,
                                    num_accepted, limits)
     return GenerateState(slots=slots, block_tables=state.block_tables, out_tokens=out,
                          num_out=num_out, done=done,
-                         stats=state.stats.update(~state.done, num_accepted, n))
+                         stats=state.stats.update(~state.done, num_accepted, n, num_drafts))
 
 
 @step_jit(static_argnames=("cfg", "spec", "first_pass_len", "max_new", "backend", "draft_source"),
@@ -227,8 +231,8 @@ def _prefill(params, cfg, spec, slots, batch, limits, forced, *, first_pass_len,
     return pin(state, cfg, backend.mesh)
 
 
-def _decode_loop(params, cfg, spec, state: GenerateState, sampling, limits, forced, *, backend,
-                 draft_source, steps_per_check):
+def _decode_loop(params, cfg, spec, state: GenerateState, sampling, limits, forced, num_drafts,
+                 *, backend, draft_source, steps_per_check):
     # On a GPU a while loop outside a CUDA graph copies its predicate to the host every
     # iteration and launches the next only after it: the device idles between steps. The loop
     # is compiled into the graph (LOOP_COMPILER_OPTIONS); where XLA cannot (collectives in the
@@ -237,7 +241,7 @@ def _decode_loop(params, cfg, spec, state: GenerateState, sampling, limits, forc
     def steps(s):
         return jax.lax.fori_loop(0, steps_per_check, lambda _, t: pin(generate_step(
             params, cfg, spec, t, sampling, limits, backend=backend, draft_source=draft_source,
-            forced=forced), cfg, backend.mesh), s)
+            forced=forced, num_drafts=num_drafts), cfg, backend.mesh), s)
 
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), steps, pin(state, cfg, backend.mesh))
 
@@ -271,8 +275,13 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     smaller or a stop token is produced; the stop token is included in the output).
 
     prompts: list of token-id lists. sampling: one SamplingParams for all, or one per prompt
-    (default greedy). spec: None for autoregressive decoding, else speculative decoding with the
-    model's MTP modules. seed: base of per-request keys (a request's own `seed` wins).
+    (default greedy), checked exactly as `mtpjax.LLM` checks them
+    (`sampling.validate_sampling_params`): stop ids must be in the vocabulary, a per-request
+    `num_speculative_tokens` k <= K is honoured (the request verifies k drafts per step, as in
+    the engine; k > K is refused), and `logprobs` / `prompt_logprobs` are refused (generate
+    returns no logprobs; `mtpjax.LLM(..., max_logprobs=n)` does). spec: None for
+    autoregressive decoding, else speculative decoding with the model's MTP modules. seed:
+    base of per-request keys (a request's own `seed` wins), an int in [0, 2**32).
     page_size / num_pages size the paged cache (default: exactly what the requests need).
     attention_impl: "auto" | "reference" | "pallas" | "pallas_interpret" or an AttentionBackend
     (see mtpjax.model.backend).
@@ -295,17 +304,21 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     if isinstance(steps_per_check, bool) or not isinstance(steps_per_check, int) \
             or steps_per_check <= 0:
         raise ValueError(f"steps_per_check must be a positive int, got {steps_per_check!r}")
+    seed = check_seed("seed", seed)
     mesh = check_mesh(mesh)
     fused_groups = fusion_groups(fuse_projections)
     if fused_groups:
         check_fusable(mesh)
     enable_compilation_cache()
     prompts = validate_prompts(prompts, cfg)
-    sps = as_sampling_list(sampling, len(prompts))
     if spec is not None:
         if not isinstance(spec, SpecConfig):
             raise ValueError(f"spec must be a SpecConfig or None, got {type(spec).__name__}")
         spec.check_model(cfg)
+    K = spec.num_speculative_tokens if spec is not None else 0
+    sps = validate_sampling_params(sampling, len(prompts), vocab_size=cfg.vocab_size,
+                                   num_speculative_tokens=K, max_logprobs=0, caller="generate",
+                                   arg="sampling")
     vocab_ids = draft_vocab_ids(cfg, spec, draft_vocab)
     # chain drafting writes module KV up to position N + 2K - 1 (docs/spec_decoding.md)
     lookahead = 0 if spec is None else 2 * spec.num_speculative_tokens + 1
@@ -331,7 +344,11 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     dtype = cache_dtype or params["embed"].dtype
     sp_arrays = SamplingArrays.build(sps, seed)
     limits = Limits(max_new=jnp.asarray(max_new, jnp.int32),
-                           stop_ids=jnp.asarray(stop_id_array(sps)))
+                    stop_ids=jnp.asarray(stop_id_array(sps)))
+    # per-request K, by masking as in the engine; None (the K-draft program) when no request
+    # asks for fewer, so the common case compiles and runs exactly as before
+    ks = [K if sp.num_speculative_tokens is None else sp.num_speculative_tokens for sp in sps]
+    num_drafts = jnp.asarray(ks, jnp.int32) if any(k != K for k in ks) else None
     draft_source, forced = _draft_override(draft_source, forced_drafts, len(prompts))
     batch, F = prefill_batch(prompts, spec, sp_arrays, tables)
     B = len(prompts)
@@ -340,10 +357,10 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
         slots = SlotState.create(cfg, spec, init_cache(cfg, num_pages, page_size, dtype), B, dtype)
         batch = jax.device_put(batch)
     else:
-        params, slots, (batch, sp_arrays, limits, forced) = sharded_inputs(
+        params, slots, (batch, sp_arrays, limits, forced, num_drafts) = sharded_inputs(
             mesh, cfg, params, lambda: SlotState.create(
                 cfg, spec, init_cache(cfg, num_pages, page_size, dtype), B, dtype),
-            (batch, sp_arrays, limits, forced))
+            (batch, sp_arrays, limits, forced, num_drafts))
     if fused_groups:                # after placement: the table describes the unfused tree
         params = fuse(params, cfg, fused_groups)
     params = attach_draft_vocab(params, vocab_ids, mesh)
@@ -351,8 +368,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
                      first_pass_len=F, max_new=max(max_new), backend=backend,
                      draft_source=draft_source)
     loop = _loop if loop_in_cuda_graph(cfg, spec) else _loop_host_checked
-    state = loop(params, cfg, spec, state, sp_arrays, limits, forced, backend=backend,
-                  draft_source=draft_source, steps_per_check=steps_per_check)
+    state = loop(params, cfg, spec, state, sp_arrays, limits, forced, num_drafts,
+                  backend=backend, draft_source=draft_source, steps_per_check=steps_per_check)
     num_out = to_host(state.num_out)
     out = to_host(state.out_tokens)
     toks = [out[i, :num_out[i]].tolist() for i in range(num_requests)]

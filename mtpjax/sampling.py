@@ -222,18 +222,80 @@ def sample(logits: jax.Array, sp: SamplingArrays, positions: jax.Array) -> jax.A
     return jnp.where(sp.temperature <= 0, top1, tok)
 
 
-def as_sampling_list(sampling, n: int) -> list[SamplingParams]:
+def as_sampling_list(sampling, n: int, arg: str = "sampling_params") -> list[SamplingParams]:
+    """One SamplingParams per prompt from None (greedy), one SamplingParams (shared) or a
+    list / tuple of n of them; ValueError naming `arg` (and the entry) otherwise."""
     if sampling is None:
         return [SamplingParams()] * n
     if isinstance(sampling, SamplingParams):
         return [sampling] * n
-    sampling = list(sampling)
-    if len(sampling) != n:
-        raise ValueError(f"got {len(sampling)} SamplingParams for {n} prompts")
-    for s in sampling:
-        if not isinstance(s, SamplingParams):
-            raise ValueError(f"sampling entries must be SamplingParams, got {type(s).__name__}")
-    return sampling
+    if isinstance(sampling, (list, tuple)):
+        if len(sampling) != n:
+            raise ValueError(f"got {len(sampling)} SamplingParams for {n} prompts ({arg} must "
+                             f"hold one per prompt, or be one SamplingParams for all)")
+        for j, sp in enumerate(sampling):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"{arg}[{j}] must be a SamplingParams, got {type(sp).__name__}")
+        return list(sampling)
+    raise ValueError(f"{arg} must be a SamplingParams, a list of them (one per prompt) or None, "
+                     f"got {type(sampling).__name__}")
+
+
+def validate_sampling_params(sampling, num_prompts: int, *, vocab_size: int,
+                             num_speculative_tokens: int, max_logprobs: int,
+                             caller: str = "LLM", arg: str = "sampling_params"
+                             ) -> list[SamplingParams]:
+    """The one check of a call's SamplingParams against what the caller serves, shared by
+    `mtpjax.LLM` (generate, generate_stream, add_request) and `mtpjax.generate`, so both accept
+    and refuse exactly the same requests. Returns one SamplingParams per prompt.
+
+    `SamplingParams(...)` already checked each field on its own; this adds the limits of the
+    model and the caller: stop ids inside the vocabulary [0, vocab_size); per-request
+    num_speculative_tokens <= num_speculative_tokens (K, the compiled maximum; 0 without
+    speculation); logprobs / prompt_logprobs <= max_logprobs, and any logprobs (0 included)
+    only with max_logprobs >= 1, whose step computes them (caller "generate": None only,
+    `mtpjax.generate` returns no logprobs). caller ("LLM" or "generate") words the hints. A
+    ValueError names the entry (`sampling_params[i]`, or `sampling_params` when one object
+    serves every prompt), the field, its value and what was expected. Nothing is changed."""
+    sps = as_sampling_list(sampling, num_prompts, arg)
+    shared = sampling is None or isinstance(sampling, SamplingParams)
+    K = num_speculative_tokens
+    for i, sp in enumerate(sps[:1] if shared else sps):
+        where = arg if shared else f"{arg}[{i}]"
+        k = sp.num_speculative_tokens
+        if k is not None and k > K:
+            if caller == "generate":
+                why = (f"spec=SpecConfig(num_speculative_tokens={K})" if K else
+                       "mtpjax.generate without spec")
+                limit = f"mtpjax.generate's K={K} ({why})"
+            else:
+                why = ("its compiled maximum, SpecConfig.num_speculative_tokens" if K else
+                       "an LLM without speculation")
+                limit = f"the engine's K={K} ({why})"
+            raise ValueError(f"{where}: num_speculative_tokens={k} exceeds {limit}; expected "
+                             f"0 <= num_speculative_tokens <= {K}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(sp, name)
+            if n is not None and (n > max_logprobs or caller == "generate"):
+                if caller == "generate":
+                    raise ValueError(
+                        f"{where}: {name}={n}, but mtpjax.generate returns no logprobs; "
+                        f"expected {name}=None, or use mtpjax.LLM(..., max_logprobs="
+                        f"{max(n, 1)}), whose RequestOutput carries them")
+                raise ValueError(f"{where}: {name}={n} exceeds the engine's max_logprobs="
+                                 f"{max_logprobs} (compiled into its step): create the LLM with "
+                                 f"max_logprobs >= {n}")
+            if name == "logprobs" and n is not None and max_logprobs == 0:
+                # the step computes token logprobs only when built with max_logprobs > 0;
+                # logprobs=0 (the chosen token's alone) would come back as an empty list
+                raise ValueError(f"{where}: logprobs={n} needs an engine built with "
+                                 f"max_logprobs >= 1 (this one has max_logprobs=0: its step "
+                                 f"computes no logprobs); create the LLM with max_logprobs >= 1")
+        bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{where}: stop_token_ids has {bad[0]}, outside the vocabulary "
+                             f"[0, {vocab_size}); expected ids < vocab_size={vocab_size}")
+    return sps
 
 
 def stop_id_array(params: Sequence[SamplingParams]) -> np.ndarray:

@@ -84,3 +84,59 @@ def test_tiny_top_p_gives_the_greedy_tokens_in_generate(gen_out, greedy):
     """Speculative generate (rejection sampling of sampled rows): a one-token nucleus in target
     and draft makes every committed token the argmax, as greedy decoding's."""
     assert gen_out.tokens == greedy
+
+
+# ---- generate validates SamplingParams as LLM does, and honours or refuses each field -------
+
+def test_generate_honours_per_request_num_speculative_tokens(gen_out):
+    """k = 1 of K = 2: each verify step proposes one draft per request (it proposed K before)."""
+    stats = gen_out.stats
+    assert stats["verify_steps"] > 0
+    assert stats["proposed_draft_tokens"] == stats["verify_steps"]
+    assert stats["accepted_draft_tokens"] <= stats["proposed_draft_tokens"]
+
+
+GEN = dict(max_new_tokens=4, spec=SPEC)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (SP(num_speculative_tokens=5),
+     r"sampling\[1\]: num_speculative_tokens=5 exceeds mtpjax.generate's K=2"),
+    (SP(logprobs=3), r"sampling\[1\]: logprobs=3, but mtpjax.generate returns no logprobs.*"
+                     r"mtpjax.LLM\(\.\.\., max_logprobs=3\)"),
+    (SP(logprobs=0), r"sampling\[1\]: logprobs=0, but mtpjax.generate returns no logprobs"),
+    (SP(prompt_logprobs=2), r"sampling\[1\]: prompt_logprobs=2, but mtpjax.generate returns "
+                            r"no logprobs.*mtpjax.LLM"),
+    (SP(stop_token_ids=[3, 256]), r"sampling\[1\]: stop_token_ids has 256, outside the "
+                                  r"vocabulary \[0, 256\)"),
+])
+def test_generate_refuses_what_it_cannot_serve_naming_position_and_field(bad, match):
+    with pytest.raises(ValueError, match=match):
+        mtpjax.generate(PARAMS, CFG, PROMPTS, sampling=[SP(), bad], **GEN)
+
+
+def test_generate_and_llm_share_one_validator():
+    """The same request is refused by both, with the same field and position named."""
+    llm = mtpjax.LLM(PARAMS, CFG, SPEC, num_pages=16, page_size=8, max_num_seqs=2)
+    for bad, match in ((SP(num_speculative_tokens=3), r"\[1\]: num_speculative_tokens=3 exceeds"),
+                       (SP(stop_token_ids=[10 ** 6]), r"\[1\]: stop_token_ids has 1000000")):
+        with pytest.raises(ValueError, match="sampling" + match):
+            mtpjax.generate(PARAMS, CFG, PROMPTS, sampling=[SP(), bad], **GEN)
+        with pytest.raises(ValueError, match="sampling_params" + match):
+            llm.generate(PROMPTS, [SP(), bad])
+    # one SamplingParams for every prompt: named without an index
+    with pytest.raises(ValueError, match=r"^sampling: num_speculative_tokens=1 exceeds "
+                                         r"mtpjax.generate's K=0 \(mtpjax.generate without spec"):
+        mtpjax.generate(PARAMS, CFG, PROMPTS, max_new_tokens=4,
+                        sampling=SP(num_speculative_tokens=1))
+    # an engine built without logprobs cannot return logprobs=0 (it returned [] before)
+    with pytest.raises(ValueError, match=r"logprobs=0 needs an engine built with max_logprobs"):
+        llm.generate(PROMPTS, SP(logprobs=0))
+    assert not llm._requests and llm._next_id == 0
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 32, 1.5])
+def test_generate_names_a_bad_seed(seed):
+    with pytest.raises(ValueError, match=rf"seed must be an int in \[0, 2\*\*32\).*"
+                                         rf"seed={seed!r}"):
+        mtpjax.generate(PARAMS, CFG, PROMPTS, max_new_tokens=2, seed=seed)

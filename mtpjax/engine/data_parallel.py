@@ -146,9 +146,9 @@ class DataParallelLLM:
         `prompts`, `request_id` is the replica engine's id. Closing the generator early closes
         every replica's stream (their unfinished requests are aborted)."""
         prompts = _prompt_list(prompts)
-        sampling = as_sampling_list(sampling_params, len(prompts))
         with self.replicas[0]._engine():      # validates every prompt; queues nothing
-            self.replicas[0]._new_requests(prompts, sampling)
+            self.replicas[0]._new_requests(prompts, sampling_params)
+        sampling = as_sampling_list(sampling_params, len(prompts))
         where = self.assign(prompts, sampling)
         index = [[i for i, r in enumerate(where) if r == k] for k in range(len(self.replicas))]
         with contextlib.ExitStack() as stack:

@@ -38,6 +38,7 @@ from mtpjax.engine.scheduler import Scheduler
 from mtpjax.engine.sequence import Sequence, SequenceStatus
 from mtpjax.engine.warmup import WarmupProgress, step_buckets
 from mtpjax.generate import default_min_token_bucket
+from mtpjax.sampling import validate_sampling_params
 from mtpjax.speculative.adaptive import AcceptanceTable, AdaptiveK
 from mtpjax.speculative.draft_vocab import resolve_ids as draft_vocab_ids
 
@@ -164,23 +165,6 @@ def _prompt_list(prompts) -> list:
                              f"string; prompts[{i}] is the int {p!r}. For one prompt pass "
                              f"[[1, 2, 3]], not [1, 2, 3]")
     return prompts
-
-
-def _sampling_list(sampling_params, n: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * n
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    if isinstance(sampling_params, (list, tuple)):
-        if len(sampling_params) != n:
-            raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts")
-        for j, sp in enumerate(sampling_params):
-            if not isinstance(sp, SamplingParams):
-                raise ValueError(f"sampling_params[{j}] must be a SamplingParams, got "
-                                 f"{type(sp).__name__}")
-        return list(sampling_params)
-    raise ValueError("sampling_params must be a SamplingParams, a list of them (one per prompt) "
-                     f"or None, got {type(sampling_params).__name__}")
 
 
 class LLM:
@@ -401,26 +385,10 @@ class LLM:
     def _new_requests(self, prompts: list, sampling_params) -> list[Sequence]:
         """Validated Sequences with the next free ids; nothing is queued or reserved (the caller
         commits the ids with `self._next_id += n`), so an error here changes nothing."""
-        sps = _sampling_list(sampling_params, len(prompts))
-        K = self.spec.num_speculative_tokens if self.spec else 0
-        for sp in {id(sp): sp for sp in sps}.values():
-            k = sp.num_speculative_tokens
-            if k is not None and k > K:
-                raise ValueError(
-                    f"num_speculative_tokens={k} exceeds the engine's K={K} (its compiled maximum, "
-                    + ("SpecConfig.num_speculative_tokens)" if self.spec else
-                       "an LLM without speculation)") + f"; expected 0 <= num_speculative_tokens "
-                    f"<= {K}")
-            for name in ("logprobs", "prompt_logprobs"):
-                n = getattr(sp, name)
-                if n is not None and n > self.max_logprobs:
-                    raise ValueError(f"{name}={n} exceeds the engine's max_logprobs="
-                                     f"{self.max_logprobs} (compiled into its step): create the "
-                                     f"LLM with max_logprobs >= {n}")
-            bad = [t for t in sp.stop_token_ids if t >= self.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"stop_token_ids has {bad[0]}, outside the vocabulary "
-                                 f"[0, {self.cfg.vocab_size})")
+        sps = validate_sampling_params(
+            sampling_params, len(prompts), vocab_size=self.cfg.vocab_size,
+            num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
+            max_logprobs=self.max_logprobs, caller="LLM")
         seqs = []
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             seq = Sequence(self._encode(p, i), sampling_params=sp, seq_id=self._next_id + i)

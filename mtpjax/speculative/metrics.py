@@ -28,15 +28,17 @@ class SpecStats:
         z = jnp.zeros((), jnp.int32)
         return cls(z, z, z, z, z, jnp.zeros((K,), jnp.int32), jnp.zeros((K + 2,), jnp.int32))
 
-    def update(self, live, num_accepted, num_committed) -> "SpecStats":
-        """live bool[B]; num_accepted int32[B] (rule's 1..K+1); num_committed int32[B]."""
+    def update(self, live, num_accepted, num_committed, num_drafts=None) -> "SpecStats":
+        """live bool[B]; num_accepted int32[B] (rule's 1..K+1); num_committed int32[B];
+        num_drafts int32[B] drafts each request verified (per-request K), None: K."""
         K = self.per_position.shape[0]
         w = live.astype(jnp.int32)
         drafts_kept = (num_accepted - 1) * w
+        proposed = K * jnp.sum(w) if num_drafts is None else jnp.sum(num_drafts * w)
         return SpecStats(
             steps=self.steps + jnp.any(live).astype(self.steps.dtype),   # not a step of padding only
             request_steps=self.request_steps + jnp.sum(w),
-            proposed=self.proposed + K * jnp.sum(w),
+            proposed=self.proposed + proposed,
             accepted=self.accepted + jnp.sum(drafts_kept),
             committed=self.committed + jnp.sum(num_committed * w),
             per_position=self.per_position + jnp.sum(
