@@ -140,3 +140,30 @@ def test_generate_names_a_bad_seed(seed):
     with pytest.raises(ValueError, match=rf"seed must be an int in \[0, 2\*\*32\).*"
                                          rf"seed={seed!r}"):
         mtpjax.generate(PARAMS, CFG, PROMPTS, max_new_tokens=2, seed=seed)
+
+
+# ---- engine errors name what the caller knows -----------------------------------------------
+
+def test_can_never_be_served_names_the_prompt_position(llm):
+    next_id = llm._next_id
+    with pytest.raises(ValueError, match=r"^prompt 1 can never be served: prompt of 600 tokens"):
+        llm.generate([[1, 2], [1] * 600], SP(max_tokens=10))
+    with pytest.raises(ValueError, match=r"^the request can never be served"):
+        llm.add_request([1] * 600, SP(max_tokens=10))
+    assert llm._next_id == next_id and not llm._requests
+
+
+def test_aborting_a_finished_request_says_finished_not_unknown(llm):
+    out = llm.generate([[5, 6, 7]], SP(max_tokens=2))[0]
+    with pytest.raises(ValueError, match=rf"cannot abort request {out.request_id}: already "
+                                         r"finished, and its final output was handed over"):
+        llm.abort(out.request_id)
+    seq = llm.add_request([5, 6, 7], SP(max_tokens=2))
+    while not seq.is_finished:
+        llm.step()
+    llm.flush()
+    with pytest.raises(ValueError, match="already finished"):
+        llm.abort(seq.seq_id)
+    with pytest.raises(ValueError, match=r"cannot abort request 10000: unknown"):
+        llm.abort(10000)
+    assert not llm._requests

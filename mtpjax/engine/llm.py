@@ -382,9 +382,11 @@ class LLM:
                              f"(prompt {i})")
         return ids
 
-    def _new_requests(self, prompts: list, sampling_params) -> list[Sequence]:
+    def _new_requests(self, prompts: list, sampling_params, *, single: bool = False
+                      ) -> list[Sequence]:
         """Validated Sequences with the next free ids; nothing is queued or reserved (the caller
-        commits the ids with `self._next_id += n`), so an error here changes nothing."""
+        commits the ids with `self._next_id += n`), so an error here changes nothing. Errors
+        name the prompt's position in the call (single: add_request's one prompt)."""
         sps = validate_sampling_params(
             sampling_params, len(prompts), vocab_size=self.cfg.vocab_size,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
@@ -392,7 +394,7 @@ class LLM:
         seqs = []
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             seq = Sequence(self._encode(p, i), sampling_params=sp, seq_id=self._next_id + i)
-            self.scheduler.check(seq)
+            self.scheduler.check(seq, "the request" if single else f"prompt {i}")
             seq.logprobs = TokenLogprobs(sp.logprobs) if sp.logprobs is not None else None
             seqs.append(seq)
         for seq in seqs:         # all valid: dispatch the extra prompt passes (asynchronous)
@@ -415,7 +417,7 @@ class LLM:
             if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
                 raise ValueError(f"sampling_params must be a SamplingParams or None, got "
                                  f"{type(sampling_params).__name__}")
-            seq, = self._new_requests([prompt], sampling_params)
+            seq, = self._new_requests([prompt], sampling_params, single=True)
             if not self._has_room():
                 raise QueueFullError(
                     f"the waiting queue holds max_waiting_requests={self.max_waiting_requests} "
@@ -437,7 +439,13 @@ class LLM:
         with self._engine():
             seq = self._requests.get(int(rid))
             if seq is None or seq.is_finished:
-                state = "unknown" if seq is None else f"already finished ({seq.finish_reason})"
+                # ids are handed out in order and only to valid requests, so one below the next
+                # id that the engine no longer holds was a request whose final output was
+                # already handed over (finished or aborted)
+                state = ("unknown (no request has this id)"
+                         if seq is None and not 0 <= rid < self._next_id else
+                         "already finished, and its final output was handed over"
+                         if seq is None else f"already finished ({seq.finish_reason})")
                 raise ValueError(f"cannot abort request {rid}: {state}; only requests the engine "
                                  "still runs or queues can be aborted")
             self._abort(seq)

@@ -175,19 +175,21 @@ class Scheduler:
             limit = min(limit, self.max_num_batched_tokens - num_prompt_tokens + 1)
         return limit
 
-    def check(self, seq: Sequence) -> None:
+    def check(self, seq: Sequence, name: str | None = None) -> None:
         """What `add` checks, without queueing: raises ValueError for a request that could never
         finish; a request with max_tokens=None gets the largest max_tokens that fits
-        (finish_reason "length" there). Changes nothing else."""
+        (finish_reason "length" there). Changes nothing else. name: what the error calls the
+        request (the engine passes the prompt's position in the caller's call, e.g.
+        "prompt 2"; default "request <seq_id>")."""
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_completion_tokens:
             raise ValueError(f"sequence {seq.seq_id} is not a fresh request ({seq!r})")
         limit = self.max_completion_tokens(seq.num_prompt_tokens)
         if seq.max_tokens is None:
             if limit < 1:
-                raise ValueError(self._oversize_message(seq, 1))
+                raise ValueError(self._oversize_message(seq, 1, name))
             seq.max_tokens = limit
         elif seq.max_tokens > limit:
-            raise ValueError(self._oversize_message(seq, seq.max_tokens))
+            raise ValueError(self._oversize_message(seq, seq.max_tokens, name))
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request after `check` (ValueError, nothing queued, if it fails)."""
@@ -200,10 +202,11 @@ class Scheduler:
         K = self.num_speculative_tokens
         return K * (2 if self.async_scheduling else 1) + self.num_lookahead_tokens
 
-    def _oversize_message(self, seq: Sequence, max_tokens: int) -> str:
+    def _oversize_message(self, seq: Sequence, max_tokens: int, name: str | None = None) -> str:
         bm = self.block_manager
         need = bm.num_blocks_for(seq.num_prompt_tokens + max_tokens + self._reserve_extra)
-        msg = (f"request {seq.seq_id} can never be served: prompt of {seq.num_prompt_tokens} tokens "
+        name = f"request {seq.seq_id}" if name is None else name
+        msg = (f"{name} can never be served: prompt of {seq.num_prompt_tokens} tokens "
                f"+ max_tokens={max_tokens} (+ {self._reserve_extra} slots for "
                f"K={self.num_speculative_tokens} drafts{' x2 (async)' if self.async_scheduling else ''}"
                f", lookahead {self.num_lookahead_tokens}) needs {need} blocks of {bm.block_size}, "
