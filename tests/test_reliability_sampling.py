@@ -167,3 +167,34 @@ def test_aborting_a_finished_request_says_finished_not_unknown(llm):
     with pytest.raises(ValueError, match=r"cannot abort request 10000: unknown"):
         llm.abort(10000)
     assert not llm._requests
+
+
+# ---- DataParallelLLM.abort takes the ids its stream events carry ----------------------------
+
+def test_data_parallel_abort_takes_the_ids_stream_events_carry():
+    cfg = mtpjax.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                             num_heads=2, num_kv_heads=1)
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(1))
+    dev = jax.devices()[0]
+    dp = mtpjax.DataParallelLLM(params, cfg, data_parallel=2, devices=[dev, dev], num_pages=32,
+                                page_size=4, max_num_seqs=2, max_num_batched_tokens=32)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8], [9]]
+    stream = dp.generate_stream(prompts, SP(max_tokens=12))
+    first = next(stream)
+    ids = {first.request_index: first.request_id}
+    out = dp.abort(first.request_id)
+    assert out.finish_reason == "abort" and out.request_id == first.request_id
+    final = {}
+    for ev in stream:
+        ids.setdefault(ev.request_index, ev.request_id)
+        if ev.finished:
+            final[ev.request_index] = ev.output
+    assert final[first.request_index].finish_reason == "abort"
+    assert all(final[i].finish_reason == "length" for i in range(4) if i != first.request_index)
+    assert len(set(ids.values())) == 4                  # unique across replicas
+    assert all(final[i].request_id == ids[i] for i in range(4))
+    with pytest.raises(ValueError, match=rf"cannot abort request {first.request_id} .*already "
+                                         r"finished"):
+        dp.abort(first.request_id)
+    with pytest.raises(ValueError, match="abort takes a Sequence"):
+        dp.abort("0")

@@ -14,7 +14,9 @@ the host packs and reads back replica r, the other replicas' devices run their s
 Batch use: `generate` / `generate_stream` (requests assigned per call, by prompt + max new
 tokens). Online use: `add_request` (to the replica with the fewest unfinished requests), `step`
 (every replica with work, in turn), `abort`, `get_output` — as `LLM`'s, with Sequences as
-handles since request ids are per replica. One process: replicas use its local devices.
+handles since request ids are per replica. `generate_stream`'s events (and their outputs) carry
+a DataParallelLLM-wide id, `replica id * d + replica`, which `abort` accepts too. One process:
+replicas use its local devices.
 
 Outputs equal a single engine's for greedy requests and for sampled ones with an explicit
 `SamplingParams(seed=...)` (a request's key depends only on its seed); a sampled request without
@@ -24,14 +26,17 @@ a seed gets a key from its replica's seed and request id, as in any engine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterator
 
 import jax
+import numpy as np
 
 from mtpjax.config import SamplingParams
 from mtpjax.engine.llm import (LLM, RequestOutput, StreamEvent, _prompt_list,
                                collect_outputs, load_for_engine)
 from mtpjax.parallel.mesh import make_mesh
+from mtpjax.engine.sequence import Sequence
 from mtpjax.sampling import as_sampling_list
 
 
@@ -94,10 +99,34 @@ class DataParallelLLM:
                 self._forget(seq)
         return out
 
-    def abort(self, seq) -> RequestOutput:
-        out = self._replica(seq).abort(seq)
-        self._forget(seq)
-        return out
+    def abort(self, request) -> RequestOutput:
+        """Stops a request as `LLM.abort` does: a Sequence from `add_request`, or the id a
+        `generate_stream` event (or its output) carries. Unknown or finished requests raise
+        ValueError and nothing changes."""
+        if isinstance(request, Sequence):
+            out = self._replica(request).abort(request)
+            self._forget(request)
+            return out
+        if isinstance(request, bool) or not isinstance(request, (int, np.integer)) \
+                or request < 0:
+            raise ValueError(f"abort takes a Sequence (from add_request) or a request id >= 0 "
+                             f"(from a generate_stream event), got {request!r}")
+        d = len(self.replicas)
+        r, rid = int(request) % d, int(request) // d
+        try:
+            out = self.replicas[r].abort(rid)
+        except ValueError as e:
+            raise ValueError(f"cannot abort request {request} (replica {r}'s request {rid}): "
+                             f"{e}") from None
+        for seq in self._held[r]:
+            if seq.seq_id == rid:
+                self._forget(seq)
+                break
+        return dataclasses.replace(out, request_id=self._global_id(r, out.request_id))
+
+    def _global_id(self, replica: int, request_id: int) -> int:
+        """A replica's request id as a DataParallelLLM-wide one (unique across replicas)."""
+        return request_id * len(self.replicas) + replica
 
     def get_output(self, seq) -> RequestOutput:
         return self._replica(seq).get_output(seq)
@@ -143,7 +172,8 @@ class DataParallelLLM:
 
     def generate_stream(self, prompts, sampling_params=None) -> Iterator[StreamEvent]:
         """StreamEvents of every replica as their tokens commit; `request_index` indexes
-        `prompts`, `request_id` is the replica engine's id. Closing the generator early closes
+        `prompts`, `request_id` (also the output's) is a DataParallelLLM-wide id that `abort`
+        takes: `replica id * d + replica`. Closing the generator early closes
         every replica's stream (their unfinished requests are aborted)."""
         prompts = _prompt_list(prompts)
         with self.replicas[0]._engine():      # validates every prompt; queues nothing
@@ -164,8 +194,11 @@ class DataParallelLLM:
                     if ev is None:
                         del streams[k]
                         continue
+                    gid = self._global_id(k, ev.request_id)
+                    out = ev.output if ev.output is None else \
+                        dataclasses.replace(ev.output, request_id=gid)
                     yield StreamEvent(index[k][ev.request_index], ev.new_token_ids, ev.finished,
-                                      ev.output, ev.request_id)
+                                      out, gid)
 
     def generate(self, prompts, sampling_params=None, *, progress: bool = False
                  ) -> list[RequestOutput]:
