@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -298,6 +299,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     or ranked ids of which the first N are taken; speculative/draft_vocab.py).
     fuse_projections: run with q/k/v and gate/up weights concatenated once (model/fused.py;
     one device only): True / "all" both groups, "qkv" only q/k/v (less memory), False none.
+    Params holding NaN or inf give a `NonFiniteParamsWarning` naming the first such leaf (the
+    check runs beside the generation, one reduction over the weights per call).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -364,6 +367,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     if fused_groups:                # after placement: the table describes the unfused tree
         params = fuse(params, cfg, fused_groups)
     params = attach_draft_vocab(params, vocab_ids, mesh)
+    finite = finite_flags(params)               # read after the loop: no wait before it
     state = _prefill(params, cfg, spec, slots, batch, limits, forced,
                      first_pass_len=F, max_new=max(max_new), backend=backend,
                      draft_source=draft_source)
@@ -371,6 +375,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     state = loop(params, cfg, spec, state, sp_arrays, limits, forced, num_drafts,
                   backend=backend, draft_source=draft_source, steps_per_check=steps_per_check)
     num_out = to_host(state.num_out)
+    warn_non_finite(finite, "mtpjax.generate")
     out = to_host(state.out_tokens)
     toks = [out[i, :num_out[i]].tolist() for i in range(num_requests)]
     if spec is not None:
@@ -379,6 +384,56 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     return GenerateOutput(tokens=toks, stats={
         "decode_steps": steps, "generated_tokens": int(num_out[:num_requests].sum()),
         "target_forward_passes": steps + 1})
+
+
+class NonFiniteParamsWarning(RuntimeWarning):
+    """The model's parameters hold NaN or inf: logits computed through them are not finite,
+    and sampling from a non-finite row returns token id 0 (no error is raised on the device)."""
+
+
+def finite_flags(params):
+    """Starts a check that every floating-point leaf of `params` is finite; read it with
+    `warn_non_finite`. Leaves in host memory (numpy, or JAX arrays on the CPU) are checked
+    here with numpy: no compile (a jitted reduction over a small model's leaves took 1-2 s to
+    compile on the CPU, per model shape). Leaves on an accelerator get one jitted reduction,
+    dispatched and not waited for, so it runs beside the work that follows."""
+    host, device = [], []
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)):
+            continue
+        on_host = isinstance(x, np.ndarray) or (
+            isinstance(x, jax.Array) and x.is_fully_addressable
+            and all(d.platform == "cpu" for d in x.devices()))
+        (host if on_host else device).append((_leaf_name(path), x))
+    host_ok = [(name, bool(np.isfinite(np.asarray(x)).all())) for name, x in host]
+    pending = ([name for name, _ in device], _all_finite([x for _, x in device])) \
+        if device else ([], None)
+    return host_ok, pending
+
+
+def _leaf_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path)
+
+
+@step_jit
+def _all_finite(leaves):
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def warn_non_finite(flags, where: str) -> None:
+    """NonFiniteParamsWarning naming the first non-finite leaf of a `finite_flags` result."""
+    host_ok, (names, device_ok) = flags
+    results = host_ok + (list(zip(names, to_host(device_ok).tolist()))
+                         if device_ok is not None else [])
+    bad = [name for name, good in results if not good]
+    if bad:
+        warnings.warn(
+            f"{where}: params leaf {bad[0]!r} holds NaN or inf values ({len(bad)} of "
+            f"{len(results)} floating-point leaves do): logits computed through it are not "
+            f"finite, and a non-finite logit row samples token id 0 without any error; check "
+            f"the checkpoint or the run that made these weights", NonFiniteParamsWarning,
+            stacklevel=3)
 
 
 def _draft_override(draft_source, forced_drafts, B: int):

@@ -198,3 +198,27 @@ def test_data_parallel_abort_takes_the_ids_stream_events_carry():
         dp.abort(first.request_id)
     with pytest.raises(ValueError, match="abort takes a Sequence"):
         dp.abort("0")
+
+
+# ---- NaN weights are warned about, once, naming the leaf ------------------------------------
+
+def _nan_params():
+    """PARAMS with one NaN in layer 1's w_up (a tuple of per-layer dicts)."""
+    layers = [dict(layer) for layer in PARAMS["layers"]]
+    layers[1]["w_up"] = layers[1]["w_up"].at[0, 0].set(jnp.nan)
+    return {**PARAMS, "layers": tuple(layers)}, "layers/1/w_up"
+
+
+def test_nan_weights_are_warned_about_naming_the_leaf(gen_out):
+    import warnings
+
+    from mtpjax.generate import NonFiniteParamsWarning
+    bad, leaf = _nan_params()
+    with pytest.warns(NonFiniteParamsWarning, match=rf"mtpjax.LLM: params leaf '{leaf}' holds "
+                                                    r"NaN or inf"):
+        mtpjax.LLM(bad, CFG, SPEC, num_pages=16, page_size=8, max_num_seqs=2)
+    with pytest.warns(NonFiniteParamsWarning, match=rf"mtpjax.generate: params leaf '{leaf}'"):
+        mtpjax.generate(bad, CFG, PROMPTS, max_new_tokens=NEW, spec=SPEC, sampling=GEN_SAMPLING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NonFiniteParamsWarning)
+        mtpjax.LLM(PARAMS, CFG, SPEC, num_pages=16, page_size=8, max_num_seqs=2)

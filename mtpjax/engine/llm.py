@@ -37,7 +37,7 @@ from mtpjax.engine.runner import ModelRunner
 from mtpjax.engine.scheduler import Scheduler
 from mtpjax.engine.sequence import Sequence, SequenceStatus
 from mtpjax.engine.warmup import WarmupProgress, step_buckets
-from mtpjax.generate import default_min_token_bucket
+from mtpjax.generate import default_min_token_bucket, finite_flags, warn_non_finite
 from mtpjax.sampling import validate_sampling_params
 from mtpjax.speculative.adaptive import AcceptanceTable, AdaptiveK
 from mtpjax.speculative.draft_vocab import resolve_ids as draft_vocab_ids
@@ -288,6 +288,9 @@ class LLM:
                                   max_logprobs=max_logprobs, mesh=mesh, draft_vocab=vocab_ids,
                                   fuse_projections=fuse_projections,
                                   executable_store=store, min_token_bucket=min_token_bucket)
+        # NaN / inf weights make every token id 0; warned once here (read after the warm-up,
+        # so nothing waits for it), never checked per step
+        finite = finite_flags(self.runner.params)
         self.max_logprobs = max_logprobs
         self.adaptive_k = adaptive_k
         self._acceptance = AcceptanceTable(self.spec.num_speculative_tokens if self.spec else 0)
@@ -297,6 +300,7 @@ class LLM:
             warmup = jax.default_backend() != "cpu"
         if warmup:
             self._warmup(max_num_batched_tokens, max_num_seqs)
+        warn_non_finite(finite, "mtpjax.LLM")
         _freeze_startup_objects()
         self._next_id = 0
         # Every request the engine holds, until its final output is handed over (step() result,
