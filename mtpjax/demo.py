@@ -15,6 +15,8 @@ plus the benchmark-only synthetic acceptance.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 import time
 
 import jax
@@ -32,6 +34,27 @@ GPU_8B_BATCH1 = {"commit": "13b886c", "plain_ms": 6.49, "plain_tok_s": 154, "mtp
 # seeds, K=3 with and without a 32k-token draft vocabulary (SpecConfig.draft_vocab_size).
 GPU_8B_SEEDS = {"commit": "8fa0a18", "plain_tok_s": 160, "mtp_tok_s": 352,
                 "draft_vocab_tok_s": 402}
+
+
+@contextlib.contextmanager
+def waiting(text: str):
+    """Says on stderr what the program is doing while a person waits (a cold run compiles for
+    tens of seconds on a CPU with nothing else on screen): a rich spinner on a terminal, else a
+    line; then the step's time."""
+    t0 = time.perf_counter()
+    console = None
+    try:
+        from rich.console import Console
+        console = Console(stderr=True)
+    except ImportError:
+        pass
+    if console is not None and console.is_terminal:
+        with console.status(f"{text} ..."):
+            yield
+    else:
+        print(f"{text} ...", file=sys.stderr, flush=True)
+        yield
+    print(f"  {text}: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
 def acceptance_stats(outputs, step_counts, K: int) -> dict:
@@ -87,13 +110,16 @@ def trained_demo(args) -> None:
     first, times, results = {}, {}, {}
     for name, sp in (("plain", None), ("speculative", spec)):
         # prefix caching off: the timed second run must redo the prompts' prefill like the first
-        llm = mtpjax.LLM.from_pretrained(path, sp, enable_prefix_caching=False, **kw)
-        t0 = time.perf_counter()
-        run_llm(llm, prompts, sampling)             # compiles the step buckets this run uses
-        first[name] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        results[name] = run_llm(llm, prompts, sampling)
-        times[name] = time.perf_counter() - t0
+        with waiting(f"{name} decoding: loading the model"):
+            llm = mtpjax.LLM.from_pretrained(path, sp, enable_prefix_caching=False, **kw)
+        with waiting(f"{name} decoding: first run (compiles its steps)"):
+            t0 = time.perf_counter()
+            run_llm(llm, prompts, sampling)         # compiles the step buckets this run uses
+            first[name] = time.perf_counter() - t0
+        with waiting(f"{name} decoding: timed run"):
+            t0 = time.perf_counter()
+            results[name] = run_llm(llm, prompts, sampling)
+            times[name] = time.perf_counter() - t0
     plain, _ = results["plain"]
     spec_out, step_counts = results["speculative"]
     same = [a.token_ids == b.token_ids for a, b in zip(plain, spec_out)]
@@ -103,7 +129,7 @@ def trained_demo(args) -> None:
     # the prefill samples); speculative decoding one verify step per committed run of tokens
     plain_passes = sum(len(o.token_ids) - 1 for o in plain)
     cfg = llm.cfg
-    print(f"model: {path}\n  {cfg.model_type}, {cfg.num_layers} target layers, hidden "
+    print(f"\nmodel (trained weights; the acceptance below is measured): {path}\n  {cfg.model_type}, {cfg.num_layers} target layers, hidden "
           f"{cfg.hidden_size}, vocab {cfg.vocab_size}, {cfg.num_mtp_layers} MTP module(s); "
           f"device {jax.devices()[0].device_kind}")
     print(f"{len(prompts)} held-out Python prompts, greedy, up to {args.max_new_tokens} new tokens, "
@@ -131,12 +157,13 @@ def trained_demo(args) -> None:
           "per request); a large model's decode step on a GPU is bound by reading its weights, "
           "which the extra tokens share")
     g = GPU_8B_BATCH1
-    print(f"on an H100 (docs/benchmarks.md, 8B e2e table, commit {g['commit']}): Llama-3-8B "
-          f"shape, batch 1, engine MTP K=3 {g['mtp_tok_s']} tok/s vs plain {g['plain_tok_s']} "
+    print(f"on an H100 (docs/benchmarks.md, 8B e2e table, commit {g['commit']}; random weights "
+          "with synthetic acceptance 0.8 per draft, a benchmark stand-in for a trained head, not "
+          f"this model's acceptance): Llama-3-8B shape, batch 1, engine MTP K=3 {g['mtp_tok_s']} tok/s vs plain {g['plain_tok_s']} "
           f"tok/s = {g['mtp_tok_s'] / g['plain_tok_s']:.2f}x at {g['mtp_tokens_per_step']} tokens "
           f"per verify step (a step {g['mtp_ms'] / g['plain_ms']:.2f}x a plain one)")
     g = GPU_8B_SEEDS
-    print(f"  mean of four seeds (commit {g['commit']}): K=3 "
+    print(f"  mean of four seeds (commit {g['commit']}, same synthetic acceptance): K=3 "
           f"{g['mtp_tok_s'] / g['plain_tok_s']:.2f}x plain; drafting from the 32k most frequent tokens (draft_vocab_size=32768, output "
           f"unchanged) {g['draft_vocab_tok_s'] / g['plain_tok_s']:.2f}x")
     # greedy decoding of a tiny model often falls into repetition (which drafts predict easily);
@@ -163,19 +190,22 @@ def random_demo(args) -> None:
                for n in rng.integers(4, 48, size=args.num_prompts)]
     spec = mtpjax.SpecConfig(num_speculative_tokens=K, method=args.method)
     t0 = time.perf_counter()
-    ar = mtpjax.generate(params, cfg, prompts, max_new_tokens=args.max_new_tokens)
+    with waiting("autoregressive decoding (compiles, then runs)"):
+        ar = mtpjax.generate(params, cfg, prompts, max_new_tokens=args.max_new_tokens)
     t1 = time.perf_counter()
-    sd = mtpjax.generate(params, cfg, prompts, max_new_tokens=args.max_new_tokens, spec=spec)
+    with waiting("speculative decoding (compiles, then runs)"):
+        sd = mtpjax.generate(params, cfg, prompts, max_new_tokens=args.max_new_tokens, spec=spec)
     t2 = time.perf_counter()
     same = ar.tokens == sd.tokens
     print(f"random weights; device: {jax.devices()[0].device_kind}; {len(prompts)} prompts, K={K}, "
           f"{args.method}")
     print(f"autoregressive: {t1 - t0:.1f}s (incl. compile); speculative: {t2 - t1:.1f}s (incl. compile)")
     print(f"greedy speculative == autoregressive, token for token: {same}")
-    syn = mtpjax.generate(params, cfg, prompts, max_new_tokens=args.max_new_tokens,
-                          spec=mtpjax.SpecConfig(num_speculative_tokens=K, method=args.method,
-                                                 acceptance="synthetic",
-                                                 synthetic_accept_rate=0.8))
+    with waiting("synthetic acceptance 0.8 (compiles, then runs)"):
+        syn = mtpjax.generate(params, cfg, prompts, max_new_tokens=args.max_new_tokens,
+                              spec=mtpjax.SpecConfig(num_speculative_tokens=K, method=args.method,
+                                                     acceptance="synthetic",
+                                                     synthetic_accept_rate=0.8))
     for name, out in (("model drafts", sd), ("synthetic 0.8 (benchmark-only)", syn)):
         s = out.stats
         print(f"[{name}] acceptance rate {s['acceptance_rate']:.3f}, mean acceptance length "
@@ -192,9 +222,10 @@ def main(argv=None):
                     help="model folder (default: the shipped tiny model; needs prompts.json)")
     ap.add_argument("--random", action="store_true",
                     help="random-weight model + synthetic acceptance (the old demo)")
-    ap.add_argument("--num-prompts", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=6, help="held-out prompts to complete")
+    ap.add_argument("--max-new-tokens", type=int, default=48, help="new tokens per prompt at most")
+    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=3,
+                    help="MTP drafts per verify step, K")
     ap.add_argument("--method", choices=["chain", "multi_layer"], default="chain",
                     help="--random only (the shipped model has one MTP module: chain)")
     ap.add_argument("--seed", type=int, default=0, help="--random only")

@@ -5,7 +5,7 @@ the modules share) stays bit-identical. The default labels are the target's own 
 distributions (self-distillation, `labels="target_kl"`; `"target_greedy"` uses its argmax
 tokens), because acceptance is measured against the target, not against the data.
 
-The CLI fine-tunes a model folder's heads on the corpus it was trained on (training.json's
+The CLI (`mtpjax finetune`, or `python -m mtpjax.train.finetune`) fine-tunes a model folder's heads on the corpus it was trained on (training.json's
 corpus split when present, so held-out files stay held out), measures acceptance on the
 held-out prompts (`prompts.json`) before and after, and writes a Hugging Face folder
 (`export_hf`) with `finetune.json` (flags, log, acceptance before / after).
@@ -66,32 +66,43 @@ def reinit_mtp(params, cfg: ModelConfig, seed: int, std: float = 0.02):
 # ---- CLI --------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder (Hugging Face or Orbax)")
     ap.add_argument("--out", required=True, help="output Hugging Face folder (must not exist)")
     ap.add_argument("--corpus", default=None,
                     help="folder of *.py files (default: training.json's, else this stdlib)")
     ap.add_argument("--heldout-every", type=int, default=None,
                     help="held-out split of the corpus (default: training.json's, else 20)")
-    ap.add_argument("--max-files", type=int, default=None, help="read only the first N files")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--seconds", type=float, default=None)
-    ap.add_argument("--labels", choices=["target_kl", "target_greedy", "data"], default="target_kl")
-    ap.add_argument("--regime", choices=["multi_layer", "chain", "both"], default="chain")
-    ap.add_argument("--depths", type=int, default=None, help="default: num_mtp_layers")
-    ap.add_argument("--mtp-weight", type=float, default=1.0)
-    ap.add_argument("--depth-decay", type=float, default=0.5)
+    ap.add_argument("--max-files", type=int, default=None,
+                    help="read only the first N files (default: all)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="train steps (with --seconds: whichever ends first)")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="training time; loading, compiling and the acceptance tables before and "
+                         "after come on top (minutes on a CPU)")
+    ap.add_argument("--labels", choices=["target_kl", "target_greedy", "data"], default="target_kl",
+                    help="what the heads learn: the target's distributions (KL), its argmax "
+                         "tokens, or the data")
+    ap.add_argument("--regime", choices=["multi_layer", "chain", "both"], default="chain",
+                    help="drafting regime trained (chain: module 0 reused at every depth)")
+    ap.add_argument("--depths", type=int, default=None, help="depths trained (default: num_mtp_layers)")
+    ap.add_argument("--mtp-weight", type=float, default=1.0, help="weight of the MTP loss")
+    ap.add_argument("--depth-decay", type=float, default=0.5,
+                    help="loss weight of depth d is depth_decay ** d")
     ap.add_argument("--reinit-mtp", type=int, default=None, metavar="SEED",
                     help="start from freshly initialized MTP modules (a from-scratch head)")
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--context", type=int, default=256, help="tokens per training window")
+    ap.add_argument("--batch-size", type=int, default=32, help="windows per train step")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     ap.add_argument("--eval-k", type=int, nargs="+", default=None,
                     help="K values of the chain acceptance table (default 1..max(3, D))")
-    ap.add_argument("--eval-prompts", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log-every", type=float, default=10.0)
+    ap.add_argument("--eval-prompts", type=int, default=16,
+                    help="held-out prompts of the acceptance tables")
+    ap.add_argument("--max-new-tokens", type=int, default=64,
+                    help="new tokens per prompt in the acceptance tables")
+    ap.add_argument("--seed", type=int, default=0, help="seed of sampling and the data order")
+    ap.add_argument("--log-every", type=float, default=10.0, help="seconds between log lines")
     args = ap.parse_args(argv)
     if args.steps is None and args.seconds is None:
         ap.error("give --steps and/or --seconds")
@@ -116,13 +127,15 @@ def main(argv=None):
     from tokenizers import Tokenizer as HFTokenizer
 
     from mtpjax.checkpoint import export_hf, load_pretrained
+    from mtpjax.demo import waiting
     from mtpjax.speculative.acceptance_eval import acceptance_table
     from mtpjax.train.data import EOS, encode_stream, read_corpus, sample_windows
 
     args = parse_args(argv)
     command = "python -m mtpjax.train.finetune " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
-    ckpt = load_pretrained(args.model, jnp.float32)
+    with waiting(f"loading {args.model}"):
+        ckpt = load_pretrained(args.model, jnp.float32)
     cfg, params = ckpt.cfg, ckpt.params
     if "tokenizer.json" not in ckpt.assets.files:
         raise SystemExit(f"{args.model} has no tokenizer.json (needed to encode the corpus)")
@@ -133,9 +146,10 @@ def main(argv=None):
             trained = json.load(f).get("info", {})
     corpus = args.corpus or trained.get("corpus") or sysconfig.get_paths()["stdlib"]
     heldout_every = args.heldout_every or trained.get("heldout_every", 20)
-    train_texts, heldout = read_corpus(corpus, heldout_every, args.max_files)
-    eos = tok.token_to_id(EOS)
-    stream = encode_stream(tok, train_texts, 0 if eos is None else eos)
+    with waiting(f"reading and tokenizing {corpus}"):
+        train_texts, heldout = read_corpus(corpus, heldout_every, args.max_files)
+        eos = tok.token_to_id(EOS)
+        stream = encode_stream(tok, train_texts, 0 if eos is None else eos)
     prompt_file = os.path.join(args.model, "prompts.json")
     if os.path.isfile(prompt_file):
         with open(prompt_file) as f:
@@ -151,7 +165,8 @@ def main(argv=None):
     if args.reinit_mtp is not None:
         params = reinit_mtp(params, cfg, args.reinit_mtp)
     ks = args.eval_k or list(range(1, max(3, cfg.num_mtp_layers) + 1))
-    before = acceptance_rows(params, cfg, prompts, ks, args.max_new_tokens, args.seed)
+    with waiting(f"acceptance before, K in {ks} (compiles a generate loop per K and method)"):
+        before = acceptance_rows(params, cfg, prompts, ks, args.max_new_tokens, args.seed)
     print("acceptance before:\n" + acceptance_table(before), flush=True)
 
     depths = args.depths or cfg.num_mtp_layers
@@ -159,10 +174,13 @@ def main(argv=None):
                       mtp_weight=args.mtp_weight, depth_decay=args.depth_decay, target_weight=0.0)
     length = loss.window_length(args.context)
     rng = np.random.default_rng(args.seed)
+    print(f"training for {args.seconds or '-'} s / {args.steps or '-'} steps (the first step "
+          "compiles)", file=sys.stderr, flush=True)
     params, result = finetune_mtp(
         params, cfg, lambda r: sample_windows(stream, r, args.batch_size, length), rng=rng,
         loss=loss, steps=args.steps, seconds=args.seconds, lr=args.lr, log_every=args.log_every)
-    after = acceptance_rows(params, cfg, prompts, ks, args.max_new_tokens, args.seed)
+    with waiting("acceptance after"):
+        after = acceptance_rows(params, cfg, prompts, ks, args.max_new_tokens, args.seed)
     print("acceptance after:\n" + acceptance_table(after), flush=True)
 
     info = {"command": command, "model": args.model, "corpus": corpus,
@@ -170,8 +188,9 @@ def main(argv=None):
             "steps": result.steps, "seconds": result.seconds, "lr": args.lr,
             "batch": args.batch_size, "context": args.context,
             "device": f"{jax.devices()[0].platform} ({jax.devices()[0].device_kind})"}
-    host = jax.tree.map(np.asarray, params)
-    export_hf(args.out, host, cfg, assets=ckpt.assets, dtype=jnp.bfloat16)
+    with waiting(f"writing {args.out}"):
+        host = jax.tree.map(np.asarray, params)
+        export_hf(args.out, host, cfg, assets=ckpt.assets, dtype=jnp.bfloat16)
     with open(os.path.join(args.out, "finetune.json"), "w") as f:
         json.dump({"info": info, "log": result.log,
                    "acceptance_before": [dataclasses.asdict(r) for r in before],
