@@ -81,3 +81,15 @@ def test_block_runs_as_written(path, line, code, reason):
             os.chdir(cwd)
         out = buf.getvalue()
     assert out.strip(), f"{name} printed nothing"
+
+
+SPEED = re.compile(r"tokens/s|tok/s|\d(\.\d+)?x plain")
+
+
+def test_speed_numbers_say_where_acceptance_came_from():
+    """A speed-up with MTP depends on the acceptance rate; a reader must see whether a figure
+    came from a trained model or from the benchmark-only synthetic acceptance."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    for para in re.split(r"\n\s*\n", text):
+        if SPEED.search(para) and not para.lstrip().startswith(("```", "    ")):
+            assert "synthetic" in para or "trained" in para, para[:300]
