@@ -55,7 +55,9 @@ def served():
     args = build_parser().parse_args([MODEL, "--max-num-seqs", "4", "--max-num-batched-tokens",
                                       "64", "--num-pages", "256", "--max-waiting-requests", "64",
                                       "--no-warmup"])
-    srv = Server.from_args(args)
+    # one step shape (every step padded to 64 tokens): a handful of XLA:CPU compiles instead
+    # of one per bucket the batches below would reach
+    srv = Server.from_args(args, min_token_bucket=64)
     assert srv.ctx.num_speculative_tokens == 3          # MTP on by default: K = the modules
     chat_ids = srv.ctx.encode(srv.ctx.chat_template.render(CHAT))
     refs = srv.llm.generate(PROMPTS + [chat_ids], SamplingParams(max_tokens=N))
@@ -66,9 +68,22 @@ def served():
     srv.engine.close()
 
 
-@pytest.fixture
-def client(served):
-    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60)
+def test_openai_client_end_to_end(served):
+    """One test drives the server through every check below, in order: pytest-xdist's `load`
+    distribution would otherwise split the checks over both workers, each starting (and
+    compiling) a server of its own."""
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0,
+                           timeout=60)
+    check_models_health_metrics(served)
+    check_completion_matches_llm_generate_and_stream(served, client)
+    check_chat_completion_and_stream(served, client)
+    check_mtp_options_per_request(served, client)
+    check_stop_string_cuts_the_text(served, client)
+    for kwargs, param in BAD_REQUESTS:
+        check_bad_request_names_the_field(client, kwargs, param)
+    check_bad_chat_and_unknown_model(served, client)
+    check_cancel_mid_stream_aborts_in_the_engine(served, client)
+    check_50_concurrent_clients_all_complete(served)
 
 
 def _metrics(url) -> dict[str, float]:
@@ -77,14 +92,24 @@ def _metrics(url) -> dict[str, float]:
             for line in text.splitlines() if line and not line.startswith("#")}
 
 
-def test_models_health_metrics(served):
+def _wait_metrics(url, cond, what: str, timeout: float = 20.0) -> dict[str, float]:
+    """/metrics once `cond` holds of it: counters and gauges are updated at slightly different
+    moments by the engine thread, so one scrape may catch them in between."""
+    deadline = time.monotonic() + timeout
+    while not cond(m := _metrics(url)):
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}; /metrics: {m}"
+        time.sleep(0.02)
+    return m
+
+
+def check_models_health_metrics(served):
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}
     models = openai.OpenAI(base_url=served.url + "/v1", api_key="none").models.list()
     assert [m.id for m in models.data] == [NAME]
     assert _metrics(served.url)["mtpjax_num_speculative_tokens"] == 3
 
 
-def test_completion_matches_llm_generate_and_stream(served, client):
+def check_completion_matches_llm_generate_and_stream(served, client):
     for prompt, ref in zip(PROMPTS[:2], served.refs):
         r = client.completions.create(model=NAME, prompt=prompt, max_tokens=N, temperature=0,
                                       extra_body={"return_token_ids": True})
@@ -101,7 +126,7 @@ def test_completion_matches_llm_generate_and_stream(served, client):
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
 
 
-def test_chat_completion_and_stream(served, client):
+def check_chat_completion_and_stream(served, client):
     ref = served.refs[-1]
     r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=N, temperature=0,
                                        extra_body={"return_token_ids": True})
@@ -117,7 +142,7 @@ def test_chat_completion_and_stream(served, client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_mtp_options_per_request(served, client):
+def check_mtp_options_per_request(served, client):
     ref = served.refs[0]
     r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=N, temperature=0,
                                   extra_body={"num_speculative_tokens": 0,
@@ -130,7 +155,7 @@ def test_mtp_options_per_request(served, client):
     assert e.value.body["param"] == "acceptance" and "'rejection'" in e.value.body["message"]
 
 
-def test_stop_string_cuts_the_text(served, client):
+def check_stop_string_cuts_the_text(served, client):
     ref = served.refs[0].text                 # "import sys\nimport sys\n..."
     r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=N, temperature=0,
                                   stop=["sys\n"])
@@ -138,15 +163,17 @@ def test_stop_string_cuts_the_text(served, client):
     assert r.choices[0].text == ref[:ref.index("sys\n")]
 
 
-@pytest.mark.parametrize("kwargs, param", [
+BAD_REQUESTS = [                       # (request fields, the field the 400 must name)
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=100000), "max_tokens"),
     (dict(temperature=-1), "temperature"),
     (dict(n=3), "n"),
     (dict(extra_body={"num_speculative_tokens": 9}), "num_speculative_tokens"),
     (dict(extra_body={"num_speculative_tokenz": 1}), "num_speculative_tokenz"),
-])
-def test_bad_requests_name_the_field(served, client, kwargs, param):
+]
+
+
+def check_bad_request_names_the_field(client, kwargs, param):
     kwargs = {"max_tokens": 2, **kwargs}
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt="x = 1", **kwargs)
@@ -154,7 +181,7 @@ def test_bad_requests_name_the_field(served, client, kwargs, param):
     assert param in e.value.body["message"]
 
 
-def test_bad_chat_and_unknown_model(served, client):
+def check_bad_chat_and_unknown_model(served, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=[{"role": "user"}], max_tokens=2)
     assert e.value.body["param"] == "messages" and "messages[0]" in e.value.body["message"]
@@ -165,25 +192,20 @@ def test_bad_chat_and_unknown_model(served, client):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
 
 
-def test_cancel_mid_stream_aborts_in_the_engine(served, client):
+def check_cancel_mid_stream_aborts_in_the_engine(served, client):
     before = _metrics(served.url)['mtpjax_requests_total{outcome="aborted"}']
     stream = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=200,
                                        temperature=0, stream=True)
     got = [next(iter(stream)) for _ in range(2)]
     assert all(ch.choices[0].finish_reason is None for ch in got)
     stream.close()                                    # the client goes away
-    deadline = time.monotonic() + 20
-    while True:
-        m = _metrics(served.url)
-        if m['mtpjax_requests_total{outcome="aborted"}'] == before + 1:
-            break
-        assert time.monotonic() < deadline, f"the request was not aborted: {m}"
-        time.sleep(0.05)
-    assert m["mtpjax_requests_active"] == 0 and m["mtpjax_requests_running"] == 0
+    _wait_metrics(served.url, lambda m: m['mtpjax_requests_total{outcome="aborted"}'] == before + 1
+                  and m["mtpjax_requests_active"] == 0 and m["mtpjax_requests_running"] == 0,
+                  "the closed stream's request aborted, nothing running")
     assert not served.srv.llm.scheduler.running and not served.srv.llm.scheduler.waiting
 
 
-def test_50_concurrent_clients_all_complete(served):
+def check_50_concurrent_clients_all_complete(served):
     async def main():
         client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none",
                                     max_retries=0, timeout=120)
@@ -210,8 +232,9 @@ def test_50_concurrent_clients_all_complete(served):
     assert len(results) == 50
     for p, text, reason in results:
         assert reason == "length" and text == served.refs[p].text
-    m = _metrics(served.url)
-    assert m["mtpjax_requests_active"] == 0 and m["mtpjax_requests_waiting"] == 0
+    # (the engine thread publishes its gauges just after handing out the last tokens)
+    m = _wait_metrics(served.url, lambda m: m["mtpjax_requests_active"] == 0
+                      and m["mtpjax_requests_waiting"] == 0, "no request left in the server")
     assert m["mtpjax_spec_acceptance_rate"] > 0          # the acceptance shows in /metrics
     assert m['mtpjax_spec_position_acceptance{position="1"}'] > 0
     assert m["mtpjax_tokens_per_second"] > 0
@@ -304,3 +327,14 @@ def test_full_queue_answers_429_and_engine_failures_503():
             assert gone.status_code == 503
 
     asyncio.run(main())
+
+
+def test_command_line(capsys):
+    from mtpjax.serve.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--num-speculative-tokens" in out and "--port" in out
+    with pytest.raises(SystemExit, match="MODEL='no/such/folder' is not a folder"):
+        main(["no/such/folder"])

@@ -119,8 +119,8 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self._commands(block=not self._active)
+                self._publish_queues()
                 if self._stop.is_set() or not self._active:
-                    self._publish_queues()
                     continue
                 t0 = time.perf_counter()
                 try:
