@@ -203,6 +203,12 @@ def check_cancel_mid_stream_aborts_in_the_engine(served, client):
                   and m["mtpjax_requests_active"] == 0 and m["mtpjax_requests_running"] == 0,
                   "the closed stream's request aborted, nothing running")
     assert not served.srv.llm.scheduler.running and not served.srv.llm.scheduler.waiting
+    # a non-streamed request whose client gives up (times out, closes the connection)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", timeout=0.3, json=dict(
+            model=NAME, prompt=PROMPTS[0], max_tokens=200, temperature=0))
+    _wait_metrics(served.url, lambda m: m['mtpjax_requests_total{outcome="aborted"}'] == before + 2
+                  and m["mtpjax_requests_active"] == 0, "the dropped request aborted")
 
 
 def check_50_concurrent_clients_all_complete(served):

@@ -27,7 +27,7 @@ from mtpjax.serve.protocol import (GenerationRequest, RequestError, ServeContext
                                    parse_chat, parse_completion)
 from mtpjax.serve.stop_strings import StopStrings
 
-DISCONNECT_POLL_S = 0.5      # a non-streamed request checks its connection this often
+DISCONNECT_POLL_S = 0.2      # a non-streamed request checks its connection this often
 
 
 class _Request:
@@ -70,17 +70,21 @@ class _Request:
         """(text delta, its token ids, finish_reason or None) until the request ends. request:
         the HTTP request whose disconnection aborts this one (non-streamed answers; a stream is
         cancelled by Starlette instead, and `abort` runs from the caller's `finally`)."""
+        checked = time.monotonic()
         while not self.finished:
             if request is None:
                 update = await self.queue.get()
             else:
-                try:
-                    update = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
+                # checked on a clock, not only when idle: updates arrive every engine step
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         self.abort()
                         self.finished = True
                         return
+                try:
+                    update = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
                     continue
             if update.kind == el.FAILED:
                 self.finished = True
@@ -105,7 +109,6 @@ class _Request:
     def usage(self) -> dict:
         n_out = len(self.detok.token_ids)
         n_in = len(self.gen.prompt_ids)
-        v, d, a = self.spec_counts
         return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
     def mtp(self) -> dict:
@@ -115,9 +118,11 @@ class _Request:
 
 
 def _param_of(message: str) -> str | None:
-    """The field an engine ValueError names (its messages start with `name must ...`)."""
+    """The request field an engine ValueError names (its messages start with `name must ...`),
+    or None when it names none."""
+    from mtpjax.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS
     word = message.split(" ", 1)[0].strip(":")
-    return word if word.isidentifier() else None
+    return word if word in COMPLETION_FIELDS | CHAT_FIELDS else None
 
 
 def create_app(engine: el.EngineLoop, ctx: ServeContext, decode, *, max_model_len: int):
