@@ -217,7 +217,8 @@ def random_demo(args) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=None,
                     help="model folder (default: the shipped tiny model; needs prompts.json)")
     ap.add_argument("--random", action="store_true",
