@@ -59,7 +59,7 @@ def served():
     # of one per bucket the batches below would reach
     srv = Server.from_args(args, min_token_bucket=64)
     assert srv.ctx.num_speculative_tokens == 3          # MTP on by default: K = the modules
-    chat_ids = srv.ctx.encode(srv.ctx.chat_template.render(CHAT))
+    chat_ids = srv.ctx.encode_chat(srv.ctx.chat_template.render(CHAT))
     refs = srv.llm.generate(PROMPTS + [chat_ids], SamplingParams(max_tokens=N))
     server, thread, url = _start_uvicorn(srv.app())
     yield types.SimpleNamespace(url=url, refs=refs, chat_ids=chat_ids, srv=srv)

@@ -9,6 +9,7 @@ import pytest
 
 from mtpjax.checkpoint.bundle import Tokenizer
 from mtpjax.serve import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
+from mtpjax.serve.chat_template import chat_encoder
 from mtpjax.serve import IncrementalDetokenizer, StopStrings
 from mtpjax.serve.metrics import ServerMetrics
 from mtpjax.serve.protocol import RequestError, ServeContext, parse_chat, parse_completion
@@ -133,6 +134,26 @@ def test_template_errors_name_the_template(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": [{"name": "x"}]}')
     with pytest.raises(ChatTemplateError, match="without a 'default'"):
         ChatTemplate.from_folder(str(tmp_path))
+
+
+def test_chat_prompts_skip_the_tokenizers_own_special_tokens(tmp_path, tok):
+    """A tokenizer.json whose post-processor prepends BOS (as Llama's does): completion prompts
+    get it, a rendered chat does not (its template writes BOS itself), as in transformers."""
+    with open(os.path.join(MTP3, "tokenizer.json")) as f:
+        spec = json.load(f)
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                   {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                             "tokens": ["<|endoftext|>"]}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with_bos = Tokenizer((tmp_path / "tokenizer.json").read_text())
+    assert with_bos.encode("x = 1")[0] == 0
+    encode_chat = chat_encoder(str(tmp_path), with_bos.encode)
+    assert encode_chat("x = 1") == tok.encode("x = 1") and encode_chat("x = 1")[0] != 0
+    assert chat_encoder(os.path.join(ASSETS, "nowhere"), tok.encode) == tok.encode
 
 
 def _ctx(tok, K=3):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+from typing import Callable
 
 # Used when the checkpoint has no template: "role: content" blocks and an "assistant:" cue. It
 # only makes a chat readable to a base model; a model trained on a chat format needs its own.
@@ -126,3 +127,17 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"the chat template ({self.origin}) refused the messages: "
                                     f"{e}") from None
+
+
+def chat_encoder(path: str, fallback: Callable[[str], list[int]] | None = None
+                 ) -> Callable[[str], list[int]] | None:
+    """text -> ids for a rendered chat: the folder's tokenizer.json without its post-processor's
+    special tokens (`add_special_tokens=False`, as transformers' apply_chat_template encodes),
+    since the template writes them itself -- encoding with them would double a BOS.
+    `fallback` (e.g. the checkpoint tokenizer's encode) when the folder has no tokenizer.json."""
+    where = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(where):
+        return fallback
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(where)
+    return lambda text: tok.encode(text, add_special_tokens=False).ids

@@ -56,6 +56,9 @@ class ServeContext:
     max_completion_tokens: Callable[[int], int]   # prompt length -> most completion tokens
     encode: Callable[[str], list[int]] | None     # the tokenizer (None: token-id prompts only)
     chat_template: Any = None                # serve.chat_template.ChatTemplate, None: no chat
+    # a rendered chat -> ids, without the tokenizer's own special tokens (chat_encoder); None:
+    # `encode`
+    encode_chat: Callable[[str], list[int]] | None = None
 
 
 @dataclasses.dataclass
@@ -273,7 +276,8 @@ def parse_chat(body: Any, ctx: ServeContext) -> GenerationRequest:
     _unsupported(body, "response_format", lambda v: v == {"type": "text"}, "text answers only")
     if ctx.chat_template is None:
         raise RequestError("this server has no chat template (no tokenizer)", "messages")
-    ids = _encode(ctx, render_messages(body, ctx), "messages")
+    text = render_messages(body, ctx)
+    ids = list(ctx.encode_chat(text)) if ctx.encode_chat else _encode(ctx, text, "messages")
     if not ids:
         raise RequestError("messages render to an empty prompt", "messages")
     return _common(body, ctx, ids, "messages", "max_completion_tokens", None)

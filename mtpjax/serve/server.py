@@ -70,7 +70,7 @@ class Server:
 
         import mtpjax
         from mtpjax.checkpoint import load_pretrained
-        from mtpjax.serve.chat_template import ChatTemplate
+        from mtpjax.serve.chat_template import ChatTemplate, chat_encoder
 
         if not os.path.isdir(args.model):
             raise SystemExit(f"mtpjax serve: MODEL={args.model!r} is not a folder (give a "
@@ -101,7 +101,8 @@ class Server:
             acceptance=spec.acceptance if spec else None,
             max_completion_tokens=llm.scheduler.max_completion_tokens,
             encode=tok.encode if tok is not None else None,
-            chat_template=ChatTemplate.from_folder(args.model) if tok is not None else None)
+            chat_template=ChatTemplate.from_folder(args.model) if tok is not None else None,
+            encode_chat=chat_encoder(args.model, tok.encode) if tok is not None else None)
         engine = EngineLoop(llm, ServerMetrics(K, name))
         return cls(llm, engine, ctx, llm.max_model_len)
 
