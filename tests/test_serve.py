@@ -52,7 +52,7 @@ def _start_uvicorn(app):
 def served():
     """(base url, references): the server, and greedy LLM.generate outputs on the same engine
     (run before the engine thread starts) for PROMPTS and the rendered CHAT prompt."""
-    args = build_parser().parse_args([MODEL, "--max-num-seqs", "4", "--max-num-batched-tokens",
+    args = build_parser().parse_args([MODEL, "--max-num-seqs", "8", "--max-num-batched-tokens",
                                       "64", "--num-pages", "256", "--max-waiting-requests", "64",
                                       "--no-warmup"])
     # one step shape (every step padded to 64 tokens): a handful of XLA:CPU compiles instead
