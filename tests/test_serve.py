@@ -250,15 +250,19 @@ def check_50_concurrent_clients_all_complete(served):
 
 class ScriptedLLM:
     """add_request / step / abort like mtpjax.LLM: at most `max_waiting` requests wait, `hold`
-    keeps step() from progressing, `fail` makes step() raise; each request gets 3 tokens."""
+    keeps step() from progressing, `fail` makes step() raise, `bug` makes add_request raise
+    an unexpected error; each request gets 3 tokens."""
 
     spec = None
 
     def __init__(self, max_waiting=1):
         self.max_waiting, self.hold, self.fail, self.next_id = max_waiting, False, False, 0
+        self.bug = False
         self.scheduler = types.SimpleNamespace(running=[], waiting=[])
 
     def add_request(self, ids, sp):
+        if self.bug:
+            raise KeyError("a bug in add_request")
         if len(self.scheduler.waiting) >= self.max_waiting:
             raise QueueFullError("the waiting queue holds max_waiting_requests=1 requests")
         seq = types.SimpleNamespace(seq_id=self.next_id, is_finished=False, finish_reason=None,
@@ -320,13 +324,16 @@ def test_full_queue_answers_429_and_engine_failures_503():
             llm.fail = True                       # every step raises: the request fails, 503
             failed = await c.post("/v1/completions", json=body)
             assert failed.status_code == 503 and "device on fire" in failed.text
-            llm.fail = False
+            llm.fail, llm.bug = False, True       # add_request raises something unexpected
+            failed = await c.post("/v1/completions", json=body)
+            assert failed.status_code == 503 and "a bug in add_request" in failed.text
+            llm.bug = False
             again = await c.post("/v1/completions", json=body)   # and the server goes on
             assert again.status_code == 200
             assert (await c.get("/health")).status_code == 200
             m = (await c.get("/metrics")).text
             assert 'mtpjax_requests_total{outcome="rejected"} 1' in m
-            assert 'mtpjax_requests_total{outcome="failed"} 1' in m
+            assert 'mtpjax_requests_total{outcome="failed"} 2' in m
             engine.close()
             assert (await c.get("/health")).status_code == 503
             gone = await c.post("/v1/completions", json=body)

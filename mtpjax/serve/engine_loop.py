@@ -170,6 +170,11 @@ class EngineLoop:
                 self.metrics.request_done("rejected" if isinstance(e, QueueFullError) else "invalid")
                 _call(sink, Update(REJECTED, error=e))
                 return
+            except Exception as e:            # noqa: BLE001 -- a bug: fail this request only
+                log.exception("add_request failed")
+                self.metrics.request_done("failed")
+                _call(sink, Update(FAILED, error=e))
+                return
             self._active[handle] = _Active(seq, sink)
             self._handle_of[seq.seq_id] = handle
             self.metrics.admitted(len(prompt_ids))
@@ -183,6 +188,8 @@ class EngineLoop:
                 self.llm.abort(req.seq)
             except ValueError:
                 pass                          # finished in the step just run; it is dropped
+            except Exception:                 # noqa: BLE001 -- the request is gone either way
+                log.exception("abort failed")
             self.metrics.request_done("aborted")
             _call(req.sink, Update(TOKENS, finished=True, finish_reason="abort",
                                    spec_counts=_counts(req.seq)))
