@@ -117,7 +117,8 @@ def test_template_sources(tmp_path):
         {"name": "tool_use", "template": "T"},
         {"name": "default", "template": "{{ messages[0]['content'] }}{{ eos_token }}"}]}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    assert ChatTemplate.from_folder(str(tmp_path)).render([{"role": "u", "content": "x"}]) == "x</s>"
+    t = ChatTemplate.from_folder(str(tmp_path))
+    assert t.render([{"role": "u", "content": "x"}]) == "x</s>"
     # chat_template.jinja wins over tokenizer_config.json, as in transformers
     (tmp_path / "chat_template.jinja").write_text("J{{ messages|length }}{{ 'é'|tojson }}")
     assert ChatTemplate.from_folder(str(tmp_path)).render([{}, {}]) == 'J2"é"'

@@ -167,7 +167,8 @@ class EngineLoop:
             try:
                 seq = self.llm.add_request(prompt_ids, sp)
             except (ValueError, QueueFullError) as e:
-                self.metrics.request_done("rejected" if isinstance(e, QueueFullError) else "invalid")
+                full = isinstance(e, QueueFullError)
+                self.metrics.request_done("rejected" if full else "invalid")
                 _call(sink, Update(REJECTED, error=e))
                 return
             except Exception as e:            # noqa: BLE001 -- a bug: fail this request only

@@ -113,7 +113,8 @@ class ServerMetrics:
             tps = self._tokens_per_second(time.monotonic())
             metric("requests_total", "counter", "Requests by outcome (finished: stop or length; "
                    "aborted: client gone or stop string; rejected: queue full; invalid: refused by "
-                   "the engine's checks; failed: engine error).", [({"outcome": o}, n) for o, n in self.requests.items()])
+                   "the engine's checks; failed: engine error).",
+                   [({"outcome": o}, n) for o, n in self.requests.items()])
             metric("requests_running", "gauge", "Requests in the engine's running batch.",
                    [({}, self.running)])
             metric("requests_waiting", "gauge", "Queue depth: requests waiting for the engine.",
@@ -144,7 +145,8 @@ class ServerMetrics:
                 rate = self.accepted_draft_tokens / max(self.draft_tokens, 1)
                 metric("spec_acceptance_rate", "gauge", "Accepted / proposed draft tokens.",
                        [({}, f"{rate:.6f}")])
-                length = (self.accepted_draft_tokens + self.verify_steps) / max(self.verify_steps, 1)
+                steps = max(self.verify_steps, 1)
+                length = (self.accepted_draft_tokens + self.verify_steps) / steps
                 metric("spec_mean_acceptance_length", "gauge", "Tokens committed per verify step "
                        "(bonus token included).", [({}, f"{length:.6f}")])
                 pos = [({"position": str(i + 1)}, n) for i, n in enumerate(self.position_proposed)]
