@@ -351,3 +351,6 @@ def test_command_line(capsys):
     assert "--num-speculative-tokens" in out and "--port" in out
     with pytest.raises(SystemExit, match="MODEL='no/such/folder' is not a folder"):
         main(["no/such/folder"])
+    with pytest.raises(SystemExit, match="mtpjax serve: method 'multi_layer' needs "
+                                         "num_speculative_tokens <= num_mtp_layers"):
+        main([MODEL, "-k", "5", "--method", "multi_layer", "--no-warmup"])

@@ -68,15 +68,22 @@ class Server:
         keyword arguments (tests)."""
         import jax.numpy as jnp
 
-        import mtpjax
         from mtpjax.checkpoint import load_pretrained
-        from mtpjax.serve.chat_template import ChatTemplate, chat_encoder
 
         if not os.path.isdir(args.model):
             raise SystemExit(f"mtpjax serve: MODEL={args.model!r} is not a folder (give a "
                              "Hugging Face or Orbax model folder)")
         dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-        ckpt = load_pretrained(args.model, dtype)
+        try:
+            return cls._build(args, load_pretrained(args.model, dtype), llm_overrides)
+        except ValueError as e:     # CheckpointError, SpecConfig / LLM option checks
+            raise SystemExit(f"mtpjax serve: {e}") from None
+
+    @classmethod
+    def _build(cls, args, ckpt, llm_overrides: dict) -> "Server":
+        import mtpjax
+        from mtpjax.serve.chat_template import ChatTemplate, chat_encoder
+
         D = ckpt.cfg.num_mtp_layers
         K = D if args.num_speculative_tokens is None else args.num_speculative_tokens
         if K < 0:
