@@ -162,13 +162,21 @@ def _prompts(args, cfg):
 
 
 def cmd_generate(args):
+    import contextlib
+
     import mtpjax
-    cfg, llm = _build(args)
+    from mtpjax.demo import waiting
+    with waiting(f"loading {args.model}" if args.model else "building a random-weight model"):
+        cfg, llm = _build(args)
     prompts = _prompts(args, cfg)
     sp = mtpjax.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                max_tokens=args.max_tokens)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, progress=len(prompts) > 1)
+    # several prompts: the engine's per-request progress line; one prompt would show nothing
+    # until it ends, and its first steps compile for seconds
+    many = len(prompts) > 1
+    with contextlib.nullcontext() if many else waiting("generating (the first steps compile)"):
+        outs = llm.generate(prompts, sp, progress=many)
     dt = time.perf_counter() - t0
     for o in outs:
         shown = o.text if o.text is not None else o.token_ids
