@@ -132,7 +132,9 @@ def main(argv=None):
     from mtpjax.train.data import EOS, encode_stream, read_corpus, sample_windows
 
     args = parse_args(argv)
-    command = "python -m mtpjax.train.finetune " + " ".join(sys.argv[1:] if argv is None else argv)
+    # finetune.json records how to rerun this: `mtpjax finetune` runs main() with that prog
+    prog = "mtpjax finetune" if sys.argv[0] == "mtpjax finetune" else "python -m mtpjax.train.finetune"
+    command = prog + " " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     with waiting(f"loading {args.model}"):
         ckpt = load_pretrained(args.model, jnp.float32)
