@@ -253,6 +253,9 @@ DELEGATES = {
                  "after"),
     "acceptance": ("mtpjax.speculative.acceptance_eval",
                    "acceptance table of a model folder's MTP heads on its held-out prompts"),
+    "serve": ("mtpjax.serve.__main__",
+              "OpenAI-compatible HTTP server for a model folder (/v1/completions, "
+              "/v1/chat/completions, /metrics; MTP on when it has MTP modules)"),
 }
 
 
@@ -352,7 +355,6 @@ def main(argv=None):
         d = sub.add_parser(name, help=text, add_help=False, formatter_class=_HelpFormatter,
                            description=f"{text} ({module}; `mtpjax {name} --help` for options)")
         d.add_argument("rest", nargs=argparse.REMAINDER, help="its options (--help lists them)")
-    # "serve": the OpenAI-compatible server (mtpjax/serve/) is wired in here.
     benches = "\n".join(textwrap.fill(f"{n:<14} {_first_sentence(module_doc(m))}", 96,
                                        initial_indent="  ", subsequent_indent=" " * 17)
                          for n, m in sorted(BENCHES.items()))
