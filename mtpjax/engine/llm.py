@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Iterator
 
 import jax
@@ -78,6 +79,9 @@ class StreamEvent:
     finished: bool
     output: RequestOutput | None       # set when finished (finish_reason "abort" if aborted)
     request_id: int = -1               # the engine's id of the request (for LLM.abort)
+    # the text these tokens complete (with a tokenizer; else ""): the deltas of a request
+    # concatenate to its output's text, also where a character spans several tokens
+    text_delta: str = ""
 
 
 class QueueFullError(RuntimeError):
@@ -95,6 +99,7 @@ class _Stream:
         self.todo: collections.deque[Sequence] = collections.deque(seqs)   # not queued yet
         self.news: dict[int, Sequence] = {}      # seq_id -> request with something to report
         self.open = set(self.index)              # requests whose final event is not yet yielded
+        self.detok: dict[int, Any] = {}          # seq_id -> IncrementalDetokenizer (tokenizer)
 
 
 def _is_int(x) -> bool:
@@ -175,7 +180,12 @@ class LLM:
     max_num_seqs / max_num_batched_tokens: per-step limits. max_model_len: prompt + completion
     limit (default and maximum: cfg.max_position_embeddings). eos_token_id: finishes requests
     (unless ignore_eos). tokenizer: anything with encode(str) -> ids and decode(ids) -> str
-    (optional). seed: base of the per-request keys of unseeded sampled requests.
+    (optional); with it a prompt may be a string, outputs carry `text` and stream events
+    `text_delta`. chat_template: a `mtpjax.serve.ChatTemplate` or jinja template text (or None;
+    `from_pretrained` takes the folder's, as transformers finds it); with it and a tokenizer a
+    prompt may be a list of chat messages [{"role": ..., "content": ...}], rendered with the
+    generation cue and encoded without the tokenizer's own special tokens (the template writes
+    them). seed: base of the per-request keys of unseeded sampled requests.
     async_scheduling (default True): schedule and dispatch step t+1 before reading step t back,
     so host work overlaps the device; each `step()` then returns the previous step's tokens.
     Outputs are identical either way (docs/engine.md, "Asynchronous scheduling").
@@ -210,7 +220,8 @@ class LLM:
     def __init__(self, params, cfg: ModelConfig, spec: SpecConfig | None = None, *,
                  num_pages: int, page_size: int = 16, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 tokenizer=None, max_model_len: int | None = None, eos_token_id: int | None = None,
+                 tokenizer=None, chat_template=None, max_model_len: int | None = None,
+                 eos_token_id: int | None = None,
                  attention_impl="auto", seed: int = 0, async_scheduling: bool = True,
                  max_waiting_requests: int | None = 1024, warmup: bool | None = None,
                  max_logprobs: int = 0, adaptive_k: AdaptiveK | None = None, mesh=None,
@@ -265,6 +276,7 @@ class LLM:
         store = (ExecutableStore.default() if executable_cache is None else
                  None if executable_cache is False else ExecutableStore(os.fspath(executable_cache)))
         self.cfg, self.spec, self.tokenizer = cfg, spec, tokenizer
+        self.chat_template = _chat_template(chat_template)
         K = spec.num_speculative_tokens if spec else 0
         chain = spec is not None and spec.method == "chain"
         # chain drafting writes MTP KV up to K-1 slots past the verify window (docs/engine.md);
@@ -358,8 +370,12 @@ class LLM:
 
     # ---- requests ------------------------------------------------------------------------------
     def _encode(self, prompt, i: int) -> list[int]:
-        """Prompt i (a string, a list of ids, a 1-D integer array) as a list of valid ids."""
-        if isinstance(prompt, str):
+        """Prompt i (a string, chat messages, a list of ids, a 1-D integer array) as a list of
+        valid ids."""
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict)
+                                                                for m in prompt):
+            prompt = self._encode_chat(prompt, i)
+        elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("got a string prompt but the LLM has no tokenizer")
             prompt = self.tokenizer.encode(prompt)
@@ -385,6 +401,19 @@ class LLM:
             raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size}) "
                              f"(prompt {i})")
         return ids
+
+    def _encode_chat(self, messages, i: int) -> list[int]:
+        if self.tokenizer is None or self.chat_template is None:
+            raise ValueError(f"prompt {i} is a list of chat messages, but the LLM has no "
+                             f"{'tokenizer' if self.tokenizer is None else 'chat_template'} "
+                             "(LLM(..., tokenizer=, chat_template=) or LLM.from_pretrained)")
+        for j, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"prompt {i}, message {j}: expected {{'role': str, 'content': "
+                                 f"str}}, got {m!r}")
+        text = self.chat_template.render([dict(m) for m in messages])
+        encode = getattr(self.tokenizer, "encode_chat", None) or self.tokenizer.encode
+        return encode(text)
 
     def _new_requests(self, prompts: list, sampling_params, *, single: bool = False
                       ) -> list[Sequence]:
@@ -699,10 +728,25 @@ class LLM:
             new, done = self._take(seq)
             if new or done:
                 events.append(StreamEvent(stream.index[seq.seq_id], new, done,
-                                          self._output(seq) if done else None, seq.seq_id))
+                                          self._output(seq) if done else None, seq.seq_id,
+                                          self._text_delta(stream, seq, new, done)))
             if done:
                 stream.open.discard(seq.seq_id)
         return events
+
+    def _text_delta(self, stream: _Stream, seq: Sequence, new: list[int], done: bool) -> str:
+        if self.tokenizer is None:
+            return ""
+        from mtpjax.serve.detokenize import IncrementalDetokenizer
+        detok = stream.detok.get(seq.seq_id)
+        if detok is None:
+            detok = stream.detok[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer.decode, list(seq.prompt_token_ids))
+        delta = detok.push(new)
+        if done:
+            delta += detok.finish()
+            del stream.detok[seq.seq_id]
+        return delta
 
     def _close_stream(self, stream: _Stream) -> None:
         """Aborts what a closed stream still holds (its consumer is gone) and forgets it."""
@@ -787,6 +831,36 @@ class LLM:
         return cls(params, cfg, spec, mesh=mesh, **llm_kwargs)
 
 
+def _chat_template(template):
+    """LLM's chat_template argument as a ChatTemplate (or None)."""
+    if template is None:
+        return None
+    from mtpjax.serve.chat_template import ChatTemplate
+    if isinstance(template, str):
+        return ChatTemplate(template)
+    if not isinstance(template, ChatTemplate):
+        raise ValueError(f"chat_template must be a ChatTemplate, jinja template text or None, got "
+                         f"{type(template).__name__}")
+    return template
+
+
+class _ChatTokenizer:
+    """A checkpoint's tokenizer plus `encode_chat`: rendered chats are encoded without the
+    tokenizer's own special tokens, since the template writes them (as transformers does)."""
+
+    def __init__(self, tokenizer, encode_chat):
+        self._tokenizer, self.encode_chat = tokenizer, encode_chat
+
+    def encode(self, text):
+        return self._tokenizer.encode(text)
+
+    def decode(self, ids):
+        return self._tokenizer.decode(ids)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
 def collect_outputs(events: Iterator[StreamEvent], num_prompts: int,
                     progress: bool = False) -> list[RequestOutput]:
     """The final RequestOutputs of a generate_stream, in prompt order (the stream is closed
@@ -812,6 +886,18 @@ def load_for_engine(path: str, spec, dtype, mesh, llm_kwargs: dict):
     ckpt = load_pretrained(path, dtype, spec=spec, mesh=mesh)
     llm_kwargs = dict(llm_kwargs)
     llm_kwargs.setdefault("tokenizer", ckpt.tokenizer)
+    if "chat_template" not in llm_kwargs and llm_kwargs["tokenizer"] is ckpt.tokenizer \
+            and ckpt.tokenizer is not None:
+        from mtpjax.serve.chat_template import ChatTemplate, ChatTemplateError, chat_encoder
+        try:
+            llm_kwargs["chat_template"] = ChatTemplate.from_folder(path)
+        except ChatTemplateError as e:
+            # token-id and text prompts still work; chat prompts then say there is no template
+            warnings.warn(f"{e}; chat prompts are refused (pass LLM(..., chat_template=))",
+                          stacklevel=3)
+        else:
+            llm_kwargs["tokenizer"] = _ChatTokenizer(ckpt.tokenizer, chat_encoder(
+                path, ckpt.tokenizer.encode))
     llm_kwargs.setdefault("eos_token_id", ckpt.eos_token_id)
     if spec is not None and spec.draft_vocab_size is not None \
             and llm_kwargs.get("draft_vocab") is None:
