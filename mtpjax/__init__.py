@@ -2,10 +2,10 @@
 
 from mtpjax.config import ModelConfig, RopeScaling, SamplingParams, SpecConfig
 from mtpjax.model import forward, init_params, mtp_forward
-from mtpjax.generate import GenerateOutput, generate
+from mtpjax.generate import GenerateOutput, NonFiniteParamsWarning, generate
 
 __all__ = ["ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig", "forward", "init_params",
-           "mtp_forward", "generate", "GenerateOutput"]
+           "mtp_forward", "generate", "GenerateOutput", "NonFiniteParamsWarning"]
 __version__ = "0.1.0"
 
 from mtpjax.engine import BlockManager, Sequence  # noqa: E402

@@ -23,7 +23,7 @@ import numpy as np
 from mtpjax.config import ModelConfig, SamplingParams
 from mtpjax.engine.logprobs import TokenLogprobs
 from mtpjax.model.transformer import final_hidden, logits_from_hidden
-from mtpjax.sampling import processed_logprob_top
+from mtpjax.sampling import processed_logprob_top, top_p_array
 
 BLOCK = 256          # positions per vocabulary pass
 
@@ -67,7 +67,7 @@ class PromptLogprobs:
         mode = "filter" if sp.temperature > 0 else "greedy"
         self._arrays = _prompt_top(params, cfg, jnp.asarray(tokens),
                                    np.float32(sp.temperature), np.int32(sp.top_k),
-                                   np.float32(sp.top_p), n=max(n_max, 1), mode=mode)
+                                   top_p_array(sp.top_p), n=max(n_max, 1), mode=mode)
 
     def result(self) -> list:
         """vLLM's layout: [None, {prompt[1]: lp, ...top n}, ..., {prompt[L-1]: ...}] (a new

@@ -25,7 +25,8 @@ from mtpjax.model.backend import resolve_backend
 from mtpjax.model.fused import fuse_projections as fuse, fusion_groups
 from mtpjax.parallel import check_mesh, create_sharded, replicate, shard_params
 from mtpjax.parallel.sharding import pin, pin_replicated
-from mtpjax.sampling import SAMPLING_MODES, SamplingArrays, request_key, sampling_mode
+from mtpjax.sampling import (SAMPLING_MODES, SamplingArrays, request_key, sampling_mode,
+                             top_p_array)
 from mtpjax.speculative.draft import draft_shape
 from mtpjax.speculative.draft_vocab import attach as attach_draft_vocab
 from mtpjax.speculative.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
@@ -229,7 +230,7 @@ class ModelRunner:
             slots[i] = self._slot(req)
             hist_from[i] = self.hist_from[seq.seq_id]
             sp = seq.sampling_params or SamplingParams()
-            temp[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
+            temp[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, top_p_array(sp.top_p)
             keys[i] = self.keys[seq.seq_id]
             row_k[i] = (num_drafts[i] if num_drafts is not None else
                         K if sp.num_speculative_tokens is None else sp.num_speculative_tokens)
