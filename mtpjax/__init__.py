@@ -27,9 +27,22 @@ from mtpjax.parallel import make_mesh  # noqa: E402
 
 __all__ += ["make_mesh"]
 
-from mtpjax.speculative.acceptance_eval import AcceptanceResult, eval_acceptance  # noqa: E402
 from mtpjax import train  # noqa: E402
-from mtpjax.train import LossConfig, Trainer, TrainState, finetune_mtp, joint_loss  # noqa: E402
+from mtpjax.train import LossConfig, Trainer, TrainState, joint_loss  # noqa: E402
 
-__all__ += ["AcceptanceResult", "eval_acceptance", "train", "LossConfig", "Trainer", "TrainState",
-            "finetune_mtp", "joint_loss"]
+__all__ += ["train", "LossConfig", "Trainer", "TrainState", "joint_loss"]
+
+# Modules that are also scripts (`python -m mtpjax.train.finetune`, `python -m
+# mtpjax.speculative.acceptance_eval`) load on first use: imported here, runpy would find them
+# already in sys.modules when it runs them as __main__, and warn. (Not in __all__: the API
+# reference documents them in their modules.)
+_LAZY = {"AcceptanceResult": "mtpjax.speculative.acceptance_eval",
+         "eval_acceptance": "mtpjax.speculative.acceptance_eval",
+         "finetune_mtp": "mtpjax.train.finetune"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mtpjax' has no attribute {name!r}")

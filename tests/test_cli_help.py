@@ -112,3 +112,14 @@ def test_no_runpy_warning(argv):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "RuntimeWarning" not in r.stderr and "found in sys.modules" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("module", ["mtpjax.train.finetune", "mtpjax.speculative.acceptance_eval"])
+def test_script_modules_run_without_runpy_warning(module):
+    """Both are scripts and library modules: `import mtpjax` must not load them, or runpy warns
+    that the module was in sys.modules before it ran as __main__."""
+    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", module, "--help"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "RuntimeWarning" not in out.stderr

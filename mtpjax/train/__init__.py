@@ -15,12 +15,20 @@ mtpjax.train.finetune` (heads of a model folder, acceptance before / after).
 
 from mtpjax.train.checkpointing import restore_train_state, save_train_state
 from mtpjax.train.depths import REGIMES, chain_depths, depth_logits, multi_layer_depths
-from mtpjax.train.finetune import finetune_mtp, reinit_mtp
 from mtpjax.train.loop import FitResult, evaluate_windows, fit, lr_at
 from mtpjax.train.loss import LABELS, LossConfig, joint_loss
 from mtpjax.train.step import TrainState, Trainer, adamw, merge_params, split_params
 
 __all__ = ["LABELS", "REGIMES", "FitResult", "LossConfig", "TrainState", "Trainer", "adamw",
-           "chain_depths", "depth_logits", "evaluate_windows", "finetune_mtp", "fit",
-           "joint_loss", "lr_at", "merge_params", "multi_layer_depths", "reinit_mtp",
+           "chain_depths", "depth_logits", "evaluate_windows", "fit",
+           "joint_loss", "lr_at", "merge_params", "multi_layer_depths",
            "restore_train_state", "save_train_state", "split_params"]
+
+
+def __getattr__(name):
+    # finetune is also a script (`python -m mtpjax.train.finetune`): loaded on first use, as
+    # runpy warns about a script already in sys.modules when it runs it as __main__
+    if name in ("finetune_mtp", "reinit_mtp"):
+        from mtpjax.train import finetune
+        return getattr(finetune, name)
+    raise AttributeError(f"module 'mtpjax.train' has no attribute {name!r}")
