@@ -450,6 +450,11 @@ class SamplingParams:
     # most likely tokens' (same distribution; one extra target pass over the prompt,
     # docs/engine.md, "Prompt logprobs").
     prompt_logprobs: int | None = None
+    # Stop strings (vLLM's names): the completion ends where its text first contains one; the
+    # text is cut before it (after it with include_stop_str_in_output). mtpjax.LLM with a
+    # tokenizer only (docs/engine.md, "Stop strings"). A single string is taken as (string,).
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         set_ = lambda name, v: object.__setattr__(self, name, v)    # noqa: E731 (frozen)
@@ -487,6 +492,16 @@ class SamplingParams:
                 if not _is_int(v) or v < 0:
                     raise ValueError(f"{name} must be an int >= 0 or None, got {name}={v!r}")
                 set_(name, int(v))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        stop = tuple(stop) if hasattr(stop, "__iter__") and not isinstance(stop, bytes) else None
+        if stop is None or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"stop must be a non-empty string or a sequence of non-empty "
+                             f"strings, got stop={self.stop!r}")
+        set_("stop", tuple(stop))
+        if not isinstance(self.include_stop_str_in_output, (bool, np.bool_)):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got "
+                             f"include_stop_str_in_output={self.include_stop_str_in_output!r}")
+        set_("include_stop_str_in_output", bool(self.include_stop_str_in_output))
 
     @property
     def greedy(self) -> bool:

@@ -295,6 +295,11 @@ def validate_sampling_params(sampling, num_prompts: int, *, vocab_size: int,
         if bad:
             raise ValueError(f"{where}: stop_token_ids has {bad[0]}, outside the vocabulary "
                              f"[0, {vocab_size}); expected ids < vocab_size={vocab_size}")
+        if sp.stop and caller == "generate":
+            # stop strings need the text, so a tokenizer on the host after every step
+            raise ValueError(f"{where}: stop={list(sp.stop)!r}, but mtpjax.generate (the "
+                             f"on-device loop) has no tokenizer; expected stop=(), or use "
+                             f"mtpjax.LLM (with a tokenizer), which applies stop strings")
     return sps
 
 

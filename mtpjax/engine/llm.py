@@ -61,6 +61,9 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs set: [None, {prompt[1]: logprob, ...}, ...] (vLLM's layout:
     # the first prompt token has no logprob), else None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # finish_reason "stop": the stop string found (SamplingParams.stop) or the stop token id
+    # (SamplingParams.stop_token_ids); None for eos and any other end (vLLM's field)
+    stop_reason: str | int | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -99,7 +102,9 @@ class _Stream:
         self.todo: collections.deque[Sequence] = collections.deque(seqs)   # not queued yet
         self.news: dict[int, Sequence] = {}      # seq_id -> request with something to report
         self.open = set(self.index)              # requests whose final event is not yet yielded
-        self.detok: dict[int, Any] = {}          # seq_id -> IncrementalDetokenizer (tokenizer)
+        # seq_id -> IncrementalDetokenizer (tokenizer), or, for a request with stop strings,
+        # how many characters of its stop checker's text were streamed
+        self.detok: dict[int, Any] = {}
 
 
 def _is_int(x) -> bool:
@@ -425,10 +430,20 @@ class LLM:
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
             max_logprobs=self.max_logprobs, caller="LLM")
         seqs = []
+        shared = sampling_params is None or isinstance(sampling_params, SamplingParams)
         for i, (p, sp) in enumerate(zip(prompts, sps)):
+            if sp.stop and self.tokenizer is None:
+                where = "sampling_params" if shared else f"sampling_params[{i}]"
+                raise ValueError(f"{where}: stop={list(sp.stop)!r} (prompt {i}), but the LLM has "
+                                 "no tokenizer to find stop strings in the text; pass "
+                                 "LLM(..., tokenizer=) or use stop_token_ids")
             seq = Sequence(self._encode(p, i), sampling_params=sp, seq_id=self._next_id + i)
             self.scheduler.check(seq, "the request" if single else f"prompt {i}")
             seq.logprobs = TokenLogprobs(sp.logprobs) if sp.logprobs is not None else None
+            if sp.stop:
+                from mtpjax.serve.stop_strings import TokenStopChecker
+                seq.stop_checker = TokenStopChecker(self.tokenizer.decode, seq.prompt_token_ids,
+                                                    sp.stop, sp.include_stop_str_in_output)
             seqs.append(seq)
         for seq in seqs:         # all valid: dispatch the extra prompt passes (asynchronous)
             sp = seq.sampling_params
@@ -516,13 +531,24 @@ class LLM:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         toks = list(seq.completion_token_ids)
-        text = self.tokenizer.decode(toks) if self.tokenizer is not None else None
+        chk, stop_reason = seq.stop_checker, None
+        if chk is not None:
+            # the text never goes past a stop string (held back until the request ends)
+            if seq.is_finished:
+                chk.finish()
+            text, stop_reason = chk.text, chk.stop_reason
+        else:
+            text = self.tokenizer.decode(toks) if self.tokenizer is not None else None
+        if seq.finish_reason == "stop" and stop_reason is None and toks \
+                and toks[-1] in seq.stop_token_ids:
+            stop_reason = toks[-1]
         lps = getattr(seq, "logprobs", None)
         return RequestOutput(seq.seq_id, list(seq.prompt_token_ids), toks, text,
                              seq.finish_reason, seq.num_verify_steps, seq.num_draft_tokens,
                              seq.num_accepted_draft_tokens,
                              None if lps is None else lps.snapshot(),
-                             None if seq.prompt_lp is None else seq.prompt_lp.result())
+                             None if seq.prompt_lp is None else seq.prompt_lp.result(),
+                             stop_reason)
 
     @property
     def _metrics(self) -> dict[int, list[int]]:
@@ -737,6 +763,15 @@ class LLM:
     def _text_delta(self, stream: _Stream, seq: Sequence, new: list[int], done: bool) -> str:
         if self.tokenizer is None:
             return ""
+        chk = seq.stop_checker
+        if chk is not None:
+            # its checker already decoded the committed tokens: stream the text it deems safe
+            if done:
+                chk.finish()
+            sent = stream.detok.pop(seq.seq_id, 0)
+            if not done:
+                stream.detok[seq.seq_id] = len(chk.text)
+            return chk.text[sent:]
         from mtpjax.serve.detokenize import IncrementalDetokenizer
         detok = stream.detok.get(seq.seq_id)
         if detok is None:

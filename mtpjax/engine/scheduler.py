@@ -266,6 +266,9 @@ class Scheduler:
                 last = seq.token_ids[-1]
                 if seq.num_completion_tokens and self._is_stop(seq, last):
                     seq.finish_reason = "stop"
+                elif seq.stop_checker is not None and seq.stop_checker.push(seq.token_ids):
+                    del seq.token_ids[seq.num_prompt_tokens + seq.stop_checker.num_seen:]
+                    seq.finish_reason = "stop"
                 elif seq.max_tokens is not None and seq.num_completion_tokens >= seq.max_tokens:
                     seq.finish_reason = "length"
             if seq.finish_reason is not None:
@@ -406,7 +409,8 @@ class Scheduler:
                     committed_token_ids: _Seq[_Seq[int]]) -> list[Sequence]:
         """Apply one step's results. `committed_token_ids[i]` are the tokens request
         `output.requests[i]` committed: 1..K+1 for a decode (accepted drafts + bonus), 1 for a last
-        prefill chunk, 0 (empty) for a non-final chunk. Tokens after a stop token or beyond
+        prefill chunk, 0 (empty) for a non-final chunk. Tokens after a stop token, after the token
+        that completes a stop string (`seq.stop_checker`) or beyond
         max_tokens are dropped. Returns the requests that finished (their blocks are freed)."""
         if len(committed_token_ids) != len(output.requests):
             raise ValueError(f"got committed tokens for {len(committed_token_ids)} requests, the step "
@@ -451,6 +455,8 @@ class Scheduler:
                 kept += 1
                 if self._is_stop(seq, t):
                     seq.finish_reason = "stop"
+                elif seq.stop_checker is not None and seq.stop_checker.push(seq.token_ids):
+                    seq.finish_reason = "stop"      # a stop string ends in this token
                 elif seq.num_completion_tokens >= seq.max_tokens:
                     seq.finish_reason = "length"
                 if seq.finish_reason is not None:

@@ -68,6 +68,9 @@ class Sequence:
         # one {token id: logprob} dict per completion token, when the request asks for logprobs
         self.logprobs = None        # engine.logprobs.TokenLogprobs | None
         self.prompt_lp = None       # engine.prompt_logprobs.PromptLogprobs | None
+        # stop strings: serve.stop_strings.TokenStopChecker, pushed every committed token by
+        # the Scheduler (None when the request has none, so others pay nothing)
+        self.stop_checker = None
 
     # ---- sizes -------------------------------------------------------------------------------
     def __len__(self) -> int:
