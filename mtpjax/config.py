@@ -404,6 +404,10 @@ def _hf_value(config: Mapping[str, Any], key: str, kind: tuple, default: Any = _
 # (mtpjax.sampling.request_key): seed and seed + 2**32 would silently give the same tokens.
 SEED_RANGE = (0, 2**32)
 INT32_MAX = 2**31 - 1        # top_k and stop ids travel to the device as int32
+# SamplingParams.logit_bias: entries per request (a fixed width keeps one compiled step; the
+# device adds them with one small scatter) and the bias range (OpenAI's)
+LOGIT_BIAS_SLOTS = 32
+LOGIT_BIAS_MAX = 100.0
 
 
 def _is_int(value: Any) -> bool:
@@ -450,6 +454,13 @@ class SamplingParams:
     # most likely tokens' (same distribution; one extra target pass over the prompt,
     # docs/engine.md, "Prompt logprobs").
     prompt_logprobs: int | None = None
+    # vLLM's min_p: keep tokens with probability >= min_p * the top token's (after temperature,
+    # with top-k / top-p); 0 disables. Sampled requests only (a greedy row's argmax is kept).
+    min_p: float = 0.0
+    # {token id: bias} added to the logits before temperature and filtering (greedy requests
+    # too: the argmax is the biased one); biases in [-100, 100], at most LOGIT_BIAS_SLOTS ids.
+    # Stored as a tuple of (id, bias) pairs sorted by id (hashable); a mapping or pairs in.
+    logit_bias: Any = None
     # Stop strings (vLLM's names): the completion ends where its text first contains one; the
     # text is cut before it (after it with include_stop_str_in_output). mtpjax.LLM with a
     # tokenizer only (docs/engine.md, "Stop strings"). A single string is taken as (string,).
@@ -502,6 +513,42 @@ class SamplingParams:
             raise ValueError(f"include_stop_str_in_output must be a bool, got "
                              f"include_stop_str_in_output={self.include_stop_str_in_output!r}")
         set_("include_stop_str_in_output", bool(self.include_stop_str_in_output))
+        self._check_logit_processors(set_)
+
+    def _check_logit_processors(self, set_):
+        m = self.min_p
+        if not _is_real(m) or not 0.0 <= m <= 1.0:
+            raise ValueError(f"min_p must be a number in [0, 1] (0 disables), got min_p={m!r}")
+        set_("min_p", float(m))
+        lb = self.logit_bias
+        if lb is None or (isinstance(lb, (Mapping, tuple, list)) and not lb):
+            set_("logit_bias", None)
+            return
+        if isinstance(lb, Mapping):
+            items = list(lb.items())
+        elif isinstance(lb, (tuple, list)) and all(isinstance(x, (tuple, list)) and len(x) == 2
+                                                   for x in lb):
+            items = [tuple(x) for x in lb]
+        else:
+            raise ValueError(f"logit_bias must be a mapping {{token_id: bias}} or None, got "
+                             f"logit_bias={lb!r}")
+        if len(items) > LOGIT_BIAS_SLOTS:
+            raise ValueError(f"logit_bias has {len(items)} entries; at most LOGIT_BIAS_SLOTS="
+                             f"{LOGIT_BIAS_SLOTS} are supported per request")
+        pairs = {}
+        for t, b in items:
+            if isinstance(t, str) and t.isdigit():       # JSON keys (OpenAI's API) are strings
+                t = int(t)
+            if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                raise ValueError(f"logit_bias token ids must be non-negative ints, got {t!r} in "
+                                 f"logit_bias={lb!r}")
+            if not _is_real(b) or not math.isfinite(b) or abs(b) > LOGIT_BIAS_MAX:
+                raise ValueError(f"logit_bias biases must be numbers in [-{LOGIT_BIAS_MAX:g}, "
+                                 f"{LOGIT_BIAS_MAX:g}], got {b!r} for token {t}")
+            if int(t) in pairs:
+                raise ValueError(f"logit_bias has token id {int(t)} twice")
+            pairs[int(t)] = float(b)
+        set_("logit_bias", tuple(sorted(pairs.items())))
 
     @property
     def greedy(self) -> bool:

@@ -14,6 +14,11 @@ none of the host's work overlapped the device; docs/benchmarks.md). Modes:
   "greedy"  every row has temperature <= 0: argmax only (no softmax, no sort, no draw)
   "filter"  any other batch: temperature, then top-k and top-p (two vocabulary sorts) on every
             row; a row that asks for neither passes through masks that change nothing
+  "greedy_bias", "filter_full"  the same with the logit processors some row asks for:
+            logit_bias (added to the logits first, so a greedy row's argmax is the biased one)
+            and min_p (after temperature). Only a batch with such a row gets these modes, so
+            every other batch runs exactly the program it ran before they existed; the engine
+            compiles them on first use (`FEATURE_MODES`, not warmed up)
 
 A greedy row's result is the one-hot argmax in both modes, so no row depends on the mode, nor
 on batch composition. (A third mode without the sorts for batches that sample without top-k /
@@ -30,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mtpjax.config import SamplingParams
+from mtpjax.config import LOGIT_BIAS_MAX, LOGIT_BIAS_SLOTS, SamplingParams  # noqa: F401
 
 
 @struct.dataclass
@@ -41,7 +46,11 @@ class SamplingArrays:
     top_k: jax.Array         # int32[B]  0 = off
     top_p: jax.Array         # f32[B]    1 = off
     keys: jax.Array          # uint32[B, 2] per-request base PRNG keys
-    mode: str = struct.field(pytree_node=False, default="filter")   # static: SAMPLING_MODES
+    # the logit processors (FEATURE_MODES only; None in the other modes, which never read them)
+    min_p: jax.Array | None = None       # f32[B]   0 = off
+    bias_ids: jax.Array | None = None    # int32[B, LOGIT_BIAS_SLOTS] token ids (0 where unused)
+    bias_vals: jax.Array | None = None   # f32[B, LOGIT_BIAS_SLOTS] biases (0 where unused)
+    mode: str = struct.field(pytree_node=False, default="filter")   # static: ALL_SAMPLING_MODES
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], base_seed: int = 0) -> "SamplingArrays":
@@ -49,12 +58,22 @@ class SamplingArrays:
         temperature = np.asarray([p.temperature for p in params], np.float32)
         top_k = np.asarray([p.top_k for p in params], np.int32)
         top_p = top_p_array([p.top_p for p in params])
+        mode = sampling_mode(temperature, params)
+        extra = {}
+        if mode in FEATURE_MODES:
+            min_p, ids, vals = feature_arrays(params)
+            extra = dict(min_p=jnp.asarray(min_p), bias_ids=jnp.asarray(ids),
+                         bias_vals=jnp.asarray(vals))
         return cls(temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k),
-                   top_p=jnp.asarray(top_p), keys=jnp.asarray(np.stack(keys)),
-                   mode=sampling_mode(temperature))
+                   top_p=jnp.asarray(top_p), keys=jnp.asarray(np.stack(keys)), mode=mode,
+                   **extra)
 
 
-SAMPLING_MODES = ("greedy", "filter")
+SAMPLING_MODES = ("greedy", "filter")           # the modes warmup compiles
+FEATURE_MODES = ("greedy_bias", "filter_full")  # with logit_bias / min_p (module doc)
+ALL_SAMPLING_MODES = SAMPLING_MODES + FEATURE_MODES
+GREEDY_MODES = ("greedy", "greedy_bias")        # every row greedy: the one-hot argmax only
+
 
 # The smallest positive normal float32. A top_p that SamplingParams accepts (any p in (0, 1])
 # can be a subnormal or 0 once it is float32, and the device flushes subnormals to zero; at
@@ -68,14 +87,54 @@ def top_p_array(top_p) -> np.ndarray:
     return np.clip(np.asarray(top_p, np.float64), TOP_P_MIN, 1.0).astype(np.float32)
 
 
-def sampling_mode(temperature) -> str:
-    """Host side: the mode that serves rows with these temperatures (numpy [B]; module doc)."""
-    return "filter" if (np.asarray(temperature) > 0).any() else "greedy"
+def sampling_mode(temperature, params: Sequence[SamplingParams | None] | None = None) -> str:
+    """Host side: the mode that serves rows with these temperatures (numpy [B]) and, when given,
+    these SamplingParams (None for padding rows): a feature mode only if some row has a
+    logit_bias, or samples with min_p > 0 (min_p cannot change a greedy row; module doc)."""
+    sampled = (np.asarray(temperature) > 0).any()
+    bias = any(p is not None and p.logit_bias for p in params or ())
+    min_p = any(p is not None and p.min_p > 0 and p.temperature > 0 for p in params or ())
+    if bias or min_p:
+        return "filter_full" if sampled else "greedy_bias"
+    return "filter" if sampled else "greedy"
+
+
+def feature_arrays(params: Sequence[SamplingParams | None]):
+    """Host side: (min_p f32[B], bias_ids int32[B, LOGIT_BIAS_SLOTS], bias_vals f32[B, S]) of
+    SamplingParams (None: a padding row, no processors). Unused slots add 0 to token 0."""
+    B, S = len(params), LOGIT_BIAS_SLOTS
+    min_p = np.zeros(B, np.float32)
+    ids, vals = np.zeros((B, S), np.int32), np.zeros((B, S), np.float32)
+    for i, p in enumerate(params):
+        if p is None:
+            continue
+        min_p[i] = p.min_p
+        for j, (t, b) in enumerate(p.logit_bias or ()):
+            ids[i, j], vals[i, j] = t, b
+    return min_p, ids, vals
+
+
+def apply_logit_bias(logits: jax.Array, sp: "SamplingArrays", vocab_ids=None) -> jax.Array:
+    """logits [B, ..., V] plus each row's logit_bias, in f32 (modes without logit processors:
+    unchanged, not even cast). vocab_ids int32[N]: logits [B, N] are over that subset of the
+    vocabulary (a draft vocabulary), biased by the entries of its ids."""
+    if sp.mode not in FEATURE_MODES:
+        return logits
+    B = sp.bias_ids.shape[0]
+    if vocab_ids is not None:
+        # bias over the subset: entry n gets the biases whose id is vocab_ids[n]
+        hit = sp.bias_ids[:, :, None] == jnp.asarray(vocab_ids)[None, None, :]   # [B, S, N]
+        dense = jnp.sum(jnp.where(hit, sp.bias_vals[:, :, None], 0.0), axis=1)
+    else:
+        dense = jnp.zeros((B, logits.shape[-1]), jnp.float32).at[
+            jnp.arange(B)[:, None], sp.bias_ids].add(sp.bias_vals)
+    dense = dense.reshape((B,) + (1,) * (logits.ndim - 2) + dense.shape[-1:])
+    return logits.astype(jnp.float32) + dense
 
 
 def _check_mode(mode: str) -> None:
-    if mode not in SAMPLING_MODES:
-        raise ValueError(f"sampling mode {mode!r} is not one of {SAMPLING_MODES}")
+    if mode not in ALL_SAMPLING_MODES:
+        raise ValueError(f"sampling mode {mode!r} is not one of {ALL_SAMPLING_MODES}")
 
 
 def request_key(sp: SamplingParams, base_seed: int, index: int) -> np.ndarray:
@@ -90,43 +149,56 @@ def _expand(x, logits):
     return x.reshape(x.shape + (1,) * (logits.ndim - 1))
 
 
-def filtered_probs(logits: jax.Array, temperature, top_k, top_p, mode: str = "filter"
-                   ) -> jax.Array:
+def filtered_probs(logits: jax.Array, temperature, top_k, top_p, mode: str = "filter",
+                   min_p=None) -> jax.Array:
     """f32 probabilities [B, ..., V] after temperature, top-k, then top-p (ties at a cut are kept).
 
     temperature/top_k/top_p are per-request [B]; top_k 0 (or >= V) and top_p >= 1 are off.
     mode (static, `sampling_mode`): "greedy" computes only the one-hot argmax rows (exactly
-    the "filter" result for all-greedy rows).
+    the "filter" result for all-greedy rows). min_p f32[B] (read in mode "filter_full" only):
+    also drop tokens below min_p times the row's largest probability. logit_bias is not
+    applied here: callers pass `apply_logit_bias(logits, sp)`.
     """
     _check_mode(mode)
     logits = logits.astype(jnp.float32)
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    if mode == "greedy":
+    if mode in GREEDY_MODES:
         return onehot
-    return _sampled_probs(logits, onehot, temperature, top_k, top_p)
+    return _sampled_probs(logits, onehot, temperature, top_k, top_p, _min_p(mode, min_p))
 
 
-def _sampled_probs(logits, onehot, temperature, top_k, top_p):
+def _min_p(mode, min_p):
+    """min_p where the mode applies it, else None (the mode's program never mentions it)."""
+    return min_p if mode == "filter_full" else None
+
+
+def _sampled_probs(logits, onehot, temperature, top_k, top_p, min_p=None):
     """filtered_probs for a batch with sampled rows (onehot: the greedy rows' result). Rows
     without top-k / top-p pass through masks that change nothing."""
     greedy = ~_expand(temperature > 0, logits)
-    return jnp.where(greedy, onehot, _row_probs(logits, temperature, top_k, top_p))
+    return jnp.where(greedy, onehot, _row_probs(logits, temperature, top_k, top_p, min_p))
 
 
-def _row_probs(logits, temperature, top_k, top_p):
-    """f32 [B, ..., V]: each sampled row's distribution after temperature, top-k, top-p; a greedy
-    row's softmax at temperature 1, unfiltered. Sampling and processed logprobs both call it
-    with the same arguments, so in one step XLA computes its sorts once for both."""
+def _row_probs(logits, temperature, top_k, top_p, min_p=None):
+    """f32 [B, ..., V]: each sampled row's distribution after temperature, top-k, top-p (and
+    min_p when given); a greedy row's softmax at temperature 1, unfiltered. Sampling and
+    processed logprobs both call it with the same arguments, so in one step XLA computes its
+    sorts once for both."""
     sampled = temperature > 0                                   # [B]
     t = _expand(jnp.where(sampled, temperature, 1.0), logits)
     k = _expand(jnp.where(sampled, top_k, 0), logits)
     p = _expand(jnp.where(sampled, top_p, 1.0), logits)
     probs = _top_p_mask(jax.nn.softmax(_top_k_mask(logits / t, k), axis=-1), p)
+    if min_p is not None:
+        # relative to the row's top probability, which top-k / top-p always keep and only
+        # rescale: the same cut as vLLM's min_p on the tempered distribution. 0 keeps all.
+        m = _expand(jnp.where(sampled, min_p, 0.0), logits)
+        probs = jnp.where(probs >= m * jnp.max(probs, axis=-1, keepdims=True), probs, 0.0)
     return probs / jnp.sum(probs, axis=-1, keepdims=True)
 
 
-def processed_logprobs(logits: jax.Array, temperature, top_k, top_p, mode: str = "filter"
-                       ) -> jax.Array:
+def processed_logprobs(logits: jax.Array, temperature, top_k, top_p, mode: str = "filter",
+                       min_p=None) -> jax.Array:
     """f32 log-probabilities [B, ..., V] of the distribution each request samples from: after
     temperature, top-k and top-p, renormalised (-inf outside top-k / the nucleus), i.e. vLLM's
     "processed_logprobs". A greedy request (temperature 0) reports the target's own
@@ -134,16 +206,16 @@ def processed_logprobs(logits: jax.Array, temperature, top_k, top_p, mode: str =
     greedy requests sample at temperature 1 too); its one-hot sampling distribution would say
     nothing. Shares `_row_probs` with `filtered_probs`, so a sampled token's logprob is exactly
     the log of the probability it was drawn with. mode "greedy" (every row greedy, static):
-    no sorts, only the softmax."""
+    no sorts, only the softmax. min_p: as in `filtered_probs`."""
     _check_mode(mode)
     logits = logits.astype(jnp.float32)
-    if mode == "greedy":
+    if mode in GREEDY_MODES:
         return logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    return jnp.log(_row_probs(logits, temperature, top_k, top_p))
+    return jnp.log(_row_probs(logits, temperature, top_k, top_p, _min_p(mode, min_p)))
 
 
 def processed_logprob_top(logits: jax.Array, tokens: jax.Array, temperature, top_k, top_p,
-                          n: int, mode: str = "filter"):
+                          n: int, mode: str = "filter", min_p=None):
     """What logprobs reporting needs from `processed_logprobs`, without writing its [B, ..., V]
     array: logits [B, ..., V], tokens int32[B, ...] -> (chosen f32[B, ...], the logprob of each
     token; top values f32[B, ..., n], descending; top ids int32[B, ..., n]).
@@ -158,11 +230,11 @@ def processed_logprob_top(logits: jax.Array, tokens: jax.Array, temperature, top
     logits = logits.astype(jnp.float32)
     _, ids = jax.lax.top_k(logits, n)
     at = lambda x, i: jnp.take_along_axis(x, i, axis=-1)               # noqa: E731
-    if mode == "greedy":
+    if mode in GREEDY_MODES:
         lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         return (at(logits, tokens[..., None]) - lse)[..., 0], at(logits, ids) - lse, \
             ids.astype(jnp.int32)
-    probs = _row_probs(logits, temperature, top_k, top_p)
+    probs = _row_probs(logits, temperature, top_k, top_p, _min_p(mode, min_p))
     return jnp.log(at(probs, tokens[..., None]))[..., 0], jnp.log(at(probs, ids)), \
         ids.astype(jnp.int32)
 
@@ -206,7 +278,7 @@ def sample_from_probs(probs: jax.Array, keys: jax.Array, mode: str = "filter") -
     draw is skipped for the argmax, which is the same index.
     """
     _check_mode(mode)
-    if mode == "greedy":
+    if mode in GREEDY_MODES:
         return jnp.argmax(probs, axis=-1).astype(jnp.int32)
     return jax.vmap(jax.random.categorical)(keys, jnp.log(probs)).astype(jnp.int32)
 
@@ -214,10 +286,11 @@ def sample_from_probs(probs: jax.Array, keys: jax.Array, mode: str = "filter") -
 def sample(logits: jax.Array, sp: SamplingArrays, positions: jax.Array) -> jax.Array:
     """Sample one token per request from logits [B, V]; greedy rows take the argmax (an
     all-greedy batch, mode "greedy", computes nothing else)."""
+    logits = apply_logit_bias(logits, sp)
     top1 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if sp.mode == "greedy":
+    if sp.mode in GREEDY_MODES:
         return top1
-    probs = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode)
+    probs = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode, sp.min_p)
     tok = sample_from_probs(probs, position_keys(sp.keys, positions), sp.mode)
     return jnp.where(sp.temperature <= 0, top1, tok)
 
@@ -291,6 +364,11 @@ def validate_sampling_params(sampling, num_prompts: int, *, vocab_size: int,
                 raise ValueError(f"{where}: logprobs={n} needs an engine built with "
                                  f"max_logprobs >= 1 (this one has max_logprobs=0: its step "
                                  f"computes no logprobs); create the LLM with max_logprobs >= 1")
+        bad = [t for t, _ in sp.logit_bias or () if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{where}: logit_bias has token id {bad[0]}, outside the "
+                             f"vocabulary [0, {vocab_size}); expected ids < vocab_size="
+                             f"{vocab_size}")
         bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"{where}: stop_token_ids has {bad[0]}, outside the vocabulary "

@@ -25,8 +25,8 @@ from mtpjax.model.backend import resolve_backend
 from mtpjax.model.fused import fuse_projections as fuse, fusion_groups
 from mtpjax.parallel import check_mesh, create_sharded, replicate, shard_params
 from mtpjax.parallel.sharding import pin, pin_replicated
-from mtpjax.sampling import (SAMPLING_MODES, SamplingArrays, request_key, sampling_mode,
-                             top_p_array)
+from mtpjax.sampling import (FEATURE_MODES, LOGIT_BIAS_SLOTS, SAMPLING_MODES, SamplingArrays,
+                             feature_arrays, request_key, sampling_mode, top_p_array)
 from mtpjax.speculative.draft import draft_shape
 from mtpjax.speculative.draft_vocab import attach as attach_draft_vocab
 from mtpjax.speculative.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
@@ -37,7 +37,8 @@ from mtpjax.step_jit import step_jit
 
 def pack_host(batch: MixedBatch) -> np.ndarray:
     """MixedBatch of numpy arrays -> one flat int32 array (one host->device transfer per step;
-    floats and PRNG keys travel bit-cast)."""
+    floats and PRNG keys travel bit-cast). A batch in a FEATURE_MODES mode appends its logit
+    processors (min_p, logit_bias); any other batch has exactly the layout it had before them."""
     per_token = np.stack([batch.tokens, batch.positions, batch.seq_ids])             # [3, T]
     per_row = np.concatenate([
         batch.cu_q_lens[1:, None], batch.kv_lens[:, None], batch.slots[:, None],
@@ -47,16 +48,26 @@ def pack_host(batch: MixedBatch) -> np.ndarray:
         axis=1).astype(np.int32)                                                     # [R, 10+K]
     floats = np.stack([batch.sampling.temperature, batch.sampling.top_p], 1).astype(np.float32)
     keys = np.ascontiguousarray(batch.sampling.keys, np.uint32)                       # [R, 2]
-    return np.concatenate([per_token.ravel(), per_row.ravel(),
-                           np.ascontiguousarray(batch.block_tables, np.int32).ravel(),
-                           floats.view(np.int32).ravel(), keys.view(np.int32).ravel()])
+    parts = [per_token.ravel(), per_row.ravel(),
+             np.ascontiguousarray(batch.block_tables, np.int32).ravel(),
+             floats.view(np.int32).ravel(), keys.view(np.int32).ravel()]
+    sp = batch.sampling
+    if sp.mode in FEATURE_MODES:                                     # [R, 1 + 2 * SLOTS]
+        fl = np.concatenate([np.asarray(sp.min_p, np.float32)[:, None],
+                             np.asarray(sp.bias_vals, np.float32)], 1)
+        parts += [np.concatenate([fl.view(np.int32), np.asarray(sp.bias_ids, np.int32)],
+                                 1).ravel()]
+    return np.concatenate(parts)
 
 
 def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int,
                   sampling_mode: str = "filter") -> MixedBatch:
     """Inverse of pack_host, inside the jitted step (static slices and bit-casts are free)."""
     T, R, M = num_tokens, num_rows, max_blocks
+    S = LOGIT_BIAS_SLOTS
     sizes = [3 * T, None, R * M, 2 * R, 2 * R]
+    if sampling_mode in FEATURE_MODES:
+        sizes.append(R * (1 + 2 * S))
     sizes[1] = flat.shape[0] - sum(x for x in sizes if x is not None)
     parts, off = [], 0
     for n in sizes:
@@ -68,6 +79,11 @@ def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int,
     floats = jax.lax.bitcast_convert_type(parts[3].reshape(R, 2), jnp.float32)
     keys = jax.lax.bitcast_convert_type(parts[4].reshape(R, 2), jnp.uint32)
     cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), per_row[:, 0]])   # column 0: segment ends
+    extra = {}
+    if sampling_mode in FEATURE_MODES:
+        feats = parts[5].reshape(R, 1 + 2 * S)
+        fl = jax.lax.bitcast_convert_type(feats[:, :1 + S], jnp.float32)
+        extra = dict(min_p=fl[:, 0], bias_vals=fl[:, 1:], bias_ids=feats[:, 1 + S:])
     return MixedBatch(
         tokens=per_token[0], positions=per_token[1], seq_ids=per_token[2],
         cu_q_lens=cu, kv_lens=per_row[:, 1], block_tables=tables, slots=per_row[:, 2],
@@ -75,7 +91,7 @@ def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int,
         next_tokens=per_row[:, 9:], num_drafts=per_row[:, 7],
         want_logprobs=per_row[:, 8].astype(bool),
         sampling=SamplingArrays(temperature=floats[:, 0], top_k=per_row[:, 6],
-                                top_p=floats[:, 1], keys=keys, mode=sampling_mode))
+                                top_p=floats[:, 1], keys=keys, mode=sampling_mode, **extra))
 
 
 @step_jit(static_argnames=("cfg", "spec", "first_pass_len", "backend", "shape", "logprobs",
@@ -197,6 +213,7 @@ class ModelRunner:
         keys = np.zeros((R, 2), np.uint32)
         row_k = np.zeros(R, np.int32)
         want_lp = np.zeros(R, bool)
+        row_sps = [None] * R                   # for the logit processors (padding rows: None)
         off = 0
         first_pass = 0
         for i, req in enumerate(reqs):
@@ -230,6 +247,7 @@ class ModelRunner:
             slots[i] = self._slot(req)
             hist_from[i] = self.hist_from[seq.seq_id]
             sp = seq.sampling_params or SamplingParams()
+            row_sps[i] = sp
             temp[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, top_p_array(sp.top_p)
             keys[i] = self.keys[seq.seq_id]
             row_k[i] = (num_drafts[i] if num_drafts is not None else
@@ -240,8 +258,19 @@ class ModelRunner:
             tokens=tokens, positions=positions, seq_ids=seq_ids, cu_q_lens=cu, kv_lens=kv_lens,
             block_tables=tables, slots=slots, kinds=kinds, next_tokens=next_tokens,
             thinking=thinking, hist_from=hist_from, num_drafts=row_k, want_logprobs=want_lp,
-            sampling=SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, keys=keys))
+            sampling=self._sampling(temp, top_k, top_p, keys, row_sps))
         return batch, bucket_size(first_pass, self.min_bucket)
+
+    @staticmethod
+    def _sampling(temp, top_k, top_p, keys, row_sps) -> SamplingArrays:
+        """The batch's SamplingArrays (numpy) in the mode its rows need (`sampling_mode`); the
+        logit processors' arrays only in a mode that reads them."""
+        mode = sampling_mode(temp, row_sps)
+        extra = {}
+        if mode in FEATURE_MODES:
+            extra = dict(zip(("min_p", "bias_ids", "bias_vals"), feature_arrays(row_sps)))
+        return SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, keys=keys, mode=mode,
+                              **extra)
 
     def device_inputs(self, batch: MixedBatch):
         """The packed batch as one device array, and the static shape (T, R, M) to unpack it."""
@@ -255,7 +284,7 @@ class ModelRunner:
         no device-side branch, so this returns as soon as it is enqueued."""
         batch, F = self.pack(out, num_drafts)
         inputs, shape = self.device_inputs(batch)
-        mode = sampling_mode(batch.sampling.temperature)
+        mode = batch.sampling.mode        # pack's pick: its layout holds what the mode reads
         compiled = self.executables.get((shape, F, mode))
         if compiled is not None:                 # warmed up: no tracing, not even a cache lookup
             self.state, result = compiled(self.params, self.state, inputs)

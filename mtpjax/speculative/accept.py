@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from mtpjax.sampling import filtered_probs, position_keys, sample_from_probs
+from mtpjax.sampling import (GREEDY_MODES, apply_logit_bias, filtered_probs, position_keys,
+                             sample_from_probs)
 
 
 def _check_shapes(name: str, target, draft_tokens, num_drafts, draft_probs=None) -> int:
@@ -334,7 +335,10 @@ def apply_acceptance(spec, logits, drafts, draft_probs, num_drafts, in_thinking,
     draft_probs (or, by index, add a collective on a vocabulary-split mesh) in every greedy
     step for a condition that cannot fail there. Research callers leave it False.
     Returns (accepted_tokens [B, K+1], num_accepted [B], in_thinking [B]).
+    Every rule sees the logits after the batch's logit_bias (a no-op outside its modes), as
+    `draw_draft` and plain decoding (`sampling.sample`) do.
     """
+    logits = apply_logit_bias(logits, sp)
     keys = jax.vmap(jax.random.fold_in)(position_keys(sp.keys, key_positions),
                                         jnp.full(key_positions.shape, 1, jnp.uint32))
     if spec.acceptance == "greedy":
@@ -344,16 +348,16 @@ def apply_acceptance(spec, logits, drafts, draft_probs, num_drafts, in_thinking,
         pos = key_positions[:, None] + jnp.arange(K1, dtype=key_positions.dtype)[None, :]
         pkeys = jax.vmap(position_keys, in_axes=(None, 1), out_axes=1)(sp.keys, pos)  # [B,K+1,2]
 
-        if sp.mode == "greedy":      # one-hot p: the target's own sample is its argmax
+        if sp.mode in GREEDY_MODES:  # one-hot p: the target's own sample is its argmax
             return (*_rejection_when_greedy(logits, drafts, num_drafts), in_thinking)
-        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode)
+        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode, sp.min_p)
         return (*accept_coupled(p, drafts, num_drafts, pkeys), in_thinking)
     if spec.acceptance == "rejection":
-        if sp.mode == "greedy":
+        if sp.mode in GREEDY_MODES:
             # every p is one-hot, where rejection sampling is exact match (the same output)
             draft_q = None if own_drafts else draft_token_probs(draft_probs, drafts)
             return (*_rejection_when_greedy(logits, drafts, num_drafts, draft_q), in_thinking)
-        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode)
+        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode, sp.min_p)
         return (*accept_rejection(p, draft_probs, drafts, num_drafts, keys), in_thinking)
     if spec.acceptance == "relaxed":
         return accept_relaxed(logits, drafts, num_drafts, in_thinking, topk=spec.relaxed_topk,

@@ -29,7 +29,8 @@ from mtpjax.cache import KVCache, PagedBatch
 from mtpjax.config import ModelConfig, SpecConfig
 from mtpjax.model.mtp import mtp_forward_cached
 from mtpjax.speculative.draft_vocab import draft_logits
-from mtpjax.sampling import SamplingArrays, filtered_probs, position_keys, sample_from_probs
+from mtpjax.sampling import (GREEDY_MODES, SamplingArrays, apply_logit_bias, filtered_probs,
+                             position_keys, sample_from_probs)
 
 DRAFT_SOURCES = ("model", "random", "forced")
 
@@ -62,11 +63,13 @@ def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=Non
     if not coupled:
         keys = jax.vmap(jax.random.fold_in)(keys, jnp.full((B,), 2, jnp.uint32))
     if source == "model":
-        if sp.mode == "greedy":     # q is the one-hot argmax: take the token from it once
+        # the target's logit_bias too, so q is the distribution plain decoding would sample
+        logits = apply_logit_bias(logits, sp, vocab_ids)
+        if sp.mode in GREEDY_MODES:  # q is the one-hot argmax: take the token from it once
             tok = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
             tok = tok if vocab_ids is None else vocab_ids[tok]
             return tok, jax.nn.one_hot(tok, V, dtype=jnp.float32)
-        q = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode)
+        q = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode, sp.min_p)
         if vocab_ids is not None:
             # sampled over the whole vocabulary with q = 0 outside the subset: the same Gumbel
             # noise per token id as the target's draw (coupled acceptance stays coupled)

@@ -28,7 +28,7 @@ from flax import struct
 from mtpjax.cache import KVCache, PagedBatch
 from mtpjax.config import ModelConfig, SpecConfig
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
-from mtpjax.sampling import SamplingArrays, processed_logprob_top, sample
+from mtpjax.sampling import SamplingArrays, apply_logit_bias, processed_logprob_top, sample
 from mtpjax.speculative.accept import apply_acceptance
 from mtpjax.speculative.draft import draft_shape, run_drafts
 
@@ -100,8 +100,9 @@ def step_logprobs(logits, tokens, sp: SamplingArrays, want, n: int) -> StepLogpr
     do not want them). Computed for every row of an engine built with max_logprobs > 0: a
     device-side branch skipping it would make the GPU dispatch wait for the step
     (docs/architecture.md, "Compiling a step")."""
-    chosen, vals, ids = processed_logprob_top(logits, tokens, sp.temperature, sp.top_k,
-                                              sp.top_p, n, sp.mode)
+    chosen, vals, ids = processed_logprob_top(apply_logit_bias(logits, sp), tokens,
+                                              sp.temperature, sp.top_k, sp.top_p, n, sp.mode,
+                                              sp.min_p)
     w = want[:, None]
     return StepLogprobs(jnp.where(w, chosen, 0.0), jnp.where(w[..., None], vals, 0.0),
                         jnp.where(w[..., None], ids.astype(jnp.int32), 0))
