@@ -243,3 +243,22 @@ def test_ids_outside_the_vocabulary_are_refused_by_position(model):
     llm = mtpjax.LLM(params, cfg, None, num_pages=8, page_size=4, max_num_seqs=2, warmup=False)
     with pytest.raises(ValueError, match=r"sampling_params\[1\]: logit_bias has token id 16"):
         llm.generate([[1], [2]], sps)
+
+
+def test_server_passes_min_p_and_logit_bias_and_names_the_field():
+    from mtpjax.serve.protocol import RequestError, ServeContext, parse_completion
+    ctx = ServeContext(model_name="m", vocab_size=16, num_speculative_tokens=2,
+                       acceptance="rejection", max_completion_tokens=lambda n: 32 - n,
+                       encode=None)
+    body = {"model": "m", "prompt": [1, 2], "temperature": 1, "min_p": 0.1,
+            "logit_bias": {"5": -100, "3": 2.5}}
+    sp = parse_completion(body, ctx).sampling_params
+    assert sp.min_p == 0.1 and sp.logit_bias == ((3, 2.5), (5, -100.0))
+    for bad, param in [({"logit_bias": {"16": 1}}, "logit_bias"),
+                       ({"logit_bias": {"5": 101}}, "logit_bias"),
+                       ({"logit_bias": {"x": 1}}, "logit_bias"),
+                       ({"logit_bias": [1]}, "logit_bias"),
+                       ({"min_p": 1.5}, "min_p")]:
+        with pytest.raises(RequestError, match=param) as e:
+            parse_completion({**body, **bad}, ctx)
+        assert e.value.param == param, bad

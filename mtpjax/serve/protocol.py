@@ -9,7 +9,8 @@ MTP options per request (through the openai client's `extra_body`):
     num_speculative_tokens: 0..K drafts per verify step for this request (0: no drafts);
     acceptance: must equal the server's acceptance rule (`--acceptance`): the engine verifies
         every request of a batch with one rule, fixed when it starts.
-Other extensions: top_k, stop_token_ids, return_token_ids (add the token ids to the answer).
+Other extensions: top_k, min_p, stop_token_ids, return_token_ids (add the token ids to the
+answer).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ MAX_STOP_STRINGS = 16
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
                  "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user",
                  "logprobs", "top_logprobs", "top_k", "stop_token_ids", "num_speculative_tokens",
-                 "acceptance", "return_token_ids", "metadata", "store", "service_tier"}
+                 "acceptance", "return_token_ids", "metadata", "store", "service_tier",
+                 "min_p"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice",
                                "parallel_tool_calls", "response_format"}
@@ -114,7 +116,6 @@ def _common(body: dict, ctx: ServeContext, prompt_ids: list[int], prompt_field: 
     _get(body, "n", lambda v: v == 1 and _is_int(v), "1 (one choice per request)")
     _unsupported(body, "presence_penalty", lambda v: v == 0, "no penalties")
     _unsupported(body, "frequency_penalty", lambda v: v == 0, "no penalties")
-    _unsupported(body, "logit_bias", lambda v: v == {}, "no logit bias")
     _unsupported(body, "logprobs", lambda v: v is False, "no logprobs over HTTP yet")
     _unsupported(body, "top_logprobs", lambda v: v == 0, "no logprobs over HTTP yet")
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
@@ -134,6 +135,11 @@ def _common(body: dict, ctx: ServeContext, prompt_ids: list[int], prompt_field: 
     top_p = _get(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
     top_k = _get(body, "top_k", lambda v: _is_int(v) and v >= -1,
                  "an int >= 0 (0 or -1: off)", 0)
+    min_p = _get(body, "min_p", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]",
+                 0.0)
+    # {"token id": bias}: JSON keys are strings; SamplingParams checks ids, biases and count
+    logit_bias = _get(body, "logit_bias", lambda v: isinstance(v, dict),
+                      "an object {token id: bias}")
     seed = _get(body, "seed", lambda v: _is_int(v) and -2**63 <= v < 2**64, "an int")
     stops = body.get("stop")
     if stops is None:
@@ -187,10 +193,15 @@ def _common(body: dict, ctx: ServeContext, prompt_ids: list[int], prompt_field: 
         sp = SamplingParams(temperature=float(temperature), top_k=max(int(top_k), 0),
                             top_p=float(top_p), max_tokens=max_tokens,
                             stop_token_ids=tuple(stop_ids), seed=seed,
-                            num_speculative_tokens=k if K else None)
+                            num_speculative_tokens=k if K else None, min_p=float(min_p),
+                            logit_bias=logit_bias)
     except ValueError as e:           # SamplingParams' messages start with the field's name
         word = str(e).split(" ", 1)[0]
         raise RequestError(str(e), word if word in body else None) from None
+    bad = [t for t, _ in sp.logit_bias or () if t >= ctx.vocab_size]
+    if bad:
+        raise RequestError(f"logit_bias has token id {bad[0]}, outside the vocabulary "
+                           f"[0, {ctx.vocab_size})", "logit_bias")
     return GenerationRequest(prompt_ids, sp, stops, stream, include_usage, return_ids)
 
 
