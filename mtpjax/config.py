@@ -466,6 +466,10 @@ class SamplingParams:
     # tokenizer only (docs/engine.md, "Stop strings"). A single string is taken as (string,).
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    # Completions per prompt (vLLM's n): LLM.generate / generate_stream run n requests per
+    # prompt, sample j seeded with (seed + j) mod 2**32 when seed is set (docs/engine.md, "n
+    # samples per prompt").
+    n: int = 1
 
     def __post_init__(self):
         set_ = lambda name, v: object.__setattr__(self, name, v)    # noqa: E731 (frozen)
@@ -513,6 +517,9 @@ class SamplingParams:
             raise ValueError(f"include_stop_str_in_output must be a bool, got "
                              f"include_stop_str_in_output={self.include_stop_str_in_output!r}")
         set_("include_stop_str_in_output", bool(self.include_stop_str_in_output))
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got n={self.n!r}")
+        set_("n", int(self.n))
         self._check_logit_processors(set_)
 
     def _check_logit_processors(self, set_):

@@ -378,6 +378,10 @@ def validate_sampling_params(sampling, num_prompts: int, *, vocab_size: int,
             raise ValueError(f"{where}: stop={list(sp.stop)!r}, but mtpjax.generate (the "
                              f"on-device loop) has no tokenizer; expected stop=(), or use "
                              f"mtpjax.LLM (with a tokenizer), which applies stop strings")
+        if sp.n > 1 and caller == "generate":
+            raise ValueError(f"{where}: n={sp.n}, but mtpjax.generate returns one completion "
+                             f"per prompt; expected n=1 (repeat the prompt), or use "
+                             f"mtpjax.LLM.generate, which runs n samples per prompt")
     return sps
 
 

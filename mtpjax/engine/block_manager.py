@@ -76,6 +76,8 @@ class BlockManager:
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.hash_to_block: dict[bytes, int] = {}
         self._num_used = 0
+        # prefix-cache hits taken by allocate() since creation (blocks whose KV was reused)
+        self.num_prefix_hit_blocks = 0
 
     # ---- counts ------------------------------------------------------------------------------
     @property
@@ -209,6 +211,7 @@ class BlockManager:
         seq.block_table = table
         seq.block_hashes = [h for _, h in hits]
         seq.num_cached_tokens = len(hits) * self.block_size
+        self.num_prefix_hit_blocks += len(hits)
         seq.num_computed_tokens = seq.num_cached_tokens
 
     # ---- append ------------------------------------------------------------------------------

@@ -64,6 +64,8 @@ class RequestOutput:
     # finish_reason "stop": the stop string found (SamplingParams.stop) or the stop token id
     # (SamplingParams.stop_token_ids); None for eos and any other end (vLLM's field)
     stop_reason: str | int | None = None
+    # which of its prompt's SamplingParams.n completions this is (0..n-1; 0 when n = 1)
+    sample_index: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -85,6 +87,7 @@ class StreamEvent:
     # the text these tokens complete (with a tokenizer; else ""): the deltas of a request
     # concatenate to its output's text, also where a character spans several tokens
     text_delta: str = ""
+    sample_index: int = 0              # which of the prompt's SamplingParams.n completions
 
 
 class QueueFullError(RuntimeError):
@@ -96,10 +99,18 @@ class _Stream:
     """One generate_stream call: its requests, those not yet queued (the waiting queue is bounded,
     so a long prompt list is fed in as room frees up) and those with events not yet yielded."""
 
-    def __init__(self, seqs: list[Sequence]):
+    def __init__(self, seqs: list[Sequence], prompt_of: list[int] | None = None):
         self.seqs = seqs
-        self.index = {s.seq_id: i for i, s in enumerate(seqs)}
-        self.todo: collections.deque[Sequence] = collections.deque(seqs)   # not queued yet
+        prompt_of = list(range(len(seqs))) if prompt_of is None else prompt_of
+        self.index = {s.seq_id: i for s, i in zip(seqs, prompt_of)}    # -> prompt index
+        self.position = {s.seq_id: k for k, s in enumerate(seqs)}       # -> index in seqs
+        # SamplingParams.n > 1: a prompt's first sample is queued first; the others wait in
+        # `todo` until its prompt is prefilled, so they find the prompt's blocks in the prefix
+        # cache instead of prefilling them again side by side
+        firsts = {i: s for s, i in zip(seqs, prompt_of) if s.sample_index == 0}
+        self.parent = {s.seq_id: firsts[i] for s, i in zip(seqs, prompt_of) if s.sample_index}
+        self.todo: collections.deque[Sequence] = collections.deque(    # not queued yet
+            [s for s in seqs if not s.sample_index] + [s for s in seqs if s.sample_index])
         self.news: dict[int, Sequence] = {}      # seq_id -> request with something to report
         self.open = set(self.index)              # requests whose final event is not yet yielded
         # seq_id -> IncrementalDetokenizer (tokenizer), or, for a request with stop strings,
@@ -420,37 +431,52 @@ class LLM:
         encode = getattr(self.tokenizer, "encode_chat", None) or self.tokenizer.encode
         return encode(text)
 
-    def _new_requests(self, prompts: list, sampling_params, *, single: bool = False
-                      ) -> list[Sequence]:
+    def _new_requests(self, prompts: list, sampling_params, *, single: bool = False,
+                      samples: bool = False):
         """Validated Sequences with the next free ids; nothing is queued or reserved (the caller
         commits the ids with `self._next_id += n`), so an error here changes nothing. Errors
-        name the prompt's position in the call (single: add_request's one prompt)."""
+        name the prompt's position in the call (single: add_request's one prompt).
+        samples: expand SamplingParams.n into n requests per prompt, sample j seeded with
+        (seed + j) mod 2**32 when the request has a seed (as vLLM derives them; unseeded ones
+        get the engine's per-request keys, distinct by request id), and return (seqs, the
+        prompt index of each); without it n > 1 is refused."""
         sps = validate_sampling_params(
             sampling_params, len(prompts), vocab_size=self.cfg.vocab_size,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
             max_logprobs=self.max_logprobs, caller="LLM")
-        seqs = []
+        seqs, prompt_of = [], []
         shared = sampling_params is None or isinstance(sampling_params, SamplingParams)
         for i, (p, sp) in enumerate(zip(prompts, sps)):
+            where = "sampling_params" if shared else f"sampling_params[{i}]"
             if sp.stop and self.tokenizer is None:
-                where = "sampling_params" if shared else f"sampling_params[{i}]"
                 raise ValueError(f"{where}: stop={list(sp.stop)!r} (prompt {i}), but the LLM has "
                                  "no tokenizer to find stop strings in the text; pass "
                                  "LLM(..., tokenizer=) or use stop_token_ids")
-            seq = Sequence(self._encode(p, i), sampling_params=sp, seq_id=self._next_id + i)
-            self.scheduler.check(seq, "the request" if single else f"prompt {i}")
-            seq.logprobs = TokenLogprobs(sp.logprobs) if sp.logprobs is not None else None
-            if sp.stop:
-                from mtpjax.serve.stop_strings import TokenStopChecker
-                seq.stop_checker = TokenStopChecker(self.tokenizer.decode, seq.prompt_token_ids,
-                                                    sp.stop, sp.include_stop_str_in_output)
-            seqs.append(seq)
+            if sp.n > 1 and not samples:
+                raise ValueError(f"{where}: n={sp.n} (prompt {i}): several samples per prompt "
+                                 "need LLM.generate or LLM.generate_stream (add_request and "
+                                 "DataParallelLLM run one completion per request); expected n=1")
+            ids = self._encode(p, i)
+            for j in range(sp.n):
+                spj = sp if sp.n == 1 else dataclasses.replace(
+                    sp, n=1, seed=None if sp.seed is None else (sp.seed + j) % 2**32)
+                seq = Sequence(ids, sampling_params=spj, seq_id=self._next_id + len(seqs))
+                seq.sample_index = j
+                self.scheduler.check(seq, "the request" if single else f"prompt {i}")
+                seq.logprobs = TokenLogprobs(sp.logprobs) if sp.logprobs is not None else None
+                if sp.stop:
+                    from mtpjax.serve.stop_strings import TokenStopChecker
+                    seq.stop_checker = TokenStopChecker(self.tokenizer.decode,
+                                                        seq.prompt_token_ids, sp.stop,
+                                                        sp.include_stop_str_in_output)
+                seqs.append(seq)
+                prompt_of.append(i)
         for seq in seqs:         # all valid: dispatch the extra prompt passes (asynchronous)
             sp = seq.sampling_params
             if sp.prompt_logprobs is not None:
                 seq.prompt_lp = PromptLogprobs(self.runner.params, self.cfg,
                                                list(seq.prompt_token_ids), sp, self.max_logprobs)
-        return seqs
+        return (seqs, prompt_of) if samples else seqs
 
     def _has_room(self) -> bool:
         return (self.max_waiting_requests is None
@@ -548,7 +574,7 @@ class LLM:
                              seq.num_accepted_draft_tokens,
                              None if lps is None else lps.snapshot(),
                              None if seq.prompt_lp is None else seq.prompt_lp.result(),
-                             stop_reason)
+                             stop_reason, seq.sample_index)
 
     @property
     def _metrics(self) -> dict[int, list[int]]:
@@ -744,6 +770,10 @@ class LLM:
         """Feed the open streams' requests into the waiting queue while it has room."""
         for stream in self._streams:
             while stream.todo and self._has_room():
+                parent = stream.parent.get(stream.todo[0].seq_id)
+                if parent is not None and not (parent.num_completion_tokens or parent.is_finished
+                                               or not self.block_manager.enable_prefix_caching):
+                    break       # n > 1: wait until the prompt's first sample has prefilled it
                 self.scheduler.waiting.append(stream.todo[0])   # checked at creation
                 stream.todo.popleft()
 
@@ -755,7 +785,8 @@ class LLM:
             if new or done:
                 events.append(StreamEvent(stream.index[seq.seq_id], new, done,
                                           self._output(seq) if done else None, seq.seq_id,
-                                          self._text_delta(stream, seq, new, done)))
+                                          self._text_delta(stream, seq, new, done),
+                                          seq.sample_index))
             if done:
                 stream.open.discard(seq.seq_id)
         return events
@@ -811,9 +842,10 @@ class LLM:
         finalizing = sys.is_finalizing
         try:
             with self._engine():
-                seqs = self._new_requests(_prompt_list(prompts), sampling_params)
+                seqs, prompt_of = self._new_requests(_prompt_list(prompts), sampling_params,
+                                                     samples=True)
                 self._next_id += len(seqs)
-                stream = _Stream(seqs)
+                stream = _Stream(seqs, prompt_of)
                 for seq in seqs:
                     self._requests[seq.seq_id] = seq
                     self._stream_of[seq.seq_id] = stream
@@ -843,14 +875,16 @@ class LLM:
         """The engine is idle but the stream still waits: report requests that finished behind
         its back (Scheduler.abort); anything else would be a bug, never a hang."""
         for sid in list(stream.open):
-            seq = stream.seqs[stream.index[sid]]
+            seq = stream.seqs[stream.position[sid]]
             if not seq.is_finished:
                 raise RuntimeError(f"internal error: request {sid} is in no queue of an idle "
                                    f"engine ({seq!r})")
             stream.news[sid] = seq
 
     def generate(self, prompts, sampling_params=None, *, progress: bool = False) -> list[RequestOutput]:
-        """Generates for every prompt (token-id lists or strings); outputs in prompt order."""
+        """Generates for every prompt (token-id lists or strings); outputs in prompt order. A
+        prompt with SamplingParams(n=k) has k outputs, one after another in sample order
+        (`RequestOutput.sample_index`), so n = 1 everywhere gives one output per prompt."""
         prompts = _prompt_list(prompts)
         return collect_outputs(self.generate_stream(prompts, sampling_params), len(prompts),
                                progress)
@@ -900,17 +934,17 @@ def collect_outputs(events: Iterator[StreamEvent], num_prompts: int,
                     progress: bool = False) -> list[RequestOutput]:
     """The final RequestOutputs of a generate_stream, in prompt order (the stream is closed
     at the end, early on an exception); with a progress bar when asked."""
-    outputs: list[Any] = [None] * num_prompts
+    outputs: list[dict[int, Any]] = [{} for _ in range(num_prompts)]   # sample -> output
     bar = _Progress(num_prompts) if progress else None
     with contextlib.closing(events):
         for ev in events:
             if ev.finished:
-                outputs[ev.request_index] = ev.output
+                outputs[ev.request_index][ev.sample_index] = ev.output
                 if bar:
                     bar.update(ev.output)
     if bar:
         bar.close()
-    return outputs
+    return [o.get(j) for o in outputs for j in (sorted(o) or [0])]
 
 
 def load_for_engine(path: str, spec, dtype, mesh, llm_kwargs: dict):
