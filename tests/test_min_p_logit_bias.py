@@ -96,18 +96,27 @@ def model():
     return cfg, mtpjax.init_params(cfg, jax.random.PRNGKey(3), std=0.3)
 
 
-def test_greedy_logit_bias_is_lossless_under_speculation(model):
+@pytest.fixture(scope="module")
+def biased(model):
     """Greedy rows with a bias (one boosting, one banning the unbiased argmax), a row with
-    none, and a sampled row forced by +100, in one batch: every K and method gives plain
-    decoding's tokens; the featureless row gives what it gives in a batch without features."""
+    none, and a sampled row forced by +100, and their tokens under plain decoding."""
     cfg, params = model
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [2]]
-    free = mtpjax.generate(params, cfg, prompts[:2], max_new_tokens=10).tokens   # no features
     ban = int(jnp.argmax(mtpjax.forward(params, cfg, jnp.asarray([prompts[2]]))[0, -1]))
-    sps = [SamplingParams(logit_bias={3: 4.0, 7: 2.0}), SamplingParams(),
-           SamplingParams(logit_bias={ban: -100}),
-           SamplingParams(temperature=1.0, logit_bias={"9": 100}, seed=1)]
+    sps = [SamplingParams(logit_bias={3: 4.0, 7: 2.0}, max_tokens=10),
+           SamplingParams(max_tokens=10),
+           SamplingParams(logit_bias={ban: -100}, max_tokens=10),
+           SamplingParams(temperature=1.0, logit_bias={"9": 100}, seed=1, max_tokens=10)]
     ref = mtpjax.generate(params, cfg, prompts, max_new_tokens=10, sampling=sps).tokens
+    return prompts, sps, ref, ban
+
+
+def test_greedy_logit_bias_is_lossless_under_speculation(model, biased):
+    """Every K and method gives plain decoding's tokens; the featureless row gives what it
+    gives in a batch without features."""
+    cfg, params = model
+    prompts, sps, ref, ban = biased
+    free = mtpjax.generate(params, cfg, prompts[:2], max_new_tokens=10).tokens   # no features
     assert ref[1] == free[1]
     assert ref[0] != free[0] and ref[2][0] != ban
     assert ref[3] == [9] * 10
@@ -262,3 +271,30 @@ def test_server_passes_min_p_and_logit_bias_and_names_the_field():
         with pytest.raises(RequestError, match=param) as e:
             parse_completion({**body, **bad}, ctx)
         assert e.value.param == param, bad
+
+
+def test_packed_features_round_trip_and_the_engine_honours_them(model, biased):
+    """The feature section of the engine's one int32 array comes back bit for bit, and the
+    engine (chain K = 2, feature mode compiled on first use) gives `biased`'s requests plain
+    decoding's tokens."""
+    from mtpjax.engine import runner as runner_mod
+    from mtpjax.engine.runner import pack_host, unpack_device
+    cfg, params = model
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), num_pages=32,
+                     page_size=4, max_num_seqs=4, warmup=False)
+    r = llm.runner
+    empty, _ = r.pack(runner_mod.SchedulerOutput([], [], r.K))
+    R = empty.kinds.shape[0]
+    rows = [SamplingParams(temperature=0.5, min_p=0.25, logit_bias={3: -1.5, 15: 100})] + \
+        [None] * (R - 1)
+    e = empty.sampling
+    batch = empty.replace(sampling=r._sampling(np.float32([0.5] + [0] * (R - 1)), e.top_k,
+                                               e.top_p, e.keys, rows))
+    T, M = batch.tokens.shape[0], batch.block_tables.shape[1]
+    got = jax.jit(lambda f: unpack_device(f, num_tokens=T, num_rows=R, max_blocks=M,
+                                          sampling_mode=batch.sampling.mode))(pack_host(batch))
+    for name in ("temperature", "min_p", "bias_ids", "bias_vals"):
+        np.testing.assert_array_equal(getattr(got.sampling, name),
+                                      getattr(batch.sampling, name), err_msg=name)
+    prompts, sps, want, _ = biased
+    assert [o.token_ids for o in llm.generate(prompts, sps)] == want
