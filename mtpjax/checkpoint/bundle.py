@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any
 
-from mtpjax.checkpoint.errors import CheckpointError
+from mtpjax.checkpoint.errors import CheckpointError, json_object
 from mtpjax.config import ModelConfig
 from mtpjax.model.params import param_specs, tree_items
 
@@ -58,7 +58,7 @@ class Assets:
                     files[name] = f.read()
         if GENERATION_CONFIG_FILE in files:
             where = os.path.join(path, GENERATION_CONFIG_FILE)
-            _eos_id(_json_object(files[GENERATION_CONFIG_FILE], where), where)
+            _eos_id(json_object(files[GENERATION_CONFIG_FILE], where), where)
         return cls(hf_config, files)
 
     def write(self, path: str) -> None:
@@ -80,7 +80,7 @@ class Assets:
         """generation_config.json's eos_token_id, else config.json's; the first of a list."""
         sources: list[tuple[Any, str]] = []
         if GENERATION_CONFIG_FILE in self.files:
-            sources.append((_json_object(self.files[GENERATION_CONFIG_FILE],
+            sources.append((json_object(self.files[GENERATION_CONFIG_FILE],
                                          GENERATION_CONFIG_FILE), GENERATION_CONFIG_FILE))
         sources.append((self.hf_config or {}, "config.json"))
         for src, where in sources:
@@ -88,16 +88,6 @@ class Assets:
             if eos is not None:
                 return eos
         return None
-
-
-def _json_object(data: bytes, where: str) -> dict:
-    try:
-        value = json.loads(data.decode("utf-8"))
-    except ValueError as e:              # UnicodeDecodeError and JSONDecodeError alike
-        raise CheckpointError(f"{where}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{where}: expected a JSON object, got a {type(value).__name__}")
-    return value
 
 
 def _eos_id(config: dict, where: str) -> int | None:

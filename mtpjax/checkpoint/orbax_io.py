@@ -21,7 +21,7 @@ import numpy as np
 
 from mtpjax.checkpoint.atomic import atomic_dir
 from mtpjax.checkpoint.bundle import Assets, Checkpoint, check_params, flat_items
-from mtpjax.checkpoint.errors import CheckpointError
+from mtpjax.checkpoint.errors import CheckpointError, json_object
 from mtpjax.config import ModelConfig
 from mtpjax.model.params import param_specs, tree_from_items, tree_items
 from mtpjax.parallel.sharding import mesh_sharding
@@ -70,14 +70,9 @@ def read_meta(path: str) -> tuple[dict, ModelConfig]:
     if not os.path.isfile(file):
         raise CheckpointError(f"{path} has no {FORMAT_FILE}; expected a folder written by "
                               "mtpjax.checkpoint.save / `mtpjax convert`")
-    try:
-        with open(file, "rb") as f:
-            meta = json.loads(f.read().decode("utf-8"))
-    except ValueError as e:              # UnicodeDecodeError and JSONDecodeError alike
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{file}: expected a JSON object with format, version, "
-                              f"model_config and dtypes, got a {type(meta).__name__}")
+    with open(file, "rb") as f:
+        meta = json_object(f.read(), file,
+                           "a JSON object with format, version, model_config and dtypes")
     if meta.get("format") != FORMAT or meta.get("version") != 1:
         raise CheckpointError(f"{file}: format {meta.get('format')!r} version "
                               f"{meta.get('version')!r}, expected {FORMAT!r} version 1")
@@ -134,14 +129,9 @@ def restore(path: str, sharding=None, *, dtype=None, mesh=None) -> Checkpoint:
     hf_config = None
     hf_config_file = os.path.join(path, HF_CONFIG_FILE)
     if os.path.isfile(hf_config_file):
-        try:
-            with open(hf_config_file, "rb") as f:
-                hf_config = json.loads(f.read().decode("utf-8"))
-        except ValueError as e:          # UnicodeDecodeError and JSONDecodeError alike
-            raise CheckpointError(f"{hf_config_file}: not valid JSON ({e})") from None
-        if not isinstance(hf_config, dict):
-            raise CheckpointError(f"{hf_config_file}: expected a JSON object (the source "
-                                  f"config.json), got a {type(hf_config).__name__}")
+        with open(hf_config_file, "rb") as f:
+            hf_config = json_object(f.read(), hf_config_file,
+                                    "a JSON object (the source config.json)")
     assets = Assets.from_dir(path, hf_config)
     target = tree_from_items((p, abstract(p, spec)) for p, spec in tree_items(param_specs(cfg)))
     with ocp.StandardCheckpointer() as ckptr:

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Mapping
 import ml_dtypes
 import numpy as np
 
-from mtpjax.checkpoint.errors import CheckpointError
+from mtpjax.checkpoint.errors import CheckpointError, json_object
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -223,14 +223,8 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
 
 def read_index(index_path: str) -> dict[str, str]:
     """model.safetensors.index.json's weight_map (tensor name -> shard file name), checked."""
-    try:
-        with open(index_path, "rb") as f:
-            index = json.loads(f.read().decode("utf-8"))
-    except ValueError as e:              # UnicodeDecodeError and JSONDecodeError alike
-        raise CheckpointError(f"{index_path}: not valid JSON ({e})") from None
-    if not isinstance(index, dict):
-        raise CheckpointError(f"{index_path}: expected a JSON object with a weight_map, got a "
-                              f"{type(index).__name__}")
+    with open(index_path, "rb") as f:
+        index = json_object(f.read(), index_path, "a JSON object with a weight_map")
     if "weight_map" not in index:
         raise CheckpointError(f"{index_path}: no weight_map (expected {{\"weight_map\": "
                               "{tensor name: shard file name}})")
