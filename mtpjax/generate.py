@@ -235,9 +235,10 @@ def _prefill(params, cfg, spec, slots, batch, limits, forced, *, first_pass_len,
 def _decode_loop(params, cfg, spec, state: GenerateState, sampling, limits, forced, num_drafts,
                  *, backend, draft_source, steps_per_check):
     # On a GPU a while loop outside a CUDA graph copies its predicate to the host every
-    # iteration and launches the next only after it: the device idles between steps. The loop
-    # is compiled into the graph (LOOP_COMPILER_OPTIONS); where XLA cannot (collectives in the
-    # body), the fixed-trip inner loop still makes only every `steps_per_check`-th step wait.
+    # iteration and launches the next only after it: the device idles between steps. `_loop`
+    # compiles it into the graph (LOOP_COMPILER_OPTIONS); where it is not (`_loop_host_checked`,
+    # see loop_in_cuda_graph) or XLA cannot (collectives in the body), the fixed-trip inner loop
+    # still makes only every `steps_per_check`-th step wait.
     # Steps after every request is done run on padding rows and change nothing.
     def steps(s):
         return jax.lax.fori_loop(0, steps_per_check, lambda _, t: pin(generate_step(
