@@ -193,7 +193,10 @@ def check_bad_chat_and_unknown_model(served, client):
 
 
 def check_cancel_mid_stream_aborts_in_the_engine(served, client):
-    before = _metrics(served.url)['mtpjax_requests_total{outcome="aborted"}']
+    # an earlier request cut by a stop string is aborted by the engine thread after its answer
+    # was sent: count from a settled server, or that abort lands inside this check's window
+    before = _wait_metrics(served.url, lambda m: m["mtpjax_requests_active"] == 0,
+                           "earlier requests settled")['mtpjax_requests_total{outcome="aborted"}']
     stream = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=200,
                                        temperature=0, stream=True)
     got = [next(iter(stream)) for _ in range(2)]
