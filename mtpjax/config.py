@@ -93,7 +93,7 @@ class RopeScaling:
 class ModelConfig:
     """A decoder-only target model (Llama/Qwen family) plus D = `num_mtp_layers` MTP modules.
 
-    MTP modules follow DESIGN.md: `u = eh_proj(concat(enorm(embed(x)), hnorm(h)))` (order set by
+    MTP modules follow docs/models.md: `u = eh_proj(concat(enorm(embed(x)), hnorm(h)))` (order set by
     `mtp_concat_order`), one decoder layer, and the shared `lm_head` behind the module's own
     output norm. `mtp_normed_hidden_to_next` is MiMo's behaviour: the module hands the *normed*
     hidden state to the next depth (DeepSeek hands the raw one and norms only for the logits).
@@ -408,6 +408,7 @@ INT32_MAX = 2**31 - 1        # top_k and stop ids travel to the device as int32
 # device adds them with one small scatter) and the bias range (OpenAI's)
 LOGIT_BIAS_SLOTS = 32
 LOGIT_BIAS_MAX = 100.0
+PENALTY_MAX = 2.0            # |presence_penalty|, |frequency_penalty| (vLLM's and OpenAI's range)
 
 
 def _is_int(value: Any) -> bool:
@@ -470,6 +471,13 @@ class SamplingParams:
     # prompt, sample j seeded with (seed + j) mod 2**32 when seed is set (docs/engine.md, "n
     # samples per prompt").
     n: int = 1
+    # vLLM's penalties over the request's history (docs/engine.md, "Penalties"):
+    # repetition_penalty > 0 divides a positive logit (multiplies a negative one) of every token
+    # in the prompt or the output, 1 disables; presence_penalty / frequency_penalty in [-2, 2]
+    # subtract p * (token in the output) and f * (its count in the output), 0 disables.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         set_ = lambda name, v: object.__setattr__(self, name, v)    # noqa: E731 (frozen)
@@ -521,6 +529,7 @@ class SamplingParams:
             raise ValueError(f"n must be an int >= 1, got n={self.n!r}")
         set_("n", int(self.n))
         self._check_logit_processors(set_)
+        self._check_penalties(set_)
 
     def _check_logit_processors(self, set_):
         m = self.min_p
@@ -556,6 +565,25 @@ class SamplingParams:
                 raise ValueError(f"logit_bias has token id {int(t)} twice")
             pairs[int(t)] = float(b)
         set_("logit_bias", tuple(sorted(pairs.items())))
+
+    def _check_penalties(self, set_):
+        r = self.repetition_penalty
+        if not _is_real(r) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables), got "
+                             f"repetition_penalty={r!r}")
+        set_("repetition_penalty", float(r))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -PENALTY_MAX <= v <= PENALTY_MAX:
+                raise ValueError(f"{name} must be a number in [-{PENALTY_MAX:g}, "
+                                 f"{PENALTY_MAX:g}] (0 disables), got {name}={v!r}")
+            set_(name, float(v))
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty is on (the request then needs its token history on device)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     @property
     def greedy(self) -> bool:

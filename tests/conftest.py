@@ -158,7 +158,7 @@ def write_hf_checkpoint(path, family: str, seed: int, *, sharded: bool = False,
 
 def random_params(cfg: ModelConfig, seed: int = 0, dtype=np.float32, std: float = 0.3):
     """Like mtpjax.init_params, drawn with numpy (no per-shape compiles): normal weights, norms
-    around 1 and nonzero biases, so a misplaced tensor shows in any comparison."""
+    near one and nonzero biases, so a misplaced tensor shows in any comparison."""
     import jax.numpy as jnp
     from mtpjax.model.params import ParamSpec, param_specs
     rng = np.random.default_rng(seed)

@@ -62,7 +62,7 @@ def test_mla_moe_shape_bytes_and_rows(capsys, tmp_path):
 
     # 96 tokens and medians of 3: with 32 and one run, a loaded 2-core CI machine once timed
     # the prefill-only run longer than the full one (the row then reads "below the timing
-    # noise", round 3 session 19)
+    # noise")
     rc = e2e.main(["--model-shape", "tiny-mla-moe", "--batch", "1,2", "--prompt-len", "4",
                    "--new-tokens", "96", "--k", "2", "--copy-mib", "4", "--repeats", "3",
                    "--no-startup", "--rows", "generate MTP,engine plain,HF",

@@ -97,7 +97,7 @@ def test_padded_batch_gives_the_real_tokens_rows(capsys):
 
 
 def test_independent_calls_time_the_same_layer(capsys):
-    """--independent (the method before round 3 session 11) times the same layer as the
+    """--independent (the older timing method) times the same layer as the
     default chained calls: finite times, the same outputs."""
     chained = moe.run(["tiny"], [3], use=("ragged_dot", "pallas_ffn"))
     independent = moe.run(["tiny"], [3], use=("ragged_dot", "pallas_ffn"), independent=True)

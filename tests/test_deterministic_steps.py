@@ -1,7 +1,7 @@
 """Guards the engine's step against float scatter-adds: on the GPU XLA lowers them to atomics,
 whose order (and so rounding) changes from run to run. One in the MoE layer's combine made a
 DeepSeek-V2-Lite-shaped model's greedy tokens differ between two runs of one program on the
-H100 (docs/benchmarks.md, round 3 session 10). Integer scatter-adds (counts, sizes) are exact.
+H100. Integer scatter-adds (counts, sizes) are exact.
 """
 import re
 

@@ -104,7 +104,7 @@ def test_other_configurations_and_damaged_files_are_compiled_not_loaded(tmp_path
     # Which program the damaged file holds follows the keys' order, so it changes with every
     # source change. XLA:CPU cannot serialize a program with a sort that this process had
     # compiled before ("`LessThan` is not serializable"): that step then runs unsaved, with
-    # a warning. A new process saves it (checked by hand, round 3 session 19), and only
+    # a warning. A new process saves it (checked by hand), and only
     # this test compiles a step twice in one process.
     assert all("could not be loaded" in m or "`LessThan` is not serializable" in m
                for m in said), said

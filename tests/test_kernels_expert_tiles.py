@@ -112,7 +112,7 @@ def test_lowers_to_triton_for_cuda():
 def test_one_token_layout_is_static():
     """One token (batch-1 decode): tiles are the token's k slots, so the export holds no
     gather, no sort and no scatter around the two kernels (each is a small GPU kernel; the
-    1-token V2-Lite layer ran seven of them beside its two matmuls, H100, round 3)."""
+    1-token V2-Lite layer once ran seven of them beside its two matmuls)."""
     from jax import export
     args = (jax.ShapeDtypeStruct((1, 256), jnp.bfloat16), jax.ShapeDtypeStruct((1, 6), jnp.int32),
             jax.ShapeDtypeStruct((16, 256, 128), jnp.bfloat16),

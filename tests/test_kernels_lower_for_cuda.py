@@ -113,8 +113,8 @@ def test_kernel_lowers_to_triton_for_cuda(name):
     (128, 64, {"value_split": 2}, False),     # value_split (or qk_chunk) turns it off, no error
 ])
 def test_mla_default_picks_the_logits_order_measured_faster(heads, page, tuning, keys_first):
-    """keys_first=None (the default) resolves as docs/kernels.md says (round 3 session 11's
-    GPU sweeps); the kernel's name carries the choice."""
+    """keys_first=None (the default) resolves as docs/kernels.md says (from the GPU
+    sweeps); the kernel's name carries the choice."""
     fn = functools.partial(mla_paged_attention, kv_lora_rank=512, **tuning)
     text, _ = lower_for_cuda(fn, S((32, heads, 576), bf16), S((32, page, 576), bf16),
                              S((8, 8), i32), S((8,), i32), S((9,), i32), S((1,), i32))
@@ -150,8 +150,8 @@ def test_mla_mosaic_uniform_compact_tiles_need_no_gathers(heads, q_len, compact)
     """The point of compact tiles with uniform_q_len (decode / verify steps): the kernel
     reads the queries and writes the outputs token-major, in place, so the program around
     the Mosaic call holds no gather, and no transpose but the KV splits' small f32
-    log2-sum-exps (the bf16 query and output transposes cost H=128 verify q4 49 of 490 us,
-    round 3 session 28); the ragged form of the same call gathers. compact None: the
+    log2-sum-exps (the bf16 query and output transposes cost a tenth of an H=128 verify
+    step); the ragged form of the same call gathers. compact None: the
     default, which is compact for uniform batches (what the model's dispatch passes)."""
     def lowered(**kw):
         opts = {} if compact is None else {"compact": compact}

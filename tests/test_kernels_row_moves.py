@@ -128,8 +128,8 @@ def _eqns(jaxpr):
 def test_the_prefill_moe_layer_moves_rows_by_the_kernel(monkeypatch):
     """Forced onto the Pallas path at prefill sizes, the MoE layer scatters x's rows into the
     tile layout with `scatter_rows` (one kernel launch), holds no XLA gather of [M, E] rows
-    (the sorted copy x[token], or the padded layout built by gathering it: 106 of 1095 us per
-    4096-token V2-Lite layer before) and no sort (~42 us: docs/benchmarks.md, session 16)."""
+    (the sorted copy x[token], or the padded layout built by gathering it: a tenth of a
+    4096-token V2-Lite layer) and no sort."""
     from mtpjax.model.grouped_matmul import forced_path
     from mtpjax.model.moe import routed_experts
     N, k, G, E, I = 48, 2, 4, 64, 32

@@ -269,7 +269,7 @@ def _sub_jaxprs(jaxpr):
 
 def test_mosaic_schedule_keeps_its_measured_orderings():
   """Guards on the traced Mosaic kernel (no GPU) for orderings that a refactor could lose
-  silently and that the H100 measured (docs/benchmarks.md, round 3 session 22): the memory
+  silently and that the H100 measured faster (docs/kernels.md): the memory
   warpgroup reads a block's table entries before waiting for its slot; wg 0 issues its
   P . V wgmma before the P / alpha stores and the p_ready arrive; no automatic store
   barriers."""
@@ -310,7 +310,7 @@ def test_mosaic_schedule_keeps_its_measured_orderings():
 
 def test_seesaw_schedule_keeps_its_measured_orderings():
   """Guards on the traced seesaw kernel (no GPU) for the orderings the H100 measured faster
-  (docs/benchmarks.md, round 3 session 27): wg 0 publishes its block maximum before its
+  (docs/kernels.md): wg 0 publishes its block maximum before its
   exponentials; wg 1 publishes its maximum and hands P1 over before it waits for P0 (and
   multiplies P0 . V0_R)."""
   from pallas_kernels.mla_paged_attention.kernel_seesaw import mla_tiles_seesaw

@@ -5,7 +5,7 @@ CUDA graph's while command), so a loop hidden in a helper costs a host round tri
 iteration, per call. `jnp.searchsorted`'s default method is such a loop (log2(n) iterations):
 in the grouped matmul's tile layout it held the H100's expert layer at 338 us for one
 DeepSeek-V2-Lite token (102 us without), and the engine's speculative step ran one per step to
-map draft-input rows to requests (docs/benchmarks.md, round 3 session 9). The only loops a step
+map draft-input rows to requests. The only loops a step
 may hold are the ones the design names: the K-step draft loop (`lax.fori_loop`) and generate's
 outer loops. Speed stays in benchmarks.
 """

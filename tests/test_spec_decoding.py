@@ -144,7 +144,7 @@ def _jitted(cfg):
 
 
 def _reference_draft_probs(params, cfg, spec, seq, drafts, sp):
-    """From-scratch draft distributions for one request, from DESIGN.md's formulas.
+    """From-scratch draft distributions for one request, from the module formula (docs/models.md).
 
     seq: committed tokens x_0..x_N (x_N pending); drafts: d_1..d_K the step drew.
     """

@@ -2,7 +2,7 @@
 
 FlashMLA (deepseek-ai/FlashMLA, MIT) is the MLA kernel DeepSeek serves with; its deep dive
 (docs/20250422-new-kernel-deep-dive.md) reports ~660 TFLOP/s on an H800, which is the state
-of the art issue 12's verify target is measured against. It is CUDA C++ and ships no wheel
+of the art the MLA verify target is measured against. It is CUDA C++ and ships no wheel
 for this machine, so this module builds its SM90 dense decode kernel from a source checkout
 on the GPU machine (torch's C++ extension loader, nvcc, sm_90a) and times it on the very
 arrays `bench mla` times its own kernel on.

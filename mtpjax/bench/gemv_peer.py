@@ -7,7 +7,7 @@ weights, stored contiguously (no ids, no gathers), timed as calls chained inside
 Per shape: the gate/up GEMV ([k, E] x [k, E, 2I]) and the down GEMV ([k, I] x [k, I, E]),
 their bytes, microseconds and TB/s against the same run's copy bandwidth. bench moe's
 one-token floor is the same bytes over that bandwidth; this is what a library GEMV reaches
-on them (docs/benchmarks.md, round 3 session 14).
+on them (docs/benchmarks.md, kernels).
 """
 from __future__ import annotations
 

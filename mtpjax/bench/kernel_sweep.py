@@ -209,7 +209,7 @@ def sec_final_roll(copy_bw):
 def _ragged_variant(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
                     tail):
     """The prefill path of `ragged_paged_attention` at default tuning, for A/B timing:
-    tail=False is round 2's zero-filled output buffer (no tail items)."""
+    tail=False is the older zero-filled output buffer (no tail items)."""
     from pallas_kernels._paged_core import pad_group, paged_core, unpad_group
     from pallas_kernels.ragged_paged_attention.ragged_paged_attention import _work_items
     t, h, d = q.shape

@@ -8,7 +8,7 @@ JAX's `pallas.ops.gpu.paged_attention` (decode, Q=1), cuDNN through
 `jax.nn.dot_product_attention(implementation="cudnn")` on dense KV, and the plain
 XLA reference. Times are marginal per call: jits of 32 and of 8 independent calls
 (distinct q per call, so nothing is CSE'd), medians of repeats after warmup,
-(t(32) - t(8)) / 24 (see `timeit`); `*_r8` columns are round 1's t(8) / 8.
+(t(32) - t(8)) / 24 (see `timeit`); `*_r8` columns are the older t(8) / 8.
 GPU only (uses Triton-compiled Pallas kernels).
 """
 from __future__ import annotations
@@ -93,8 +93,8 @@ def gpu_kernel_events(fn, args, runs: int = 1) -> list:
 def is_compute_stream(name: str) -> bool:
     """Is a GPU plane's line a stream that runs kernels? Streams are named by what ran on
     them, e.g. "Stream #14(Compute)", "Stream #15(MemcpyH2D)", and one that also copied device
-    to device "Stream #14(Memset,Compute,MemcpyD2D)" (the MoE layer's prefill program, round
-    3 session 16: a filter on "memcpy" dropped its kernels)."""
+    to device "Stream #14(Memset,Compute,MemcpyD2D)" (the MoE layer's prefill program: a filter on "memcpy"
+    alone would drop its kernels)."""
     name = name.lower()
     return "stream" in name and ("compute" in name or "memcpy" not in name)
 
@@ -105,9 +105,8 @@ def chained_gpu_time(fn, qs, rest, compiler_options=None, chain=None, runs: int 
     summed kernel time, "kernels": kernel count}, each per call, of the run with the median
     span among `runs`; None off the GPU. Host dispatch and launch latency stay outside the
     span; the gaps between the calls' kernels are inside it, as a model's layers pay them.
-    Steadier than `timeit`'s wall-clock difference at tens of microseconds per call (one
-    V2-Lite MoE token read 53 to 91 us by `timeit` across H100 runs, 41.3 us by its kernels,
-    round 3 session 15)."""
+    Steadier than `timeit`'s wall-clock difference at tens of microseconds per call (for one
+    V2-Lite MoE token `timeit` varied by almost 2x across runs; the kernels' span did not)."""
     evs = gpu_kernel_events(jax.jit(_calls(fn, chain), compiler_options=compiler_options),
                             (qs, *rest), runs)
     if len(evs) < runs:
@@ -135,7 +134,7 @@ def timeit(fn, qs, rest, repeats=15, compiler_options=None, chain=None):
     (t(n) - t(n // 4)) / (n - n // 4) (medians of `repeats` wall-clock runs). This
     cancels the fixed per-jit cost (host dispatch, first-launch and sync latency),
     which is ~0.3 ms on the H100 machine and used to be spread over only 8 calls
-    (the method before round 2: t(8) / 8). It keeps the gaps between consecutive
+    (the older method: t(8) / 8). It keeps the gaps between consecutive
     kernels, which a real step pays too. With n < 8 (slow XLA references), or when noise
     makes the difference <= 0: t(n) / n.
     compiler_options: XLA options of the jit (bench.moe passes the model's step options: its
@@ -143,7 +142,7 @@ def timeit(fn, qs, rest, repeats=15, compiler_options=None, chain=None):
     chain: None (independent calls), or chain(q, previous output) -> the q a call runs, so
     each call waits for the one before, as a model's layers do (bench.moe: with independent
     calls XLA interleaves the calls' layout ops, and the MoE layer's gather combine read
-    ~130 us slower at 256 V2-Lite tokens than the same layer chained, H100, round 3 session 11).
+    much slower at 256 V2-Lite tokens than the same layer chained).
     """
     multi = jax.jit(_calls(fn, chain), compiler_options=compiler_options)
     out = multi(qs, *rest)

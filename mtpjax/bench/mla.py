@@ -17,8 +17,7 @@ own timestamps (`kernels.chained_gpu_time`; the gaps between the calls' kernels 
 the clock of the floor's bandwidth (CUDA events, or XLA's own span), so `x_floor_gpu` is the
 ratio to the floor and ranks the variants; `us`, the host wall-clock marginal per call between
 jits of 32 and 8 calls (`kernels.timeit`), which also holds host work that grows with the
-program's calls before its first kernel starts (round 3 session 18, H100: 12.7 us per call at
-H=16 decode, 30 us at H=128; docs/benchmarks.md). Peer: the model's plain-jnp paged
+program's calls before its first kernel starts (docs/benchmarks.md has both clocks). Peer: the model's plain-jnp paged
 attention (`mtpjax.model.attention.paged_attention_reference` on `LatentPages.kv_views()`,
 what the MLA layer runs without the kernel) under XLA. `--sweep` also times tuning variants
 (best shown, all in $OUT/mla.json). GPU only. The default variant runs the wrapper's default
@@ -177,8 +176,8 @@ def parse_variants(text: str) -> list[dict]:
 def variants_for(q_len, h, page, b, ctx, sweep, extra=()):
     # Decode and verify batches are uniform: every row passes uniform_q_len, as the model's
     # dispatch does (`pallas_dispatch._mla`), so the Mosaic kernel's default takes its tiles
-    # by reshape, with no gathers. `compact=0` times the gather path instead. (Until round 3
-    # session 20 the default row passed none, and timed the gathers the model never runs.)
+    # by reshape, with no gathers. `compact=0` times the gather path instead. (A default row without
+    # uniform_q_len would time gathers the model never runs.)
     out = [dict(block_q=q_len, uniform_q_len=q_len, **e) for e in ({},) + tuple(extra)]
     if not sweep or (h > 16 and page != 64):
         return out

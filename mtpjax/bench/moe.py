@@ -302,7 +302,7 @@ def run(shape_names, token_counts, out_dir=None,
         independent: bool = False, timeline: bool = False, calls: int = 0):
     """pad_to: run each token count in a batch of this many rows, the rest padding (as the
     engine's token buckets do; floors count the real tokens). `mgpu` and `gather` then skip.
-    independent: time independent calls (the method before round 3 session 11), not chained.
+    independent: time independent calls (the older method), not chained.
     timeline: also the GPU time per call from the kernels' own timestamps
     (`kernels.chained_gpu_time`: the span of the same calls, host dispatch excluded).
     calls: calls per timed jit; 0 for the defaults (on the GPU 16, 4 beyond 256 tokens; off it
@@ -314,7 +314,7 @@ def run(shape_names, token_counts, out_dir=None,
     copy_bw, _ = copy_bandwidth() if on_gpu else (1e11, {})
     flops = matmul_rate(8192 if on_gpu else 256, reps=2 if on_gpu else 1)
     # The GPU-time rows' floor takes the matmul rate on the same clock (the kernels' span):
-    # the wall clock's fixed dispatch cost reads the rate ~13% low (H100, round 3 session 18).
+    # the wall clock's fixed dispatch cost would read the rate low.
     flops_gpu = matmul_rate(8192, reps=2, clock="gpu") if timeline and on_gpu else None
     log(f"device {jax.devices()[0].device_kind}; copy {copy_bw / 1e12:.3f} TB/s; "
         f"bf16 matmul {flops / 1e12:.1f} TFLOP/s (wall)"
@@ -429,7 +429,7 @@ def main(argv=None):
                          "nowhere (the engine pads a batch-1 decode step to 8 tokens)")
     ap.add_argument("--independent", action="store_true",
                     help="time independent calls, not each call on the previous one's output "
-                         "(the method before round 3 session 11; XLA then interleaves the "
+                         "(the older method; XLA then interleaves the "
                          "calls' layout ops)")
     ap.add_argument("--timeline", action="store_true",
                     help="also each variant's GPU time per call from its kernels' timestamps "

@@ -11,7 +11,7 @@
    warpgroup MMA) and `mma.sync` (the older per-warp MMA).
 
 A proxy: XLA compiles the same IR with its own Triton pin, so numbers can differ, but what this
-found first (round 3, session 8: the MLA kernel's 64-row tiles use wgmma and spill 1.2-1.5 KB
+found first (e.g. the MLA kernel's 64-row tiles use wgmma and spill 1.2-1.5 KB
 per thread at 255 registers; the grouped matmul's 128 x 128 tiles spill at 4 warps and not at 8)
 is where the GPU time goes next. Without `--triton-python` only step 1 runs (the IR files).
 """

@@ -8,8 +8,8 @@ For each path it traces one greedy run after a warm-up run and reports, over the
 of the trace (the last 70% of its device time): steps (paged-attention kernels / layers),
 device-busy and wall span per step, kernels per step, the idle gaps between kernels (with the
 host events inside the biggest one: what the device was waiting for), and the top kernels per
-step; then the kernels whose time per step differs most between the two paths. Round 3
-session 7 found both causes of `generate`'s batch-1 gap this way (docs/benchmarks.md). On a
+step; then the kernels whose time per step differs most between the two paths. Both causes of
+`generate`'s former batch-1 gap were found this way (docs/benchmarks.md). On a
 machine without a GPU the trace has no device kernels and the report says so.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tempfile
 
 # One per layer per step. Mosaic-GPU kernels are all named "entry_mosaic_gpu_kernel"; in a
 # decode window that is the MLA kernel (the Mosaic MoE kernels run from 256 rows per expert:
-# prefill sizes), which "1 step in the window" for DeepSeek-V2-Lite missed (round 3 session 15).
+# prefill sizes), which counting only the Triton names missed for DeepSeek-V2-Lite.
 ATTENTION_KERNELS = ("paged_attn", "ragged", "mla_paged", "entry_mosaic_gpu_kernel")
 
 
@@ -89,7 +89,7 @@ def profile_loop_kernel_by_kernel():
     `jax.profiler` trace shows none of its kernels (seen on the H100: "2 steps in the window",
     prefill kernels only). Without the loop's command buffers each iteration's body is its own
     graph launch: the kernels are the same and visible; the gaps between steps are not the
-    shipped ones (session 7 measured those: docs/benchmarks.md)."""
+    shipped ones (docs/benchmarks.md has those)."""
     import importlib
 
     from mtpjax.step_jit import step_jit

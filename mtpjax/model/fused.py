@@ -1,9 +1,8 @@
 """Fused projections for serving: q/k/v and gate/up weights concatenated once, at load.
 
 A decode step reads every weight once; what it pays beyond the bytes is per-kernel: a launch
-and a tail for every small GEMM. Measured at the 8B shape on an H100 (docs/benchmarks.md, round
-3 session 7), the k and v projections (8 MB each) ran at ~1.7 TB/s against ~2.9 for the large
-ones. Concatenating `wq | wk | wv` into one `wqkv [E, (NH + 2 KV) hd]` and `w_gate | w_up` into
+and a tail for every small GEMM. At the 8B shape on an H100 the k and v projections (8 MB each) ran well below the large ones'
+bandwidth (docs/benchmarks.md). Concatenating `wq | wk | wv` into one `wqkv [E, (NH + 2 KV) hd]` and `w_gate | w_up` into
 one `w_gate_up [E, 2I]` makes each group one GEMM that reads the same bytes. XLA's DotMerger
 would do the same merge *per call* (a copy of the weights every step: why `step_jit` turns it
 off); here it happens once.

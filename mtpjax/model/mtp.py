@@ -1,4 +1,4 @@
-"""MTP module k (0-based here; DESIGN.md's k = 1..D is `module + 1`).
+"""MTP module k (0-based here; the 1-based depth k = 1..D of DeepSeek-V3 is `module + 1`).
 
 At position i, module k combines the previous depth's hidden state h^k_i with the embedding of
 the token it is given (x_{i+k+1} in 0-based module numbering, i.e. the token one past what the

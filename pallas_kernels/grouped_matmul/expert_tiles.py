@@ -8,8 +8,7 @@ y float32[N, k, E], each (token, slot) pair's expert output, unweighted.
 
 Why: at decode sizes the sorted layout of `grouped_swiglu` (argsort, group sizes, cumulative
 ends, a search per row, scatters and gathers) is a dozen small kernels around two short
-matmuls: on the H100 (round 3, session 10, Nsight Compute) ~60 us of layout kernels against
-~47 us of expert matmuls per DeepSeek-V2-Lite layer at one token. Here the layout is one
+matmuls, which cost more than the matmuls at one DeepSeek-V2-Lite token. Here the layout is one
 [P, P] comparison of the P = N x k pairs' experts: pair p goes to the tile of its expert's
 first pair, at the row given by how many earlier pairs chose that expert (a token's k experts
 are distinct, so at most N <= 16 rows share a tile); the tiles' experts and each layout row's
@@ -49,8 +48,7 @@ def expert_tile_layout(experts: jax.Array, num_experts: int):
 
     Comparisons and reductions only, no scatter: on the GPU each XLA scatter is two kernels (its
     buffer's fill, then the scatter), ~2.5 us each at these sizes, and the layout's two
-    scatters were four of the nine small kernels around the 1-token layer's matmuls (H100,
-    round 3 session 11, Nsight Compute)."""
+    scatters would be four of the nine small kernels around the 1-token layer's matmuls."""
     P = experts.shape[0]
     n_tiles = min(P, num_experts)
     idx = jnp.arange(P, dtype=jnp.int32)

@@ -14,9 +14,8 @@ of the down weight, writing a float32 partial [E] of the expert's output. The wr
 the I / block_n partials. So every weight byte is read once, by one program, and the layer
 is one launch: at one DeepSeek-V2-Lite token, k x I / block_n = 6 x 22 = 132 programs (one
 per H100 SM) read 104 MB in one wave, where the two-kernel form (`expert_tile_swiglu`) pays
-each kernel's ramp-up and tail and the split-K sums between them (round 3 session 14,
-docs/kernels.md). H100, round 3 session 15, kernel time alone: 38.1 us for those 104 MB,
-2.72 TB/s (92% of the copy rate); the two kernels of the tiles took 33.6 + 16.8 us.
+each kernel's ramp-up and tail and the split-K sums between them (docs/kernels.md; its
+measured rate is in docs/benchmarks.md).
 
 Two tokens because `generate` runs a batch of one as two rows (the second a padding row:
 mtpjax/generate.py); the padding row's pairs are routed nowhere and cost a zero write. Each
@@ -53,10 +52,8 @@ def default_blocks(k: int, E: int, I: int) -> tuple[int, int, int]:
     block_k: rows of E per gate/up step, as many as fit STAGE_BYTES (256 at 64 columns).
     block_e: 256 output columns per down step.
 
-    Measured on the H100, round 3 session 15, kernel time alone (CUPTI, `jax.profiler`),
-    one V2-Lite token (104 MB): 64 columns with 128 / 256 / 512 rows per step took 44.4 /
-    38.1 / 41.4 us (3 / 3 / 2 stages; 256 rows with 2 stages 40.8), 32 columns with 256
-    rows 40.5. A wide step, not a deep pipeline, keeps enough bytes in flight: with 128-row
+    Chosen by an H100 sweep at one V2-Lite token (kernel time alone; docs/kernels.md). A
+    wide step, not a deep pipeline, keeps enough bytes in flight: with 128-row
     steps, 2 stages ran faster than 3, 4 or 5 (Nsight Compute: 43.0 against 45.4 / 46.4 /
     48.0 us). The V3 slice (8 of 128 experts, 705 MB; `bench moe`, whole layer): 128 columns
     246 us against 275 at 64."""
@@ -189,8 +186,8 @@ def fused_moe_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.
     """The routed experts' weighted sum: sum_j weights[n, j] * y[n, j] -> float32 [N, E]
     (weights float [N, k]). The kernel scales each partial by its pair's weight, so the
     partials' sum is the layer's output: one reduction after the launch, where the unweighted
-    form's sum, weighting and sum over k were two or three small kernels (Nsight Compute,
-    H100, round 3 session 15). ValueError as `fused_expert_ffn`."""
+    form's sum, weighting and sum over k were two or three small kernels. ValueError as
+    `fused_expert_ffn`."""
     partials = _routed_partials(
         x, ids, weights, w_gate, w_up, w_down, activation=activation, block_n=block_n,
         block_k=block_k, block_e=block_e, num_warps=num_warps, num_stages=num_stages,

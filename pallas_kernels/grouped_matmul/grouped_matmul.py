@@ -11,10 +11,8 @@ this reads each touched expert's weights where they lie.
 Tuning: block_m (rows per tile; default the mean group size rounded up to a power of two in
 [16, 64]), block_n and num_splits (split-K; default `default_blocks`: enough programs for
 every SM, K split before weight tiles narrow), block_k (must divide K; default 64),
-num_warps (default 8 from 128 x 128 tiles, else 4), num_stages (3). Measured on the H100
-(docs/benchmarks.md, round 3 session 9, with split-K): 2.93x / 1.38x / 1.81x the touched
-experts' bytes at 1 / 32 / 256 DeepSeek-V2-Lite tokens, 1.41x / 1.12x / 1.31x on the V3 slice;
-5.2x its FLOP floor at 4096 tokens (before the loop fix). `python -m mtpjax.bench.moe --variants
+num_warps (default 8 from 128 x 128 tiles, else 4), num_stages (3). Measured rates against
+the touched experts' bytes are in docs/benchmarks.md. `python -m mtpjax.bench.moe --variants
 pallas,pallas:BM/BN/BK/S` sweeps blocks and splits.
 """
 from __future__ import annotations
@@ -33,8 +31,7 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 def default_block_m(M: int, G: int) -> int:
     """The mean group size rounded up to a power of two, in [16, 64]. 64, not 128, at prefill
-    sizes: 4096 V2-Lite tokens took 1872 us in 64-row tiles (4 stages) against 2180 in 128-row
-    tiles, 17069 vs 18240 us on the V3 slice (H100, round 3 session 10, `bench moe`)."""
+    sizes: 64-row tiles measured faster for this kernel on the H100 (`bench moe`)."""
     mean = max(M // max(G, 1), 1)
     return min(64, max(16, 1 << (mean - 1).bit_length()))
 
@@ -83,8 +80,7 @@ def tile_layout(sizes: jax.Array, M: int, block_m: int):
     padded, pends, tile_group, Mp = _padded_groups(sizes, M, block_m)
     row = jnp.arange(M, dtype=jnp.int32)
     # compare_all, not searchsorted's default "scan": that is a while loop, and a while loop on
-    # the GPU costs a device-to-host round trip per iteration; with it the H100's expert layer
-    # took 338 us at one V2-Lite token, 102 us without (docs/benchmarks.md, session 9)
+    # the GPU costs a device-to-host round trip per iteration (the layer ran ~3x slower)
     g = jnp.minimum(jnp.searchsorted(ends, row, side="right", method="compare_all"),
                     G).astype(jnp.int32)
     gc = jnp.minimum(g, G - 1)
@@ -210,8 +206,7 @@ def resolve_blocks(M: int, G: int, K: int, N: int, block_m, block_n, block_k, nu
     block_n = block_n or auto_n
     num_splits = num_splits or (auto_splits if K % (block_k * auto_splits) == 0 else 1)
     # 8 warps from 128 x 128 output tiles: at 4 warps the float32 accumulator alone is 128
-    # registers per thread and the tile spilled (255 registers, 300 B spills; 151 and none at
-    # 8 warps: bench.register_report, round 3 session 8)
+    # registers per thread and the tile spilled (none at 8 warps: bench.register_report)
     num_warps = num_warps or (8 if block_m * block_n * accumulators >= 128 * 128 else 4)
     return block_m, block_n, block_k, num_splits, num_warps
 
@@ -275,8 +270,7 @@ def padded_grouped_matmul(xp: jax.Array, w: jax.Array, tile_group: jax.Array, *,
 def pad_rows(x: jax.Array, dest: jax.Array, Mp: int) -> jax.Array:
     """x [M, K] -> [Mp, K]: row r at dest[r] (dest >= Mp: dropped), the other rows zero. A
     gather with one source index per padded row: XLA's scatter of whole rows (`zeros.at[dest]
-    .set(x)`) took 220 us for the 100 MB of 4096 DeepSeek-V2-Lite tokens on the H100, besides
-    81 us writing the zeros (Nsight Compute, round 3 session 10)."""
+    .set(x)`) runs far below copy bandwidth, and writes the zeros first."""
     M = x.shape[0]
     src = jnp.full((Mp,), -1, jnp.int32).at[dest].set(jnp.arange(M, dtype=jnp.int32),
                                                          mode="drop")

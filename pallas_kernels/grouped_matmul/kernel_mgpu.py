@@ -1,7 +1,7 @@
 """The grouped matmul as a Pallas Mosaic-GPU (Hopper warpgroup) kernel, bf16, for prefill sizes.
 
-Why a second kernel: the Triton one (`kernel.py`) ran 4096 DeepSeek-V2-Lite tokens' experts at
-46% of the bf16 matmul rate (H100, docs/benchmarks.md, round 3 session 11): its 128 x 128
+Why a second kernel: the Triton one (`kernel.py`) runs prefill-sized expert layers at under
+half the bf16 matmul rate (docs/benchmarks.md): its 128 x 128
 gate/up tile holds two float32 accumulators that spill. Here a CTA runs three warpgroups on one
 (128-row tile, column block), the shape of JAX's Hopper matmul example
 (jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py), with the group chosen per tile:
@@ -18,10 +18,8 @@ gate/up tile holds two float32 accumulators that spill. Here a CTA runs three wa
 Work items are (tile, column block) pairs on one grid axis in band order (`tile_bands`): a
 band of up to BAND_TILES consecutive tiles of one expert runs its tiles fastest, then its
 column blocks, so one expert's tiles read each weight block from DRAM once; with `num_ctas` a
-persistent grid loops over them. Measured (H100, round 3 session 13, whole MoE
-layer at 4096 V2-Lite tokens): 1150 us, 1075 persistent, against the Triton kernels' 1260.
-At the V3 slice the weights' DRAM reads bound both kernels until the band order (86% of
-DRAM's peak, 1.4x the bytes needed; round 3 session 19, docs/kernels.md).
+persistent grid loops over them. Without the band order the weights' DRAM reads bound the
+large (V3-slice) shapes (docs/kernels.md).
 
 Layouts:
     xp          [Mp, K] bf16     rows laid out tile by tile (`tile_layout`, block_m = 128)
@@ -58,8 +56,7 @@ def tile_bands(tile_group: jax.Array, band_tiles: int) -> tuple[jax.Array, jax.A
     tiles fastest, so the tiles of one expert read each weight block at nearly the same time
     (once from DRAM, then from L2) while the band's rows stay in L2 across its column blocks.
     Column blocks fastest instead (band_tiles 1) re-read a weight block from DRAM for each
-    tile: 11.7 GB against ~8.1 GB of weights and rows for the V3 slice's gate/up kernel at 4096
-    tokens, with DRAM 86% busy (H100, Nsight Compute, round 3 session 19)."""
+    tile, and the DRAM traffic, not the matmul, bounds the kernel."""
     n = tile_group.shape[0]
     t = jnp.arange(n, dtype=jnp.int32)
     change = tile_group[1:] != tile_group[:-1]
@@ -308,10 +305,9 @@ def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
         entry,
         out_type=jax.ShapeDtypeStruct((Mp, N), xp.dtype),
         # One grid axis over the work items in band order (`tile_bands`): the CTAs that run
-        # side by side share a band's rows and its expert's weight blocks. A first version's
-        # 2-D grid (columns, tiles) ran all tiles fastest: at 4096 V2-Lite tokens its gate/up
-        # kernel read 2.02 GB from DRAM, each row tile once per column block, against the
-        # Triton kernel's 0.99 GB (H100, Nsight Compute, round 3 session 13).
+        # side by side share a band's rows and its expert's weight blocks. A 2-D grid
+        # (columns, tiles) runs all tiles fastest and re-reads each row tile from DRAM once
+        # per column block.
         grid=(num_ctas,), grid_names=("cta",),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -9,8 +9,8 @@ gather them back three times and launch three kernels; here the rows are laid ou
 split-K the hidden row activation(gate) * up is written directly: kernel.py), the down
 projection reads the hidden rows in the same layout, and the output rows are gathered once.
 At decode sizes, where each matmul is a few microseconds of weight reads, the launches and
-layout ops saved are a large part of the layer (docs/benchmarks.md, round 3 session 9: the
-three-call layer at one DeepSeek-V2-Lite token took 102 us for 35 us of weight bytes).
+layout ops saved are a large part of the layer (the three-call layer at one
+DeepSeek-V2-Lite token took about 3x its weight bytes' time).
 The activation runs in float32 on the float32 sums (the three-call form rounds gate and up to
 x's dtype first): outputs agree to that rounding.
 
@@ -92,9 +92,8 @@ def is_prefill(M: int, G: int) -> bool:
 def prefill_tiles(gate_up_blocks, I: int):
     """(block_m, gate_up_blocks) at prefill sizes: 128-row tiles and 128 gate/up columns (two
     128 x 128 float32 accumulators, which spill at 8 warps, yet measured fastest), run with
-    the columns-fastest grid and 3 stages. H200, round 3 session 11 (`bench moe`), against
-    64-row tiles with 64 gate/up columns, tiles fastest, 4 stages: 4096 tokens V2-Lite 1619 ->
-    1230 us, V3 slice 11703 -> 9284 us; 1024 tokens 690 -> 574 and 4939 -> 3780 us."""
+    the columns-fastest grid and 3 stages: faster than 64-row tiles at 1024 and 4096 tokens
+    of both MoE shapes (H200, `bench moe`)."""
     bn, bk, splits, warps = gate_up_blocks or (None,) * 4
     return 128, (bn or (128 if I % 128 == 0 else None), bk, splits, warps)
 
@@ -117,10 +116,8 @@ MOSAIC_ROWS_PER_EXPERT = 256
 
 def default_kernel(x, w_gate, interpret: bool) -> str:
     """"mosaic" from a mean of 256 rows per expert on a Hopper GPU where its shapes fit
-    (`mosaic_fits`), else "triton" (decode sizes, other GPUs, interpreted runs). H100, round
-    3 session 13 (`bench moe`, whole layer, same run): 4096 V2-Lite tokens (384 rows per
-    expert) 1150 us against Triton's 1260, the V3 slice's 4096 (256 rows) 7865 against 7828;
-    at 1024 tokens (96 / 64 rows) 641 against 619 and 4386 against 4379. The environment
+    (`mosaic_fits`), else "triton" (decode sizes, other GPUs, interpreted runs): below 256 rows per expert
+    the Triton kernel measured as fast or faster (`bench moe`). The environment
     variable MTPJAX_MOE_KERNEL (triton / mosaic) overrides it at prefill sizes
     (`is_prefill`)."""
     if not is_prefill(x.shape[0], w_gate.shape[0]):

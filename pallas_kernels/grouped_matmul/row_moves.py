@@ -2,19 +2,15 @@
 
 Before the expert kernels, each (token, expert) pair's row of x goes to its row of the padded
 tile layout (`tile_layout`); after them, each token's output is the routing-weighted sum of
-its k pairs' rows. In XLA these were gathers of whole rows: at 4096 DeepSeek-V2-Lite tokens
-(H100, round 3 session 15, `jax.profiler`) the padded-row gather took ~106 us for ~134 MB
-(1.3 TB/s, and a third of those bytes the zeros of padding rows) and the output gather with
-the weighted sum ~84 us for ~116 MB.
+its k pairs' rows. In XLA these were gathers of whole rows, well below copy bandwidth, and
+the padded-row gather also wrote the zeros of padding rows.
 
 `scatter_rows` writes only the pairs' rows, from x itself (no sorted copy first): padding
 rows are left as they were (the output buffer is not initialised). Each row of an expert
 matmul depends on its own input row only, so whatever a padding row holds stays in padding
 rows, which nothing reads back; `combine_rows` reads only the pairs' rows, and masks (never
 multiplies) the ones a pair has not got, so a NaN in an unread row cannot reach a token.
-H100, round 3 session 16 (CUPTI kernel times): at 4096 V2-Lite tokens the scatter took 46
-us against XLA's 106 for the padded-row gather, at 4096 tokens of the V3 slice 197 against
-710.
+The scatter measured 2-3x faster than XLA's padded-row gather (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -86,8 +82,7 @@ def combine_rows(y: jax.Array, rows: jax.Array, weights: jax.Array, out_dtype=No
 
     y [Mp, E]; rows int32[N, k] (>= Mp: no row, adds nothing; other rows of y are never
     read); weights float32[N, k]. Plain jnp: XLA fuses the row gather into the weighted sum
-    (one pass, 40 us for 4096 V2-Lite tokens' 117 MB on the H100), where a Triton kernel of
-    the same loop took 44 us (round 3 session 16)."""
+    (one pass), and a Triton kernel of the same loop was no faster."""
     has = rows < y.shape[0]
     vals = y[jnp.where(has, rows, 0)]                             # [N, k, E]
     vals = jnp.where(has[..., None], vals.astype(jnp.float32), 0.0)

@@ -68,8 +68,7 @@ TILE_ROWS = 64          # one wgmma M; queries of a tile
 LAZY_MAX = 8.0         # log2 units: P <= 2^8 against a running max that may lag
 MASKED = -1e30          # finite: a row with no visible key in a split gets weight 0, not NaN
 EXP2_EMULATED = 4       # of each wg 0 thread's 32 exp2s per block: on the FMA units, not MUFU
-# (H100, same process: H=128 decode -0.4-0.5%, verify q4 -0.5-0.7%; 8 no better; round 3
-# session 22)
+# (offloads the MUFU, which limits wg 0's softmax; 8 measured no better: docs/kernels.md)
 # exp2 on [0, 1): FlashAttention-4's cubic (max relative error 8.8e-5; P is bf16, 2^-9)
 EXP2_POLY = (1.0, 0.695146143436431884765625, 0.227564394474029541015625,
              0.077119089663028717041015625)
@@ -305,7 +304,7 @@ def tile_views(ref, tile, seq, block_h, split=None):
     piece per query token of a token-major array (q [S, block_q, H, W]; out [splits, S,
     block_q, H, R]): the block_h heads of group tile % (H / block_h). Reading and writing a
     uniform batch token-major spares the two transposes that tiles would cost around the
-    kernel (H=128 verify q4: 26 + 23 us of 490, round 3 session 28)."""
+    kernel (a tenth of an H=128 verify step)."""
     if not token_major(ref, 3 if split is None else 4):
         lead = (tile,) if split is None else (tile, split)
         return [(0, lambda cols: ref.at[(*lead, slice(None), cols)])]
@@ -373,9 +372,8 @@ def visible_keys(shape, k0, pos0, block_h, interpret):
 
 def lazy_max(m_prev, block_max):
     """The lazy running max: it moves only when a block's max exceeds it by more than
-    LAZY_MAX, so P <= 2^LAZY_MAX and most blocks need no rescale (`_rescaled`). H100,
-    same process, both orders: H=128 decode 135.8 -> 134.5 us, verify q4 553.9-561.5 ->
-    551.5-554.4, H=16 unchanged (round 3 session 21)."""
+    LAZY_MAX, so P <= 2^LAZY_MAX and most blocks need no rescale (`_rescaled`): fewer
+    multiplies on wg 0's serial softmax path."""
     return jnp.where(block_max > m_prev + LAZY_MAX, block_max, m_prev)
 
 
@@ -442,8 +440,7 @@ def run_tiles(kernel, scratch, barriers, args, *, num_splits, rank, block_h, num
         # order a warpgroup's threads against each other; here no thread reads what
         # another thread of its warpgroup stores except through wgmma or a TMA store,
         # which follow commit_smem (zeroed value rows, staged outputs) or an mbarrier every
-        # thread arrives on (P, alpha, l). H100, same process: H=128 decode -1.6-2.5%,
-        # verify q4 -4.1-4.5% (round 3 session 22).
+        # thread arrives on (P, alpha, l); the automatic barriers were pure serial cost.
         compiler_params=plgpu.CompilerParams(
             approx_math=True, reduction_scratch_bytes=0, unsafe_no_auto_barriers=True,
             **({} if profile is None else dict(profile_dir=profile[0],
@@ -488,8 +485,6 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
             # The max of the raw logits (the scale is > 0, so max(s) * c == max(s * c)
             # exactly), and the scale inside exp2's argument, where it fuses into one FFMA
             # with the subtraction: 32 fewer multiplies per thread on wg 0's serial path.
-            # H100, same process, both orders: H=128 decode -0.6-1.0%, verify q4 -0.6-1.2%
-            # (round 3 session 21).
             m_new = lazy_max(m_i, s.max(axis=1) * scale_log2)
             p = _exp2_split(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]),
                             interpret)
@@ -512,9 +507,8 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     def run_steps(step, carry):
         """Steps 0 .. steps - 2, then the final one (which zeroes the rows past kv_end). The
         steps whose block every row sees in full (global blocks below (pos0 + 1) //
-        block_kv) run first and build no causal mask; the rest (a suffix) mask. H100, B=64,
-        ctx 4096, page 64, against masking every step: H=128 decode 150.1 -> 148.7 us, verify
-        q4 578.7 -> 566.7; H=16 unchanged (round 3 session 19)."""
+        block_kv) run first and build no causal mask; the rest (a suffix) mask, so only the
+        tail pays for the mask."""
         unmasked = jnp.clip(lax.div(pos0 + 1, jnp.int32(block_kv)) - first_step, 0,
                             jnp.maximum(steps - 1, 0))
         carry = lax.fori_loop(0, unmasked, functools.partial(step, final=False, masked=False),
@@ -533,8 +527,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
     def _compute():
         # 240 + 240 + 24 = 3 x 168, the registers a thread gets at launch (64K for 384
         # threads, rounded down to 8). At 232 / 40, ptxas reloaded 8 spilled values a block
-        # in wg 0's loop; at 240 / 24, 3. H100, same process, both orders: H=128 verify q4
-        # 512.0 -> 501.1 and 504.9 -> 502.9 us, decode 126.3 -> 125.2 (round 3 session 23).
+        # in wg 0's loop; at 240 / 24, 3 (the memory warpgroup needs few).
         plgpu.set_max_registers(240, action="increase")
 
         @pl.when(wg == 0)
@@ -596,9 +589,7 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
 
                 # P . V's wgmma is issued first and the hand-over runs while it computes:
                 # wg 0 reads its P from registers, so only wg 1 waits for the stores.
-                # H100, same process, both orders: H=128 decode 130.3 -> 128.9 us, verify
-                # q4 519-524 -> 508-509; H=16 within noise (round 3 session 22). The row
-                # sums moved there too: +3.6% (their FADDs had hidden behind the exp2s).
+                # The row sums stay before it: their FADDs hide behind the exp2s.
                 acc = _accumulate(scaled(acc, alpha), p16, values_of(slot, k0, final),
                                   interpret, then=hand_over)
                 plgpu.barrier_arrive(consumed_bars.at[slot])
@@ -640,10 +631,8 @@ def _kernel(tile_seq_ref, tile_pos0_ref, tile_ntok_ref, bt_ref, q_ref, lat_ref,
         def _(i):
             slot = lax.rem(i, jnp.int32(num_stages))
             # The block-table loads go before the slot wait: their global-memory latency
-            # then passes while the slot is still in use, not after its release. H100, same
-            # process, both orders: H=128 decode 134.5 -> 129.0 us at page 16 (four loads
-            # a block), 128.8 -> 126.0 at page 64; verify q4 -0.8%, H=16 -0.8% (round 3
-            # session 22).
+            # then passes while the slot is still in use, not after its release (most
+            # at page 16: four loads a block).
             pages = kv_block_pages(lat_ref, bt_ref, seq, (first_step + i) * block_kv,
                                    block_kv=block_kv, page_size=page_size)
 

@@ -24,11 +24,11 @@ each warpgroup holds in registers (the rope part of the logits takes its A opera
 Every wgmma is issued from Mosaic GPU (`inline_mgpu`) with its shared-memory operands sliced
 at an *opaque zero* (`_opaque_zero`). Without it, LLVM hoists the loop-invariant operand
 descriptors (Q's, and the slots', whose indices fold to constants in a pair) out of the loop:
-~80 registers held across it, and ~1 KB of spills (round 3 session 26).
+registers held across it, and spills.
 
-Against FlashMLA's order as first built (round 3 session 17), three changes shorten the
+Against FlashMLA's order taken literally, three changes shorten the
 chain that links the warpgroups (m0 -> wg 1's softmax -> P1 -> wg 0's P1 . V1_L -> the next
-logits; measured H100 A/B in docs/kernels.md, round 3 session 27):
+logits; each measured faster on the H100):
 - each maximum is published as soon as its row max is known, before its exponentials (P0
   then goes over through a barrier of its own, p0_ready): wg 1's softmax starts beside
   wg 0's exponentials;

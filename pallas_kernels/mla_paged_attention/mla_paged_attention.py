@@ -107,13 +107,9 @@ def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_
     of 132 SMs. Larger tiles: 8 warps, 2 pipeline stages, splits for ~1 wave (one CTA per SM
     fits). Both: 32-token KV blocks with the logits computed keys first (None here: on unless
     value_split or qk_chunk is given, or a decode-sized tile's block spans several pages).
-    Round 3 session 11 (H200, page 64): against the former 64-token blocks in query-first
-    order, H=128 decode 475 -> 442 us, verify q4 1761 -> 1694 us; H=16 verify q4 251 -> 244
-    us; H=16 decode 169 -> 158 us (32-token blocks before too). keys_first without 32-token
-    blocks: 447, 1706, 257, 158 us. At page 16 (H100, against earlier sessions' numbers) the
-    large tiles gained too (H=16 verify 458 -> 297 us, H=128 decode 705 -> 549), but H=16
-    decode, whose 16-row tile then loads its block from two pages, read 405 us keys first
-    against 175 query first in one run (docs/benchmarks.md).
+    32-token blocks keys first beat 64-token blocks query first at every H100/H200 shape
+    measured, except a decode-sized tile whose block spans several pages: it then loads its
+    block piecewise and keys first is much slower (docs/kernels.md).
     """
     block_q, block_h = _tile(num_heads, block_q)
     small = _decode_sized(block_q, block_h)
@@ -246,9 +242,8 @@ def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q
     64-token KV blocks (wgmma's K for the values), 2 shared-memory stages (what fits beside
     the query tile: 3 x 72 KiB), KV splits for ~1 wave of 132 SMs (one CTA per SM).
     compact None: on for uniform batches (`uniform_q_len` given: decode and verify steps),
-    off otherwise. Round 3 session 13 (H100, B=64, ctx 4096, page 64), compact against 64-row
-    tiles: H=16 decode 132 -> 122 us, H=16 verify q4 153 -> 133, H=128 decode 156 -> 149;
-    H=128 verify q4 627 -> 639 (its tiles are full either way).
+    off otherwise: compact tiles skip the padding rows a 64-row tile of a small H carries
+    (no gain at H=128 verify, whose tiles are full either way).
     seesaw None: `_seesaw_default`."""
     block_q, block_h = _tile(num_heads, block_q)
     splits = _splits(num_tokens, num_heads, num_seqs, max_pages, page_size, block_h,
@@ -264,11 +259,8 @@ def _seesaw_default(full, uniform_q_len, num_heads, rope, page_size) -> bool:
     H100's ~270 FLOPs a byte), whose tiles need no KV split, and whose pages hold a whole
     64-token block (one TMA copy a half block: the seesaw's compute warpgroups issue their
     own loads, block-table reads included, while the split kernel's memory warpgroup hides
-    page 16's four). H100, B=64, ctx 4096, same runs (docs/benchmarks.md, round 3 sessions
-    27-28): H=128 verify q4 (512 rows), page 64: 502.7 -> 480.7 us (tiles), 459.8 -> 438.7
-    (token-major); slower at page 16 (467.1-468.9 -> 472.8-474.6), H=128 decode (128 rows:
-    125.0 -> 131.7), H=16 decode (114.0 -> 118.1) and H=16 verify q4 (64 rows, 2 splits:
-    121.2 -> 125.3)."""
+    page 16's four). Measured faster only at H=128 verify at page 64; slower at page 16,
+    at H=128 decode and at H=16 (docs/benchmarks.md, kernels)."""
     return (uniform_q_len is not None and uniform_q_len > 1 and uniform_q_len * num_heads >= 256
             and full["num_splits"] == 1 and rope == 64 and full["block_k"] == 64
             and page_size >= 64)
