@@ -37,28 +37,35 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._device import num_sms
 from pallas_kernels.grouped_matmul.grouped_matmul import (SUPPORTED_DTYPES, check_ffn_weights,
                                                           largest_block)
 
 DOT_ROWS = 16                   # Triton's smallest dot: x's one row, then zero rows
 MAX_TOKENS = 2                  # batch-1 decode: one row, or `generate`'s two
-TARGET_PROGRAMS = 128           # about one per SM of an H100 (132 SMs; 128 leaves 3% idle)
 STAGE_BYTES = 64 * 1024         # gate + up weight bytes per pipeline step (bf16)
+
+
+def target_programs() -> int:
+    """About one program per SM, leaving at most 1/32 of them idle (128 of an H100's 132):
+    the layer is one wave, so every SM must share the weight read."""
+    sms = num_sms()
+    return sms - sms // 32
 
 
 def default_blocks(k: int, E: int, I: int) -> tuple[int, int, int]:
     """(block_n, block_k, block_e). block_n: hidden columns per program, halved from 128 until
-    the k x I / block_n programs reach TARGET_PROGRAMS (every SM must share the weight read).
+    the k x I / block_n programs reach `target_programs()`.
     block_k: rows of E per gate/up step, as many as fit STAGE_BYTES (256 at 64 columns).
     block_e: 256 output columns per down step.
 
     Chosen by an H100 sweep at one V2-Lite token (kernel time alone; docs/kernels.md). A
     wide step, not a deep pipeline, keeps enough bytes in flight: with 128-row
-    steps, 2 stages ran faster than 3, 4 or 5 (Nsight Compute: 43.0 against 45.4 / 46.4 /
-    48.0 us). The V3 slice (8 of 128 experts, 705 MB; `bench moe`, whole layer): 128 columns
-    246 us against 275 at 64."""
+    steps, 2 stages ran faster than 3, 4 or 5. At the V3 slice (8 of 128 experts) 128
+    columns beat 64."""
     bn = largest_block(I, 128)
-    while bn > 16 and k * (I // bn) < TARGET_PROGRAMS and I % (bn // 2) == 0:
+    target = target_programs()
+    while bn > 16 and k * (I // bn) < target and I % (bn // 2) == 0:
         bn //= 2
     rows = max(16, STAGE_BYTES // (2 * 2 * bn))
     return bn, largest_block(E, min(rows, 256)), largest_block(E, 256)

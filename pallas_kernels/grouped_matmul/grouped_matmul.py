@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._device import num_sms
 from pallas_kernels.grouped_matmul.kernel import grouped_matmul_kernel
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -44,13 +45,18 @@ def largest_block(dim: int, cap: int, floor: int = 16) -> int:
     return b if b >= floor else 0
 
 
-TARGET_PROGRAMS = 264           # ~2 programs per SM of an H100 (132 SMs)
+PROGRAMS_PER_SM = 2             # two waves: one program's tail overlaps the next's start
+
+
+def target_programs() -> int:
+    """Programs the default blocks aim for: PROGRAMS_PER_SM on every SM of this GPU."""
+    return PROGRAMS_PER_SM * num_sms()
 
 
 def default_blocks(M: int, G: int, K: int, N: int, block_m: int, block_k: int,
                    tiles: int | None = None) -> tuple[int, int]:
     """(block_n, num_splits) so that the tiles that hold rows (at most ceil(M / block_m) +
-    min(G, M)) x column blocks x K splits give >= TARGET_PROGRAMS programs: at decode sizes a
+    min(G, M)) x column blocks x K splits give >= `target_programs()`: at decode sizes a
     few expert tiles must still spread over every SM, since each program's share of the weight
     read is what the step waits for. K is split first (up to 8 ways, >= 2 K blocks per split),
     keeping 128-wide weight tiles (bytes in flight per program); then block_n is halved, down
@@ -59,11 +65,12 @@ def default_blocks(M: int, G: int, K: int, N: int, block_m: int, block_k: int,
     hold rows, when the caller knows better than the bound."""
     tiles = tiles or -(-M // block_m) + min(G, M)
     b = largest_block(N, 128) or 128
+    target = target_programs()
     splits = 1
-    while (tiles * (N // b) * splits < TARGET_PROGRAMS and splits < 8
+    while (tiles * (N // b) * splits < target and splits < 8
            and K % (block_k * splits * 2) == 0 and K // (block_k * splits * 2) >= 2):
         splits *= 2
-    while b > 16 and tiles * (N // b) * splits < TARGET_PROGRAMS and N % (b // 2) == 0:
+    while b > 16 and tiles * (N // b) * splits < target and N % (b // 2) == 0:
         b //= 2
     return b, splits
 

@@ -40,13 +40,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._device import HOPPER_SMEM_BYTES
 from pallas_kernels._hopper import aligned_copy, interpret_params
 
 TILE_M = 128            # rows per CTA: two compute warpgroups of wgmma's M = 64
 BLOCK_K = 64            # K per ring slot: one 128-byte swizzled row of bf16
 WG_ROWS = 64
-SMEM_LIMIT = 227 * 1024
-NUM_SMS = 132           # H100 / H200 SXM: the persistent grid's default CTA count
+SMEM_LIMIT = HOPPER_SMEM_BYTES
 BAND_TILES = 8          # tiles per band of the work items' order (`tile_bands`)
 
 
@@ -225,14 +225,14 @@ def grouped_matmul_mgpu(xp: jax.Array, weights: tuple, tile_group: jax.Array, *,
                         num_ctas: int | None = None, band_tiles: int | None = None,
                         tile_rows: jax.Array | None = None,
                         interpret: bool = False) -> jax.Array:
-    """xp [Mp, K] (Mp a multiple of 128) times each tile's expert of one weight [G, K, N]
-    -> [Mp, N], or of two (gate, up) -> activation(xp @ gate) * (xp @ up), float32 math, in
-    xp's dtype. num_ctas: None, one CTA per (tile, column block); or a persistent grid of
-    that many CTAs (e.g. NUM_SMS) looping over the work items, whose memory warpgroup loads
-    the next item's first blocks while the compute warpgroups store the last (the output
-    stage then takes its own shared memory, fewer ring slots may fit). band_tiles: the work
-    items' order, runs of tiles of one group in bands of at most this many tiles, each
-    band's tiles fastest (`tile_bands`; default BAND_TILES; 1 runs column blocks fastest).
+    """xp [Mp, K] (Mp a multiple of 128) times each tile's expert of one weight [G, K, N] -> [Mp,
+    N], or of two (gate, up) -> activation(xp @ gate) * (xp @ up), float32 math, in xp's dtype.
+    num_ctas: None, one CTA per (tile, column block); or a persistent grid of that many CTAs
+    (e.g. `_device.num_sms()`) looping over the work items, whose memory warpgroup loads the
+    next item's first blocks while the compute warpgroups store the last (the output stage then
+    takes its own shared memory, fewer ring slots may fit). band_tiles: the work items' order,
+    runs of tiles of one group in bands of at most this many tiles, each band's tiles fastest
+    (`tile_bands`; default BAND_TILES; 1 runs column blocks fastest).
     tile_rows: int32[n_tiles], each tile's live rows (its first ones; `tile_live_rows`), or
     None for all: a compute warpgroup whose 64 rows are all past them skips its products,
     and its output rows are left unwritten. See the module docstring for the layouts;

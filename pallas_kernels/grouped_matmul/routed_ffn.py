@@ -26,6 +26,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._device import num_sms
 from pallas_kernels._hopper import on_hopper
 from pallas_kernels.grouped_matmul.grouped_matmul import (check_ffn_weights, check_operands,
                                                           check_splits,
@@ -116,8 +117,8 @@ MOSAIC_ROWS_PER_EXPERT = 256
 
 def default_kernel(x, w_gate, interpret: bool) -> str:
     """"mosaic" from a mean of 256 rows per expert on a Hopper GPU where its shapes fit
-    (`mosaic_fits`), else "triton" (decode sizes, other GPUs, interpreted runs): below 256 rows per expert
-    the Triton kernel measured as fast or faster (`bench moe`). The environment
+    (`mosaic_fits`), else "triton" (decode sizes, other GPUs, interpreted runs): below 256
+    rows per expert the Triton kernel measured as fast or faster (`bench moe`). The environment
     variable MTPJAX_MOE_KERNEL (triton / mosaic) overrides it at prefill sizes
     (`is_prefill`)."""
     if not is_prefill(x.shape[0], w_gate.shape[0]):
@@ -162,7 +163,7 @@ def _mosaic_kernels(w_gate, w_up, w_down, *, activation, gate_up_blocks, down_bl
     bn = (gate_up_blocks or (None,))[0] or _widest(I, 128)
     dbn = (down_blocks or (None,))[0] or _widest(E, 256)
     mgpu = _mgpu()
-    ctas = mgpu.NUM_SMS if persistent is True else (persistent or None)
+    ctas = num_sms() if persistent is True else (persistent or None)
 
     def run(xp, tile_group, tile_rows):
         hp = mgpu.grouped_matmul_mgpu(xp, (w_gate, w_up), tile_group, activation=activation,

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _checks
+from pallas_kernels._device import HOPPER_SMEM_BYTES, num_sms
 from pallas_kernels._hopper import on_hopper
 from pallas_kernels.paged_reference import paged_attention_tokens, ragged_token_rows
 from pallas_kernels.mla_paged_attention.kernel import mla_core
@@ -33,7 +34,6 @@ _TUNING_KEYS = ("block_q", "block_h", "block_k", "num_splits", "num_warps", "num
                 "seesaw")
 _MOSAIC_FLAGS = ("share_logits", "compact", "seesaw")   # bool options of kernel="mosaic" only
 KERNELS = ("triton", "mosaic")
-_NUM_SMS = 132  # H100 / H200
 MAX_ROWS = 64   # default tile rows (block_q * block_h): a [64, 512] f32 accumulator
 
 
@@ -93,7 +93,7 @@ def _splits(num_tokens, num_heads, num_seqs, max_pages, page_size, block_h, bloc
     blocks long."""
     items = min(num_seqs, num_tokens) * (num_heads // block_h)
     splits = 1
-    while (items * splits * 2 <= waves * _NUM_SMS
+    while (items * splits * 2 <= waves * num_sms()
            and splits * 2 * block_k * 4 <= max_pages * page_size):
         splits *= 2
     return splits
@@ -104,7 +104,7 @@ def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_
 
     rows = block_q * block_h <= 64 (a [64, 512] f32 accumulator is half the register file).
     Decode-sized tiles (<= 16 rows): 4 warps, no software pipelining, KV splits for ~2 waves
-    of 132 SMs. Larger tiles: 8 warps, 2 pipeline stages, splits for ~1 wave (one CTA per SM
+    over the SMs. Larger tiles: 8 warps, 2 pipeline stages, splits for ~1 wave (one CTA per SM
     fits). Both: 32-token KV blocks with the logits computed keys first (None here: on unless
     value_split or qk_chunk is given, or a decode-sized tile's block spans several pages).
     32-token blocks keys first beat 64-token blocks query first at every H100/H200 shape
@@ -240,7 +240,7 @@ def default_kernel(q, latent, rank, interpret) -> str:
 def mosaic_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_q=1):
     """Tiles and splits of the Mosaic-GPU kernel: 64-row tiles (block_q * block_h <= 64),
     64-token KV blocks (wgmma's K for the values), 2 shared-memory stages (what fits beside
-    the query tile: 3 x 72 KiB), KV splits for ~1 wave of 132 SMs (one CTA per SM).
+    the query tile: 3 x 72 KiB), KV splits for ~1 wave over the SMs (one CTA per SM).
     compact None: on for uniform batches (`uniform_q_len` given: decode and verify steps),
     off otherwise: compact tiles skip the padding rows a 64-row tile of a small H carries
     (no gain at H=128 verify, whose tiles are full either way).
@@ -315,10 +315,10 @@ def _mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs, rank, sm_scal
                          f"{full['block_k']}")
     smem = 2 * (MAX_ROWS + full["num_stages"] * full["block_k"]) * width + 2 * 1024 + (
         2 * MAX_ROWS * full["block_k"] if full["share_logits"] else 0)
-    if full["num_stages"] < 2 or smem > 227 * 1024:
+    if full["num_stages"] < 2 or smem > HOPPER_SMEM_BYTES:
         raise ValueError(f"kernel='mosaic': num_stages={full['num_stages']} with block_k="
                          f"{full['block_k']} needs {smem} B of shared memory; it takes >= 2 "
-                         f"stages within 227 KiB")
+                         f"stages within {HOPPER_SMEM_BYTES // 1024} KiB")
     sm_scale = _splits_and_scale(full["num_splits"], sm_scale, width)
     return _mla_mosaic(q, latent, block_tables, kv_lens, cu_q_lens, num_seqs.reshape(()),
                        rank=rank, sm_scale=sm_scale, block_q=full["block_q"],

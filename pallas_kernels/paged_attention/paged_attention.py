@@ -13,19 +13,19 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _checks
+from pallas_kernels._device import num_sms
 from pallas_kernels._paged_core import pad_group, paged_core, unpad_group
 from pallas_kernels.paged_reference import paged_attention_rows
 
 MAX_Q = 8
 _TUNING_KEYS = ("pages_per_block", "num_splits", "num_warps", "num_stages", "direct_items")
-_NUM_SMS = 132  # H100 / H200
 
 
 def _default_num_splits(batch, num_kv_heads, max_pages, pages_per_block):
     """Split the KV so that small batches still fill the GPU (~2 waves)."""
     programs = batch * num_kv_heads
     splits = 1
-    while programs * splits * 2 <= 2 * _NUM_SMS and splits * 2 * pages_per_block <= max_pages:
+    while programs * splits * 2 <= 2 * num_sms() and splits * 2 * pages_per_block <= max_pages:
         splits *= 2
     return splits
 
