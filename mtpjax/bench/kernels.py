@@ -93,8 +93,8 @@ def gpu_kernel_events(fn, args, runs: int = 1) -> list:
 def is_compute_stream(name: str) -> bool:
     """Is a GPU plane's line a stream that runs kernels? Streams are named by what ran on
     them, e.g. "Stream #14(Compute)", "Stream #15(MemcpyH2D)", and one that also copied device
-    to device "Stream #14(Memset,Compute,MemcpyD2D)" (the MoE layer's prefill program: a filter on "memcpy"
-    alone would drop its kernels)."""
+    to device "Stream #14(Memset,Compute,MemcpyD2D)" (the MoE layer's prefill
+    program: a filter on "memcpy" alone would drop its kernels)."""
     name = name.lower()
     return "stream" in name and ("compute" in name or "memcpy" not in name)
 

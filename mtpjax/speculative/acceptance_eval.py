@@ -1,10 +1,11 @@
 """Acceptance of a model's MTP drafts on a set of prompts: `mtpjax.eval_acceptance`.
 
 Runs `mtpjax.generate` (speculative, the compiled on-device loop) once per temperature and reads
-its statistics (`speculative/metrics.py: SpecStats`). Vocabulary (docs/spec_decoding.md): acceptance rate =
-accepted drafts / proposed drafts; mean acceptance length = committed tokens / verify steps
-(bonus token included, 1..K+1); per-position acceptance[i] = P(draft i+1 accepted) per verify
-step; the histogram counts verify steps by tokens committed (index n = n tokens; 0 unused).
+its statistics (`speculative/metrics.py: SpecStats`). Vocabulary (docs/spec_decoding.md):
+acceptance rate = accepted drafts / proposed drafts; mean acceptance length = committed tokens /
+verify steps (bonus token included, 1..K+1); per-position acceptance[i] = P(draft i+1 accepted)
+per verify step; the histogram counts verify steps by tokens committed (index n = n tokens; 0
+unused).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Acceptance statistics, accumulated on device and finalised on the host.
 
-Vocabulary (docs/spec_decoding.md): num_accepted counts the bonus token (1..K+1). acceptance rate = accepted
-drafts / proposed drafts. mean acceptance length = committed tokens / verify steps (per request).
-per-position acceptance[i] = P(draft i+1 accepted). Never mixed up.
+Vocabulary (docs/spec_decoding.md): num_accepted counts the bonus token (1..K+1). acceptance
+rate = accepted drafts / proposed drafts. mean acceptance length = committed tokens / verify
+steps (per request). per-position acceptance[i] = P(draft i+1 accepted). Never mixed up.
 """
 
 from __future__ import annotations
