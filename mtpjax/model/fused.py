@@ -1,11 +1,11 @@
 """Fused projections for serving: q/k/v and gate/up weights concatenated once, at load.
 
-A decode step reads every weight once; what it pays beyond the bytes is per-kernel: a launch
-and a tail for every small GEMM. At the 8B shape on an H100 the k and v projections (8 MB each) ran well below the large ones'
-bandwidth (docs/benchmarks.md). Concatenating `wq | wk | wv` into one `wqkv [E, (NH + 2 KV) hd]` and `w_gate | w_up` into
-one `w_gate_up [E, 2I]` makes each group one GEMM that reads the same bytes. XLA's DotMerger
-would do the same merge *per call* (a copy of the weights every step: why `step_jit` turns it
-off); here it happens once.
+A decode step reads every weight once; what it pays beyond the bytes is per-kernel: a launch and
+a tail for every small GEMM. At the 8B shape on an H100 the k and v projections (8 MB each) ran
+well below the large ones' bandwidth (docs/benchmarks.md). Concatenating `wq | wk | wv` into one
+`wqkv [E, (NH + 2 KV) hd]` and `w_gate | w_up` into one `w_gate_up [E, 2I]` makes each group one
+GEMM that reads the same bytes. XLA's DotMerger would do the same merge *per call* (a copy of
+the weights every step: why `step_jit` turns it off); here it happens once.
 
 Modes (`fusion_groups`): `True` / "all" fuses both groups, "qkv" only q/k/v (the small k/v
 GEMMs were the slow ones; gate/up already ran at copy bandwidth, and their concatenation is
