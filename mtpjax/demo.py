@@ -25,11 +25,11 @@ import numpy as np
 
 import mtpjax
 
-# docs/benchmarks.md, "8B e2e on the final code" (commit 13b886c; H100, Llama-3-8B shape, random
+# docs/benchmarks.md, "Plain and MTP, batch 1 and 32" (commit 0819bea; H100, Llama-3-8B shape, random
 # bf16 weights, K=3 chain drafts at synthetic acceptance 0.8): the engine rows at batch 1.
 # tests/test_demo.py checks these against the docs file.
-GPU_8B_BATCH1 = {"commit": "13b886c", "plain_ms": 6.49, "plain_tok_s": 154, "mtp_ms": 8.53,
-                 "mtp_tokens_per_step": 3.02, "mtp_tok_s": 346}
+GPU_8B_BATCH1 = {"commit": "0819bea", "plain_ms": 6.16, "plain_tok_s": 162, "mtp_ms": 7.87,
+                 "mtp_tokens_per_step": 3.02, "mtp_tok_s": 375}
 # docs/benchmarks.md, "Batch 1 over four seeds" (commit 8fa0a18): engine batch 1, mean of four
 # seeds, K=3 with and without a 32k-token draft vocabulary (SpecConfig.draft_vocab_size).
 GPU_8B_SEEDS = {"commit": "8fa0a18", "plain_tok_s": 160, "mtp_tok_s": 352,

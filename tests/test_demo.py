@@ -11,7 +11,7 @@ DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 def _e2e_rows(commit):
     text = open(DOCS).read()
-    lines = text[text.index(f"**8B e2e on the final code** (commit {commit}"):].splitlines()
+    lines = text[text.index(f"**Plain and MTP, batch 1 and 32** (commit {commit}"):].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     rows = {}
     for line in lines[start + 2:]:
@@ -34,7 +34,7 @@ def test_demo_gpu_numbers_match_docs():
 def test_demo_seed_mean_numbers_match_docs():
     g = GPU_8B_SEEDS
     text = open(DOCS).read()
-    section = text[text.index(f"**Batch 1 over four seeds** (call 3, same lease, commit {g['commit']}"):]
+    section = text[text.index(f"**Batch 1 over four seeds** (commit {g['commit']}"):]
     mean = next(line for line in section.splitlines() if line.startswith("| mean |"))
     c = [x.strip().split()[0].strip("*") for x in mean.strip("|").split("|")]
     assert (int(c[2]), int(c[5]), int(c[8])) == (g["plain_tok_s"], g["mtp_tok_s"],
