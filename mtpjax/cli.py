@@ -71,8 +71,8 @@ def _model_args(p: argparse.ArgumentParser):
     g.add_argument("--method", choices=["chain", "multi_layer"], default="chain",
                    help="drafting: chain reuses MTP module 0 K times; multi_layer runs modules "
                         "1..K (needs K <= the module count)")
-    g.add_argument("--acceptance", choices=["rejection", "coupled", "greedy", "relaxed", "synthetic"],
-                   default="rejection",
+    from mtpjax.speculative.rules.registry import acceptance_rule_names  # the registered rules
+    g.add_argument("--acceptance", choices=acceptance_rule_names(), default="rejection",
                    help="acceptance rule for sampled requests (greedy requests always match the "
                         "target's argmax); synthetic is benchmark-only")
     g.add_argument("--synthetic-accept-rate", type=float, default=0.7,

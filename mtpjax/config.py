@@ -605,7 +605,9 @@ class SpecConfig:
     only), "synthetic" (benchmark-only: draft i is accepted with probability
     `synthetic_accept_rate` (or its i-th entry) given that drafts 1..i-1 were, so P(draft i
     accepted) is the product of the first i rates and a verify step commits on average
-    1 + r + ... + r^K tokens for a scalar r; docs/spec_decoding.md).
+    1 + r + ... + r^K tokens for a scalar r; docs/spec_decoding.md), or any rule registered
+    with `mtpjax.speculative.rules.register_acceptance_rule` (which also validates the rule's
+    parameters).
     """
 
     num_speculative_tokens: int = 1
@@ -625,26 +627,14 @@ class SpecConfig:
             _positive_int("draft_vocab_size", self.draft_vocab_size)
         if self.method not in SPEC_METHODS:
             raise ValueError(f"method {self.method!r} is not supported; supported: {SPEC_METHODS}")
-        accept = ("rejection", "coupled", "greedy", "relaxed", "synthetic")
-        if self.acceptance not in accept:
-            raise ValueError(f"acceptance {self.acceptance!r} is not supported; supported: {accept}")
-        _positive_int("relaxed_topk", self.relaxed_topk)
-        if not 0.0 <= self.relaxed_delta <= 1.0:
-            raise ValueError(f"relaxed_delta must be in [0, 1], got {self.relaxed_delta!r}")
-        if self.acceptance == "relaxed" and (self.think_start_token_id is None
-                                             or self.think_end_token_id is None):
-            raise ValueError("relaxed acceptance needs think_start_token_id and think_end_token_id")
-        rates = self.synthetic_accept_rate
-        if isinstance(rates, list):      # keep the config hashable (it is a static jit argument)
-            object.__setattr__(self, "synthetic_accept_rate", tuple(rates))
-        rates = tuple(rates) if isinstance(rates, (tuple, list)) else (rates,)
-        for r in rates:
-            if not 0.0 <= r <= 1.0:
-                raise ValueError(f"synthetic_accept_rate entries must be in [0, 1], got {r!r}")
-        if len(rates) not in (1, self.num_speculative_tokens):
-            raise ValueError(
-                f"synthetic_accept_rate has {len(rates)} entries; expected 1 or K="
-                f"{self.num_speculative_tokens}")
+        # the rule registry (lazy: cycle); an unknown name's error lists the registered rules
+        from mtpjax.speculative.rules.registry import ACCEPTANCE_RULES, acceptance_rule
+        rule = acceptance_rule(self.acceptance)
+        if isinstance(self.synthetic_accept_rate, list):   # hashable: a static jit argument
+            object.__setattr__(self, "synthetic_accept_rate", tuple(self.synthetic_accept_rate))
+        for other in ACCEPTANCE_RULES.values():   # the config carries every rule's parameters
+            other.check_params(self)
+        rule.check_selected(self)
 
     def check_model(self, cfg: ModelConfig) -> None:
         """Raises if the model cannot serve this method."""

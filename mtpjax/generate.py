@@ -31,7 +31,8 @@ from mtpjax.speculative.draft_vocab import attach as attach_draft_vocab
 from mtpjax.speculative.draft_vocab import resolve_ids as draft_vocab_ids
 from mtpjax.speculative.metrics import SpecStats
 from mtpjax.speculative.mixed_step import (KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD, MixedBatch,
-                                           SlotState, mixed_step, thinking_after)
+                                           SlotState, mixed_step)
+from mtpjax.speculative.rules.registry import acceptance_rule
 from mtpjax.step_jit import LOOP_COMPILER_OPTIONS, step_jit
 
 
@@ -161,13 +162,15 @@ def prefill_batch(prompts: list[list[int]], spec: SpecConfig | None, sampling: S
         tokens[cu[i]:cu[i + 1]] = p
         positions[cu[i]:cu[i + 1]] = np.arange(len(p))
         seq_ids[cu[i]:cu[i + 1]] = i
-    relaxed = spec is not None and spec.acceptance == "relaxed"
+    # the acceptance rule's per-slot flag after each prompt (relaxed: inside thinking)
+    flag_after = None if spec is None else acceptance_rule(spec.acceptance).slot_flag
     batch = MixedBatch(
         tokens=tokens, positions=positions, seq_ids=seq_ids, cu_q_lens=cu,
         kv_lens=np.asarray(lens, np.int32), block_tables=block_tables,
         slots=np.arange(B, dtype=np.int32), kinds=np.full(B, KIND_LAST_CHUNK, np.int32),
         next_tokens=np.full((B, K + 1), -1, np.int32),
-        thinking=np.asarray([relaxed and thinking_after(p, spec) for p in prompts]),
+        thinking=np.asarray([flag_after is not None and bool(flag_after(p, spec))
+                             for p in prompts], bool),
         hist_from=np.zeros(B, np.int32), sampling=sampling)
     return batch, bucket_size(sum(max(W, n) for n in lens))
 

@@ -30,8 +30,8 @@ from mtpjax.sampling import (FEATURE_MODES, LOGIT_BIAS_SLOTS, SAMPLING_MODES, Sa
 from mtpjax.speculative.draft import draft_shape
 from mtpjax.speculative.draft_vocab import attach as attach_draft_vocab
 from mtpjax.speculative.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
-                                           KIND_RESUME, MixedBatch, SlotState, mixed_step,
-                                           thinking_after)
+                                           KIND_RESUME, MixedBatch, SlotState, mixed_step)
+from mtpjax.speculative.rules.registry import acceptance_rule
 from mtpjax.step_jit import step_jit
 
 
@@ -228,10 +228,12 @@ class ModelRunner:
                 after = seq.token_ids[s + n:s + n + K + 1]
                 next_tokens[i, :len(after)] = after
                 first_pass += max(self.W, n)
-                if self.spec is not None and self.spec.acceptance == "relaxed":
-                    # a resume row's phase includes its pending token (a decode's state does)
+                flag_after = (None if self.spec is None else
+                              acceptance_rule(self.spec.acceptance).slot_flag)
+                if flag_after is not None:   # the rule's per-slot flag (relaxed: thinking)
+                    # a resume row's flag includes its pending token (a decode's state does)
                     upto = s + n + (1 if kinds[i] == KIND_RESUME else 0)
-                    thinking[i] = thinking_after(seq.token_ids[:upto], self.spec)
+                    thinking[i] = flag_after(seq.token_ids[:upto], self.spec)
                 kv_lens[i] = s + n
             else:
                 # positions, tokens and kv_len come from the slot's device state

@@ -36,7 +36,9 @@ def build_parser(prog: str = "mtpjax serve") -> argparse.ArgumentParser:
                    help="drafts per verify step; default: the checkpoint's MTP module count "
                         "(MTP on when it has any); 0 turns MTP off")
     g.add_argument("--method", choices=["chain", "multi_layer"], default="chain")
-    g.add_argument("--acceptance", choices=["rejection", "coupled", "greedy"],
+    from mtpjax.speculative.rules.registry import acceptance_rule, acceptance_rule_names
+    served = [n for n in acceptance_rule_names() if acceptance_rule(n).offered_by_server]
+    g.add_argument("--acceptance", choices=served,
                    default="rejection", help="the acceptance rule of every request (lossless "
                    "rules only over HTTP)")
     g = p.add_argument_group("engine")

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from mtpjax.sampling import (GREEDY_MODES, apply_logit_bias, filtered_probs, position_keys,
-                             sample_from_probs)
+from mtpjax.sampling import apply_logit_bias, position_keys, sample_from_probs
+from mtpjax.speculative.rules.registry import AcceptInputs, acceptance_rule
 
 
 def _check_shapes(name: str, target, draft_tokens, num_drafts, draft_probs=None) -> int:
@@ -224,7 +224,7 @@ def draft_token_probs(draft_probs, draft_tokens):
     return jnp.take_along_axis(draft_probs, idx, -1)[..., 0]
 
 
-def _rejection_when_greedy(target_logits, draft_tokens, num_drafts, draft_q=None):
+def rejection_when_greedy(target_logits, draft_tokens, num_drafts, draft_q=None):
     """accept_rejection's exact output when every target distribution p is one-hot (greedy
     requests), whatever the draft distributions q: draft d is kept iff q(d) > 0 and
     u * q(d) < p(d), i.e. iff d is the argmax and q(d) > 0; the residual max(p - q, 0) at a
@@ -324,11 +324,13 @@ _CONTRACT_ARGS = {
 
 def apply_acceptance(spec, logits, drafts, draft_probs, num_drafts, in_thinking, sp, key_positions,
                      own_drafts: bool = False):
-    """The rule `spec.acceptance` names, for every request of a batch.
+    """The rule `spec.acceptance` names (its registry entry, `speculative/rules/`), for every
+    request of a batch.
 
     logits f32[B, K+1, V]; drafts int32[B, K]; draft_probs f32[B, K, V]; num_drafts int32[B];
-    in_thinking bool[B]; sp: SamplingArrays; key_positions int32[B]: position of the first token
-    this step commits (its key is fold_in(request key, position), stream 1).
+    in_thinking bool[B]: the rule's per-slot flag (relaxed: inside thinking); sp:
+    SamplingArrays; key_positions int32[B]: position of the first token this step commits (its
+    key is fold_in(request key, position), stream 1).
     own_drafts (static): the drafts are those `run_drafts` drew from draft_probs in the same
     device state (mixed_step), so each has q(d) > 0 by construction. Rejection sampling's
     greedy mode then skips its q(d) > 0 test: reading q(d) would gather the [B, K, V]
@@ -341,27 +343,8 @@ def apply_acceptance(spec, logits, drafts, draft_probs, num_drafts, in_thinking,
     logits = apply_logit_bias(logits, sp)
     keys = jax.vmap(jax.random.fold_in)(position_keys(sp.keys, key_positions),
                                         jnp.full(key_positions.shape, 1, jnp.uint32))
-    if spec.acceptance == "greedy":
-        return (*accept_greedy(logits, drafts, num_drafts), in_thinking)
-    if spec.acceptance == "coupled":
-        K1 = logits.shape[1]
-        pos = key_positions[:, None] + jnp.arange(K1, dtype=key_positions.dtype)[None, :]
-        pkeys = jax.vmap(position_keys, in_axes=(None, 1), out_axes=1)(sp.keys, pos)  # [B,K+1,2]
-
-        if sp.mode in GREEDY_MODES:  # one-hot p: the target's own sample is its argmax
-            return (*_rejection_when_greedy(logits, drafts, num_drafts), in_thinking)
-        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode, sp.min_p)
-        return (*accept_coupled(p, drafts, num_drafts, pkeys), in_thinking)
-    if spec.acceptance == "rejection":
-        if sp.mode in GREEDY_MODES:
-            # every p is one-hot, where rejection sampling is exact match (the same output)
-            draft_q = None if own_drafts else draft_token_probs(draft_probs, drafts)
-            return (*_rejection_when_greedy(logits, drafts, num_drafts, draft_q), in_thinking)
-        p = filtered_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.mode, sp.min_p)
-        return (*accept_rejection(p, draft_probs, drafts, num_drafts, keys), in_thinking)
-    if spec.acceptance == "relaxed":
-        return accept_relaxed(logits, drafts, num_drafts, in_thinking, topk=spec.relaxed_topk,
-                              delta=spec.relaxed_delta, think_start=spec.think_start_token_id,
-                              think_end=spec.think_end_token_id)
-    rates = jnp.asarray(spec.synthetic_rates(), jnp.float32)
-    return (*accept_synthetic(logits, drafts, num_drafts, rates, keys), in_thinking)
+    rule = acceptance_rule(spec.acceptance)
+    return rule.accept(spec, AcceptInputs(logits=logits, drafts=drafts, draft_probs=draft_probs,
+                                          num_drafts=num_drafts, flag=in_thinking, sampling=sp,
+                                          key_positions=key_positions, keys=keys,
+                                          own_drafts=own_drafts))

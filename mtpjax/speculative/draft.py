@@ -29,6 +29,7 @@ from mtpjax.cache import KVCache, PagedBatch
 from mtpjax.config import ModelConfig, SpecConfig
 from mtpjax.model.mtp import mtp_forward_cached
 from mtpjax.speculative.draft_vocab import draft_logits
+from mtpjax.speculative.rules.registry import acceptance_rule
 from mtpjax.sampling import (GREEDY_MODES, SamplingArrays, apply_logit_bias, filtered_probs,
                              position_keys, sample_from_probs)
 
@@ -121,11 +122,13 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
     drafting = jnp.ones((R,), bool) if drafting is None else drafting
     drafts = jnp.zeros((R, K), jnp.int32)
     probs = jnp.zeros((R, K, V), jnp.float32)
+    # coupled acceptance: the drafter draws with the target's keys (the rule's entry says)
+    shared_keys = acceptance_rule(spec.acceptance).drafts_share_target_keys
 
     def draw(normed_rows, i):
         logits, ids = draft_logits(params, normed_rows)
         return draw_draft(logits, sp, seq_len + 1 + i, source=source, forced=forced,
-                          coupled=spec.acceptance == "coupled", vocab_ids=ids, vocab_size=V)
+                          coupled=shared_keys, vocab_ids=ids, vocab_size=V)
 
     def record(drafts, probs, tok, q, i):
         drafts = jax.lax.dynamic_update_index_in_dim(drafts, tok, i, axis=1)

@@ -31,6 +31,7 @@ from mtpjax.model.transformer import forward_cached, logits_from_hidden
 from mtpjax.sampling import SamplingArrays, apply_logit_bias, processed_logprob_top, sample
 from mtpjax.speculative.accept import apply_acceptance
 from mtpjax.speculative.draft import draft_shape, run_drafts
+from mtpjax.speculative.rules.relaxed import thinking_after  # noqa: F401 (notebooks import it here)
 
 KIND_PAD, KIND_DECODE, KIND_CHUNK, KIND_LAST_CHUNK, KIND_RESUME = 0, 1, 2, 3, 4
 
@@ -44,7 +45,8 @@ class SlotState:
     hist_hidden: jax.Array    # [S, W, E]     target hidden at positions N-W..N-1
     drafts: jax.Array         # int32[S, K]
     draft_probs: jax.Array    # f32[S, K, V]
-    in_thinking: jax.Array    # bool[S]
+    in_thinking: jax.Array    # bool[S]       the acceptance rule's per-slot flag (relaxed:
+                              #               inside thinking; AcceptanceRule.slot_flag)
     seq_len: jax.Array        # int32[S]      N: positions with committed KV
     pending: jax.Array        # int32[S]      the committed token at position N (no KV yet)
 
@@ -74,8 +76,8 @@ class MixedBatch:
     kinds: jax.Array          # int32[R]     KIND_*
     next_tokens: jax.Array    # int32[R, K+1] prompt tokens at positions end..end+K of a
                               #              non-final chunk (-1 past the prompt)
-    thinking: jax.Array       # bool[R]      phase after the prompt (final chunks, relaxed rule;
-                              #              resume rows: after every committed token)
+    thinking: jax.Array       # bool[R]      the rule's per-slot flag after the prompt (final
+                              #              chunks; resume rows: after every committed token)
     hist_from: jax.Array      # int32[R]     first position this residency computed itself;
                               #              earlier KV came from the prefix cache (no history)
     sampling: SamplingArrays  # per row
@@ -247,14 +249,3 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
 
 def _want(batch: MixedBatch, R: int):
     return jnp.ones((R,), bool) if batch.want_logprobs is None else batch.want_logprobs
-
-
-def thinking_after(tokens, spec: SpecConfig) -> bool:
-    """Host side: is a request inside its thinking phase after `tokens` (relaxed rule)?"""
-    start = end = -1
-    for i, t in enumerate(tokens):
-        if t == spec.think_start_token_id:
-            start = i
-        elif t == spec.think_end_token_id:
-            end = i
-    return start > end
