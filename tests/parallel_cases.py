@@ -353,20 +353,13 @@ def case_pallas_per_device() -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
     from mtpjax.cache import PagedBatch
     from mtpjax.model.backend import AttentionBackend
+    from mtpjax.model.gqa import GQAPages
     from mtpjax.parallel import replicated
     mesh = mtpjax.make_mesh(tensor_parallel=2)
     rng = np.random.default_rng(0)
     KVH, NH, hd, num_pages, S = 2, 4, 64, 6, 8
     k, v = (rng.standard_normal((KVH, num_pages, S, hd)).astype(np.float32) for _ in range(2))
     tables = np.asarray([[3, 1, 0], [5, 2, 4]], np.int32)
-
-    class Pages:                       # the backend reads pages through kv_views
-        def __init__(self, k, v):
-            self.k, self.v = k, v
-
-        def kv_views(self):
-            return self.k, self.v
-
     uniform = PagedBatch.uniform(jnp.asarray([[9, 10], [14, 15]], jnp.int32), tables)
     ragged = PagedBatch(positions=jnp.asarray([0, 1, 2, 10, 11, -1], jnp.int32),
                         seq_ids=jnp.asarray([0, 0, 0, 1, 1, 0], jnp.int32),
@@ -375,9 +368,9 @@ def case_pallas_per_device() -> dict:
     out = {}
     for name, batch in (("uniform", uniform), ("ragged", ragged)):
         q = rng.standard_normal((batch.positions.shape[0], NH, hd)).astype(np.float32)
-        ref = AttentionBackend("reference").paged_attention(q, Pages(k, v), batch)
+        ref = AttentionBackend("reference").paged_attention(q, GQAPages(k, v), batch)
         be = AttentionBackend("pallas_interpret", mesh=mesh)
-        run = jax.jit(lambda q, k, v, b: be.paged_attention(q, Pages(k, v), b))
+        run = jax.jit(lambda q, k, v, b: be.paged_attention(q, GQAPages(k, v), b))
         got = run(jax.device_put(q, NamedSharding(mesh, P(None, "model"))),
                   jax.device_put(k, NamedSharding(mesh, P("model"))),
                   jax.device_put(v, NamedSharding(mesh, P("model"))),

@@ -63,8 +63,8 @@ def test_dispatch_runs_the_mosaic_mla_kernel_on_a_verify_batch(monkeypatch):
     import jax.numpy as jnp
 
     from mtpjax.cache import PagedBatch
-    from mtpjax.model.attention import paged_attention_reference
-    from mtpjax.model.pallas_dispatch import paged_attention
+    from mtpjax.model.backend import AttentionBackend
+    from mtpjax.model.mla import LatentPages
     from pallas_kernels.mla_paged_attention import mosaic_tiles
     from tests.kernel_oracle import TOL, rel_err
 
@@ -79,10 +79,10 @@ def test_dispatch_runs_the_mosaic_mla_kernel_on_a_verify_batch(monkeypatch):
     positions = np.stack([np.arange(k - 4, k) for k in kv]).clip(min=-1)   # [3, 4]
     tables = rng.permutation(18)[:15].reshape(3, 5)
     batch = PagedBatch.uniform(jnp.asarray(positions, jnp.int32), jnp.asarray(tables))
-    k_pages = jnp.asarray(rng.standard_normal((1, 18, page, width)), jnp.bfloat16)
+    pages = LatentPages(jnp.asarray(rng.standard_normal((18, page, width)), jnp.bfloat16), rank)
     q = jnp.asarray(rng.standard_normal((12, heads, width)), jnp.bfloat16)
-    got = paged_attention(q, k_pages, k_pages[..., :rank], batch, sm_scale=0.1, interpret=True)
-    want = paged_attention_reference(q, k_pages, k_pages[..., :rank], batch, sm_scale=0.1)
+    got = AttentionBackend("pallas_interpret").paged_attention(q, pages, batch, sm_scale=0.1)
+    want = AttentionBackend("reference").paged_attention(q, pages, batch, sm_scale=0.1)
     live = np.asarray(batch.positions) >= 0
     assert calls == [(3, 4, heads, width)]      # it ran, token-major: 64-row tiles in place
     assert got.shape == (12, heads, rank)

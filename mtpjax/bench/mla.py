@@ -17,9 +17,10 @@ own timestamps (`kernels.chained_gpu_time`; the gaps between the calls' kernels 
 the clock of the floor's bandwidth (CUDA events, or XLA's own span), so `x_floor_gpu` is the
 ratio to the floor and ranks the variants; `us`, the host wall-clock marginal per call between
 jits of 32 and 8 calls (`kernels.timeit`), which also holds host work that grows with the
-program's calls before its first kernel starts (docs/benchmarks.md has both clocks). Peer: the model's plain-jnp paged
-attention (`mtpjax.model.attention.paged_attention_reference` on `LatentPages.kv_views()`,
-what the MLA layer runs without the kernel) under XLA. `--sweep` also times tuning variants
+program's calls before its first kernel starts (docs/benchmarks.md has both clocks). Peer: the
+model's plain-jnp paged attention (the MLA route's reference,
+`mtpjax.model.attention_routes.mla_reference`: what the MLA layer runs without the kernel) under
+XLA. `--sweep` also times tuning variants
 (best shown, all in $OUT/mla.json). GPU only. The default variant runs the wrapper's default
 kernel (the Mosaic-GPU one on Hopper); `--variants "kernel=triton"` adds the Triton kernel as
 a same-run peer; `--sweep`'s variants are the Triton kernel's options and name it.
@@ -80,14 +81,13 @@ def floor_of(q_lens, kv_lens, h, page, copy_bw, mm_rate):
 def xla_peer(q_len, b):
     """The model's reference path on a uniform batch (what MLA runs today without a kernel)."""
     from mtpjax.cache import PagedBatch
-    from mtpjax.model.attention import paged_attention_reference
+    from mtpjax.model.attention_routes import mla_reference
     from mtpjax.model.mla import LatentPages
 
     def f(q, lat, bt, kv_lens, cu, n):
         pos = kv_lens[:, None] - q_len + jnp.arange(q_len)[None, :]
         batch = PagedBatch.uniform(pos, bt)
-        k, v = LatentPages(lat, RANK).kv_views()
-        return paged_attention_reference(q, k, v, batch, sm_scale=WIDTH ** -0.5)
+        return mla_reference(q, LatentPages(lat, RANK), batch, sm_scale=WIDTH ** -0.5)
     return f
 
 
@@ -175,7 +175,7 @@ def parse_variants(text: str) -> list[dict]:
 
 def variants_for(q_len, h, page, b, ctx, sweep, extra=()):
     # Decode and verify batches are uniform: every row passes uniform_q_len, as the model's
-    # dispatch does (`pallas_dispatch._mla`), so the Mosaic kernel's default takes its tiles
+    # dispatch does (`attention_routes.mla_kernel`), so the Mosaic kernel's default takes its tiles
     # by reshape, with no gathers. `compact=0` times the gather path instead. (A default row without
     # uniform_q_len would time gathers the model never runs.)
     out = [dict(block_q=q_len, uniform_q_len=q_len, **e) for e in ({},) + tuple(extra)]

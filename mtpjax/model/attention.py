@@ -50,7 +50,7 @@ def paged_attention_reference(q, k_pages, v_pages, batch: PagedBatch, *, sm_scal
     """q [N, NH, hd] ragged tokens; k_pages [KVH, P, S, hd], v_pages [KVH, P, S, hd_v]
     -> [N, NH, hd_v]: the one plain-jnp paged attention (`pallas_kernels.paged_reference`) for a
     model batch. GQA pages and MLA latent pages (one shared head, values a prefix of the keys)
-    both come here (`AttentionBackend`).
+    both come here, through their attention routes (`model/attention_routes.py`).
 
     Token n of request s at position p attends to KV positions t <= p with t < kv_lens[s].
     Keys and values past the mask are zeroed before use, so NaN in unused pages never leaks.

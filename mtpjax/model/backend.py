@@ -10,17 +10,50 @@ a shape the kernels cannot serve (it says so once); an explicit "pallas" raises 
 the shape. The object is frozen and hashable: jitted steps take it as one static argument.
 It also carries the run's device mesh (None: one device): the steps pin their state to the
 sharding table on it, and on a mesh of several devices the kernels run per device under
-`shard_map` (`parallel/kernels.py`).
+`shard_map`.
+
+`AttentionBackend.paged_attention` is the one attention dispatch. The pages' type names its
+route (`attention_routes.py`: reference, kernels, which shapes the kernels serve); on a mesh of
+several devices the mesh layer (`parallel/kernels.py`, which registers itself here with
+`register_mesh_layer`: parallel/ imports model/, never the reverse) adds its own layout rule
+and runs the kernel per device. Every "why not the kernel" reason meets one decision: reference,
+warn once and reference, or a ValueError naming the shape.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import warnings
+from typing import Protocol
 
 import jax
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
+
+
+class MeshLayer(Protocol):
+    """Runs a one-device attention kernel on a mesh of several devices (`parallel/kernels.py`)."""
+
+    def unsupported_reason(self, num_heads: int, num_kv_heads: int, mesh) -> str | None: ...
+    def per_device(self, kernel, q, pages, batch, *, num_kv_heads: int, mesh): ...
+
+
+_mesh_layer: list = []          # the registered MeshLayer (one at most)
+_warned: set = set()            # fallback reasons already warned about
+
+
+def register_mesh_layer(layer: MeshLayer) -> MeshLayer:
+    _mesh_layer[:] = [layer]
+    return layer
+
+
+def _registered_mesh_layer(mesh) -> MeshLayer:
+    if not _mesh_layer:
+        raise RuntimeError(f"the Pallas attention kernels on a mesh of {mesh.size} devices need "
+                           "the mesh layer: import mtpjax.parallel (`import mtpjax` does)")
+    return _mesh_layer[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,21 +75,34 @@ class AttentionBackend:
         return self.impl == "pallas_interpret"
 
     def paged_attention(self, q, pages, batch, *, sm_scale=None):
-        """q [N, NH, hd] ragged tokens over one layer's pages -> [N, NH, hd_v].
-
-        One dispatch for every cache kind: the pages say how they read as K and V pages
-        (`kv_views`: GQA pages as they are, MLA latent pages as one shared head whose values are
-        the first kv_lora_rank entries), and the shapes pick the path."""
-        from mtpjax.model.attention import paged_attention_reference
-        k_pages, v_pages = pages.kv_views()
+        """q [N, NH, hd] ragged tokens over one layer's pages -> [N, NH, hd_v]: the one
+        attention dispatch, for every page kind (see the module docstring)."""
+        from mtpjax.model.attention_routes import attention_route
+        route = attention_route(pages)
         if not self.uses_kernels:
-            return paged_attention_reference(q, k_pages, v_pages, batch, sm_scale=sm_scale)
-        from mtpjax.model import pallas_dispatch
+            return route.reference(q, pages, batch, sm_scale=sm_scale)
+        mesh_layer = None
+        reason = None
         if self.mesh is not None and self.mesh.size > 1:
-            from mtpjax.parallel.kernels import per_device_paged_attention
-            return per_device_paged_attention(self, q, k_pages, v_pages, batch, sm_scale=sm_scale)
-        return pallas_dispatch.paged_attention(q, k_pages, v_pages, batch, sm_scale=sm_scale,
-                                               interpret=self.interpret, fallback=self.fallback)
+            mesh_layer = _registered_mesh_layer(self.mesh)
+            reason = mesh_layer.unsupported_reason(q.shape[1], route.num_kv_heads(pages),
+                                                   self.mesh)
+        if reason is None:
+            reason = route.unsupported_reason(q, pages, batch, interpret=self.interpret)
+        if reason is not None:
+            if not self.fallback:                   # an explicit "pallas": say why not
+                raise ValueError(f"the Pallas attention kernels do not support {reason}; use "
+                                 "attention_impl='auto' (falls back to the reference) or "
+                                 "'reference'")
+            if reason not in _warned:               # "auto": the reference (XLA partitions it)
+                _warned.add(reason)
+                warnings.warn(f"Pallas attention does not support {reason}; using the reference")
+            return route.reference(q, pages, batch, sm_scale=sm_scale)
+        kernel = functools.partial(route.kernel, sm_scale=sm_scale, interpret=self.interpret)
+        if mesh_layer is not None:
+            return mesh_layer.per_device(kernel, q, pages, batch,
+                                         num_kv_heads=route.num_kv_heads(pages), mesh=self.mesh)
+        return kernel(q, pages, batch)
 
 
 def resolve_backend(impl: "str | AttentionBackend" = "auto", mesh=None) -> AttentionBackend:

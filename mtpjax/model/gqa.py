@@ -40,10 +40,6 @@ class GQAPages:
         vp = self.v.at[:, page, offset].set(jnp.swapaxes(v, 0, 1).astype(self.v.dtype), mode="drop")
         return GQAPages(kp, vp)
 
-    def kv_views(self):
-        """(k_pages, v_pages) [KVH, P, S, hd]: the layout every paged-attention path reads."""
-        return self.k, self.v
-
 
 def qkv_projection(p: dict, x: jax.Array, positions: jax.Array, cfg):
     """x [..., T, E] -> q [..., T, NH, hd], k/v [..., T, KV, hd] with bias, q/k norm and RoPE."""

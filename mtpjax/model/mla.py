@@ -58,12 +58,6 @@ class LatentPages:
         new = self.latent.at[page, offset].set(latent.astype(self.latent.dtype), mode="drop")
         return LatentPages(new, self.rank)
 
-    def kv_views(self):
-        """(k_pages [1, P, S, R + dr], v_pages [1, P, S, R]): the latent as one shared KV head,
-        the layout every paged-attention path (reference and kernels) reads."""
-        k = self.latent[None]
-        return k, k[..., : self.rank]
-
 
 def softmax_scale(cfg) -> float:
     """(qk_nope + qk_rope)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when set

@@ -7,6 +7,7 @@ from mtpjax.parallel.sharding import (RULES, param_shardings, partition_spec, pi
                                       state_shardings)
 from mtpjax.parallel.placement import create_sharded, replicate, shard_params, sharded_inputs
 from mtpjax.parallel.distributed import initialize, to_host
+from mtpjax.parallel import kernels  # noqa: F401,E402  registers the attention mesh layer
 
 __all__ = ["AXES", "RULES", "check_mesh", "create_sharded", "initialize", "make_mesh",
            "param_shardings", "partition_spec", "pin", "replicate", "replicated", "shard_params",
