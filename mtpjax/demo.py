@@ -157,7 +157,7 @@ def trained_demo(args) -> None:
           "per request); a large model's decode step on a GPU is bound by reading its weights, "
           "which the extra tokens share")
     g = GPU_8B_BATCH1
-    print(f"on an H100 (docs/benchmarks.md, 8B e2e table, commit {g['commit']}; random weights "
+    print(f"on an H100 (docs/benchmarks.md, Llama-3-8B table, commit {g['commit']}; random weights "
           "with synthetic acceptance 0.8 per draft, a benchmark stand-in for a trained head, not "
           f"this model's acceptance): Llama-3-8B shape, batch 1, engine MTP K=3 {g['mtp_tok_s']} tok/s vs plain {g['plain_tok_s']} "
           f"tok/s = {g['mtp_tok_s'] / g['plain_tok_s']:.2f}x at {g['mtp_tokens_per_step']} tokens "
