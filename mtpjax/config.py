@@ -14,13 +14,20 @@ from typing import Any, Mapping
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo", "deepseek_v2", "deepseek_v3", "kimi_k2")
-DEEPSEEK_FAMILY = ("deepseek_v2", "deepseek_v3", "kimi_k2")     # MLA + MoE, DeepSeek MTP layout
+# SUPPORTED_MODEL_TYPES (the model_types of the registered families, mtpjax/models/) is looked
+# up on use by the module __getattr__ below: the families import this module.
 MOE_SCORING_FUNCS = ("sigmoid", "softmax")
 MOE_TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MTP_CONCAT_ORDERS = ("embed_hidden", "hidden_embed")
 SPEC_METHODS = ("chain", "multi_layer")
+
+
+def __getattr__(name):
+    if name == "SUPPORTED_MODEL_TYPES":
+        from mtpjax.models.registry import supported_model_types
+        return supported_model_types()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -110,6 +117,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
+    # RoPE rotates the first rotary_dim = head_dim * partial_rotary_factor dims of each head
+    # (rotate_half within them) and passes the rest through (GLM-4.5: 0.5)
+    partial_rotary_factor: float = 1.0
     max_position_embeddings: int = 4096
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -144,9 +154,8 @@ class ModelConfig:
                                           # | "greedy" | "group_limited_greedy" (V2: group max)
 
     def __post_init__(self):
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {self.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        from mtpjax.models.registry import family_for     # the registry (lazy: cycle)
+        family = family_for(self.model_type)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "max_position_embeddings"):
             _positive_int(name, getattr(self, name))
@@ -185,6 +194,21 @@ class ModelConfig:
         ffn_kind(self.ffn_kind)
         if self.ffn_kind == "moe":
             self._check_moe()
+        self._check_partial_rotary()
+        family.check(self)
+
+    def _check_partial_rotary(self) -> None:
+        f = self.partial_rotary_factor
+        _finite("partial_rotary_factor", f, positive=True)
+        if f > 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {f!r}")
+        object.__setattr__(self, "partial_rotary_factor", float(f))
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} * partial_rotary_factor {f} gives "
+                             f"{self.rotary_dim} rotary dims; expected an even number >= 2")
+        if self.attention_kind == "mla" and f != 1.0:
+            raise ValueError(f"an MLA model rotates its whole qk_rope_head_dim; got "
+                             f"partial_rotary_factor={f}")
 
     def _check_mla(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -225,7 +249,8 @@ class ModelConfig:
         if self.topk_method not in MOE_TOPK_METHODS:
             raise ValueError(f"topk_method {self.topk_method!r} is not supported; supported: "
                              f"{MOE_TOPK_METHODS}")
-        if (self.topk_method == "noaux_tc") != (self.scoring_func == "sigmoid"):
+        from mtpjax.model.moe_routing import routing_for_deepseek   # (lazy: cycle)
+        if routing_for_deepseek(self.scoring_func, self.topk_method) is None:
             raise ValueError(f"topk_method {self.topk_method!r} with scoring_func "
                              f"{self.scoring_func!r}: DeepSeek pairs noaux_tc with sigmoid (V3) "
                              "and greedy / group_limited_greedy with softmax (V2)")
@@ -244,6 +269,22 @@ class ModelConfig:
     def mtp_layer_kind(self) -> tuple[str, str]:
         """(attention kind, FFN kind) of every MTP module's decoder block."""
         return (self.attention_kind, self.ffn_kind)
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates (all unless partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def moe_routing(self) -> str:
+        """The MoE routing rule's name (model/moe_routing.py), from the stored DeepSeek pair
+        (scoring_func, topk_method)."""
+        from mtpjax.model.moe_routing import routing_for_deepseek   # (lazy: cycle)
+        rule = routing_for_deepseek(self.scoring_func, self.topk_method)
+        if rule is None:
+            raise ValueError(f"no MoE routing rule has scoring_func {self.scoring_func!r} with "
+                             f"topk_method {self.topk_method!r}")
+        return rule.name
 
     @property
     def num_query_groups(self) -> int:
@@ -270,13 +311,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], **overrides) -> "ModelConfig":
-        """Reads a Hugging Face `config.json` dict (llama, qwen2, qwen3, mimo)."""
+        """Reads a Hugging Face `config.json` dict: the Llama-style keys every family shares here,
+        the family's own keys by its module (mtpjax/models/, found by `model_type`)."""
+        from mtpjax.models.registry import family_for     # the registry (lazy: cycle)
         if not isinstance(config, Mapping):
             raise ValueError(f"config must be a dict (parsed config.json), got {type(config).__name__}")
         model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        family = family_for(model_type)
         get = functools.partial(_hf_value, config)
         if get("use_sliding_window", FLAG, False):
             raise ValueError("use_sliding_window=True is not supported (sliding-window attention)")
@@ -310,66 +351,13 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=RopeScaling.from_hf(rope_scaling),
             max_position_embeddings=get("max_position_embeddings", POSITIVE, 4096),
-            qkv_bias=get("attention_bias", FLAG, model_type in ("qwen2", "mimo")),
-            qk_norm=model_type == "qwen3",
+            qkv_bias=get("attention_bias", FLAG, False),
             tie_word_embeddings=get("tie_word_embeddings", FLAG, False),
             num_mtp_layers=get("num_nextn_predict_layers", COUNT, 0),
-            mtp_concat_order="hidden_embed" if model_type == "mimo" else "embed_hidden",
-            mtp_normed_hidden_to_next=model_type == "mimo",
         )
-        if model_type == "qwen2" and "attention_bias" not in config:
-            kwargs["qkv_bias"] = True
-        if model_type in DEEPSEEK_FAMILY:
-            kwargs.update(_deepseek_fields(config))
+        kwargs.update(family.read_hf(config, model_type))
         kwargs.update(overrides)
         return cls(**kwargs)
-
-
-def _deepseek_fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    """MLA + MoE fields of a DeepSeek-V2/V3 / Kimi-K2 config.json (their own names)."""
-    model_type = config["model_type"]
-    v2 = model_type == "deepseek_v2"
-    get = functools.partial(_hf_value, config)
-    if get("attention_bias", FLAG, False):
-        raise ValueError("attention_bias=True is not supported for MLA models (DeepSeek ships none)")
-    if get("mlp_bias", FLAG, False):
-        raise ValueError("mlp_bias=True is not supported (DeepSeek ships none)")
-    if config.get("moe_layer_freq", 1) != 1:
-        raise ValueError(f"moe_layer_freq {config['moe_layer_freq']!r} is not supported; "
-                         "supported: 1 (every layer after first_k_dense_replace is MoE)")
-    heads = get("num_attention_heads", POSITIVE)
-    kv = get("num_key_value_heads", COUNT, 0) or heads
-    if kv != heads:
-        raise ValueError(f"num_key_value_heads {kv} != num_attention_heads {heads}: MLA has no "
-                         "KV heads to group")
-    experts = get("n_routed_experts", COUNT, None)
-    if experts is None:
-        experts = get("num_experts", COUNT, 0)
-    rope_dim = get("qk_rope_head_dim", POSITIVE)
-    fields = dict(
-        attention_kind="mla", head_dim=rope_dim, num_kv_heads=heads,
-        qkv_bias=False, qk_norm=False,
-        q_lora_rank=get("q_lora_rank", POSITIVE, None), kv_lora_rank=get("kv_lora_rank", POSITIVE),
-        qk_nope_head_dim=get("qk_nope_head_dim", POSITIVE), qk_rope_head_dim=rope_dim,
-        v_head_dim=get("v_head_dim", POSITIVE),
-        # V2 rotates interleaved pairs (complex multiply); V3/K2 say so in `rope_interleave`
-        rope_interleave=True if v2 else get("rope_interleave", FLAG, True),
-        mtp_concat_order="embed_hidden", mtp_normed_hidden_to_next=False,
-    )
-    if experts:
-        fields.update(
-            ffn_kind="moe", n_routed_experts=experts,
-            num_experts_per_tok=get("num_experts_per_tok", POSITIVE),
-            n_shared_experts=get("n_shared_experts", COUNT, 0),
-            moe_intermediate_size=get("moe_intermediate_size", POSITIVE),
-            first_k_dense_replace=get("first_k_dense_replace", COUNT, 0),
-            n_group=get("n_group", POSITIVE, 1), topk_group=get("topk_group", POSITIVE, 1),
-            routed_scaling_factor=float(get("routed_scaling_factor", NUMBER, 1.0)),
-            norm_topk_prob=get("norm_topk_prob", FLAG, False),
-            scoring_func=get("scoring_func", TEXT, "softmax" if v2 else "sigmoid"),
-            topk_method=get("topk_method", TEXT, "greedy" if v2 else "noaux_tc"),
-        )
-    return fields
 
 
 # What a config.json value must be: (description for messages, check).

@@ -1,6 +1,6 @@
 """Checkpoint conversion: Hugging Face safetensors <-> mtpjax params <-> Orbax.
 
-    load_hf(path, dtype)            HF folder (llama, qwen2, qwen3, mimo) -> Checkpoint, streamed
+    load_hf(path, dtype)            HF folder (any family of mtpjax/models/) -> Checkpoint, streamed
     save(path, params, cfg)         Orbax folder with config and tokenizer beside the arrays
     restore(path, sharding)         Orbax folder -> Checkpoint, straight into a sharding
                                     (mesh=: the sharding table's, docs/parallel.md; load_hf too)

@@ -28,16 +28,8 @@ from mtpjax.checkpoint.hf_keys import key_table
 from mtpjax.checkpoint.hf_load import CONFIG_FILE
 from mtpjax.checkpoint.safetensors_io import TensorSource, write_folder
 from mtpjax.config import ModelConfig
+from mtpjax.models.registry import family_for
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mimo": "MiMoForCausalLM",
-                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                 "kimi_k2": "DeepseekV3ForCausalLM"}
-# DeepSeek-family fields, written under their own names (the same names in ModelConfig)
-_MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-_MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size",
-             "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
-             "norm_topk_prob", "scoring_func", "topk_method")
 # Keys this module owns; anything else in the source config.json is kept as it was.
 _ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
 # Dropped from the source config.json: export writes the params unquantized (as they are, bf16 /
@@ -46,12 +38,15 @@ _DROPPED_KEYS = ("quantization_config",)
 
 
 def hf_config_dict(cfg: ModelConfig, base: dict | None = None, torch_dtype: str | None = None) -> dict:
-    """config.json for `cfg`, keeping the other keys of `base` (the source config.json)."""
+    """config.json for `cfg`, keeping the other keys of `base` (the source config.json): the
+    Llama-style keys every family shares here, the family's own keys by its module
+    (mtpjax/models/)."""
+    family = family_for(cfg.model_type)
     d = {k: v for k, v in (base or {}).items()
          if k not in _ROPE_KEYS + _DROPPED_KEYS and k != "num_nextn_predict_layers"}
     rs = cfg.rope_scaling
     d.update(
-        architectures=[ARCHITECTURES[cfg.model_type]], model_type=cfg.model_type,
+        architectures=[family.architectures[cfg.model_type]], model_type=cfg.model_type,
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
@@ -61,14 +56,7 @@ def hf_config_dict(cfg: ModelConfig, base: dict | None = None, torch_dtype: str 
         rope_scaling=None if rs.rope_type == "default" else
         {k: v for k, v in dataclasses.asdict(rs).items() if v is not None},
     )
-    if cfg.attention_kind == "mla":
-        d.update({k: getattr(cfg, k) for k in _MLA_KEYS})
-        if cfg.model_type != "deepseek_v2":
-            d["rope_interleave"] = cfg.rope_interleave
-    if cfg.ffn_kind == "moe":
-        d.update({k: getattr(cfg, k) for k in _MOE_KEYS})
-    elif cfg.model_type in ARCHITECTURES and cfg.attention_kind == "mla":
-        d.update(n_routed_experts=0, first_k_dense_replace=cfg.num_layers)   # every layer dense
+    family.write_hf(cfg, d)
     if cfg.num_mtp_layers:
         d["num_nextn_predict_layers"] = cfg.num_mtp_layers
     if torch_dtype is not None:       # transformers 5 writes "dtype", older versions "torch_dtype"

@@ -8,7 +8,7 @@ leaf of the param tree (a path such as ("layers", 3, "wq")) and whether it is tr
 exporting (`hf_export`) read the same table; there is no second copy of the rules.
 
 MTP modules are stored in one of two layouts (`MTP_LAYOUTS`), picked by the family
-(`FAMILY_MTP_LAYOUT`) unless given:
+(`Family.mtp_layout`, mtpjax/models/) unless given:
 
 - "mimo" (vLLM `mimo_mtp.py`): `model.mtp_layers.{k}.{token_layernorm, hidden_layernorm,
   input_proj, final_layernorm}` plus the decoder block's own names under the same prefix.
@@ -37,6 +37,7 @@ from mtpjax.checkpoint.safetensors_io import DTYPE_NAMES, DTYPES
 from mtpjax.config import ModelConfig
 from mtpjax.model.kinds import attention_kind, ffn_kind
 from mtpjax.model.params import param_specs, tree_from_items, tree_items
+from mtpjax.models.registry import family_for
 
 # The decoder layer's own leaves; the rest of a layer's rows come from its kinds (`hf_rows`).
 LAYER_NORM_ROWS: dict[str, tuple[str, bool]] = {
@@ -87,8 +88,6 @@ MTP_LAYOUTS: dict[str, MtpLayout] = {
          "eh_proj": ("eh_proj.weight", True), "out_norm": ("shared_head.norm.weight", False)},
         {"embed_tokens.weight": "embed", "shared_head.head.weight": "lm_head"}),
 }
-FAMILY_MTP_LAYOUT = {"llama": "deepseek", "qwen2": "deepseek", "qwen3": "deepseek", "mimo": "mimo",
-                     "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "kimi_k2": "deepseek"}
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq")
@@ -132,7 +131,7 @@ def _get(tree, path):
 
 
 def mtp_layout_for(cfg: ModelConfig, mtp_layout: str | None = None) -> MtpLayout:
-    name = mtp_layout or FAMILY_MTP_LAYOUT[cfg.model_type]
+    name = mtp_layout or family_for(cfg.model_type).mtp_layout
     if name not in MTP_LAYOUTS:
         raise CheckpointError(f"MTP layout {name!r} is not one of {sorted(MTP_LAYOUTS)}")
     return MTP_LAYOUTS[name]

@@ -24,8 +24,8 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """Inverse frequencies [head_dim/2] (float64 numpy) and the attention scaling of cos/sin."""
-    dim, base = cfg.head_dim, cfg.rope_theta
+    """Inverse frequencies [rotary_dim/2] (float64 numpy) and the attention scaling of cos/sin."""
+    dim, base = cfg.rotary_dim, cfg.rope_theta
     inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     rs: RopeScaling = cfg.rope_scaling
     if rs.rope_type == "default":
@@ -67,16 +67,22 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Rotary embedding, Hugging Face `rotate_half` layout. x [..., T, H, hd], positions [..., T]."""
+    """Rotary embedding, Hugging Face `rotate_half` layout. x [..., T, H, hd], positions [..., T].
+
+    Only the first `cfg.rotary_dim` dims rotate (rotate_half within them; partial rotary, as
+    transformers' GPT-NeoX / GLM apply it); the rest pass through unchanged."""
     inv_freq, scale = rope_frequencies(cfg)
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., T, hd/2]
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., T, rd/2]
     cos = (jnp.cos(freqs) * scale)[..., None, :]
     sin = (jnp.sin(freqs) * scale)[..., None, :]
-    half = x.shape[-1] // 2
+    rd = 2 * inv_freq.shape[0]
+    half = rd // 2
     x1 = x[..., :half].astype(jnp.float32)
-    x2 = x[..., half:].astype(jnp.float32)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    x2 = x[..., half:rd].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    if rd == x.shape[-1]:
+        return out
+    return jnp.concatenate([out, x[..., rd:]], axis=-1)
 
 
 def decoder_block(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig,

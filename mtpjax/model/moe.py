@@ -1,15 +1,8 @@
-"""FFN kind "moe": DeepSeek's mixture of experts (routed SwiGLU experts + always-on shared ones).
+"""FFN kind "moe": a DeepSeek-style mixture of experts (routed SwiGLU experts + always-on shared ones).
 
-Routing (float32, per token; transformers' `DeepseekV3TopkRouter` / `DeepseekV2TopkRouter`):
-- scores = sigmoid(x W_r) (V3, "noaux_tc") or softmax(x W_r) (V2, "greedy" /
-  "group_limited_greedy");
-- choice = scores + e_score_correction_bias (noaux_tc only: the bias steers *selection*, never
-  the weights);
-- group limit (n_group > 1): rank groups of experts by the sum of their top-2 choice scores
-  (noaux_tc) or their max (group_limited_greedy), keep the best `topk_group` groups;
-- the top `num_experts_per_tok` experts by choice among the kept groups;
-- weights = their unbiased scores, normalized to sum 1 when `norm_topk_prob`, times
-  `routed_scaling_factor`.
+Routing (which experts each token gets, with which weights) is a rule of its own, named by
+`cfg.moe_routing` (`model/moe_routing.py`: softmax greedy, softmax group-limited, sigmoid +
+correction bias group-limited); `route` here is that module's.
 
 Experts run as grouped matmuls (`grouped_swiglu`: Pallas kernels on one GPU, gate and up in one
 launch; `jax.lax.ragged_dot` elsewhere) over the N*k (token, expert) pairs sorted by expert, so
@@ -28,36 +21,8 @@ from mtpjax.model.grouped_matmul import (FUSED_MAX_TOKENS, expert_tile_swiglu, f
                                          grouped_swiglu, matmul_choice, moe_swiglu,
                                          uses_expert_tiles)
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
+from mtpjax.model.moe_routing import route, routing_rule
 from pallas_kernels.grouped_matmul.row_moves import combine_rows, weighted_sum
-
-
-def route(p: dict, x: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
-    """x [N, E] -> (expert ids int32[N, k], weights f32[N, k])."""
-    X, G, k = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
-    logits = x.astype(jnp.float32) @ p["router"].astype(jnp.float32)         # [N, X]
-    if cfg.scoring_func == "sigmoid":
-        scores = jax.nn.sigmoid(logits)
-    else:
-        scores = jax.nn.softmax(logits, axis=-1)
-    choice = scores
-    if cfg.topk_method == "noaux_tc":
-        choice = scores + p["router_bias"].astype(jnp.float32)
-    if cfg.topk_method != "greedy" and G > 1:
-        grouped = choice.reshape(*choice.shape[:-1], G, X // G)
-        if cfg.topk_method == "noaux_tc":
-            group_score = jax.lax.top_k(grouped, min(2, X // G))[0].sum(-1)  # [N, G]
-        else:
-            group_score = grouped.max(-1)
-        _, keep = jax.lax.top_k(group_score, cfg.topk_group)                  # [N, topk_group]
-        kept = jnp.zeros(group_score.shape, bool).at[
-            jnp.arange(group_score.shape[0])[:, None], keep].set(True)
-        mask = jnp.repeat(kept, X // G, axis=-1)                              # [N, X]
-        choice = jnp.where(mask, choice, -jnp.inf)
-    _, ids = jax.lax.top_k(choice, k)
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
 def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
@@ -190,7 +155,7 @@ class MoEFFN:
         E, X, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         # the router is replicated (not split by expert): every device routes every token
         specs = {"router": ParamSpec((E, X), ("embed", None), "normal")}
-        if cfg.topk_method == "noaux_tc":
+        if routing_rule(cfg.moe_routing).biased:
             specs["router_bias"] = ParamSpec((X,), (None,), "zeros")
         specs["w_gate"] = ParamSpec((X, E, I), ("experts", "embed", "mlp"), "normal")
         specs["w_up"] = ParamSpec((X, E, I), ("experts", "embed", "mlp"), "normal")
