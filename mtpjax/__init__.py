@@ -13,10 +13,11 @@ from mtpjax.engine.llm import LLM, QueueFullError, RequestOutput, StreamEvent  #
 from mtpjax.engine.data_parallel import DataParallelLLM  # noqa: E402
 
 from mtpjax.speculative.adaptive import AdaptiveK  # noqa: E402
+from mtpjax.structured import StructuredOutput  # noqa: E402
 
 __all__ += ["BlockManager", "Sequence", "LLM", "DataParallelLLM", "QueueFullError",
             "RequestOutput", "StreamEvent",
-            "AdaptiveK"]
+            "AdaptiveK", "StructuredOutput"]
 
 # `mtpjax.checkpoint.load_hf(...)` after a plain `import mtpjax` (torch / orbax load lazily there).
 from mtpjax import checkpoint  # noqa: E402

@@ -466,6 +466,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Structured output: a JSON schema, regex or EBNF grammar the completion must follow
+    # (mtpjax.structured.StructuredOutput; mtpjax.LLM with a tokenizer only,
+    # docs/structured_output.md).
+    structured_output: Any = None
 
     def __post_init__(self):
         set_ = lambda name, v: object.__setattr__(self, name, v)    # noqa: E731 (frozen)
@@ -518,6 +522,13 @@ class SamplingParams:
         set_("n", int(self.n))
         self._check_logit_processors(set_)
         self._check_penalties(set_)
+        so = self.structured_output
+        if so is not None:
+            from mtpjax.structured.spec import StructuredOutput
+            if not isinstance(so, StructuredOutput):
+                raise ValueError(f"structured_output must be a mtpjax.StructuredOutput (json_schema"
+                                 f"=, regex=, grammar= or json_object=True) or None, got "
+                                 f"{type(so).__name__}")
 
     def _check_logit_processors(self, set_):
         m = self.min_p

@@ -50,6 +50,9 @@ class SamplingArrays:
     min_p: jax.Array | None = None       # f32[B]   0 = off
     bias_ids: jax.Array | None = None    # int32[B, LOGIT_BIAS_SLOTS] token ids (0 where unused)
     bias_vals: jax.Array | None = None   # f32[B, LOGIT_BIAS_SLOTS] biases (0 where unused)
+    # structured output (engine steps with a grammar row only; None elsewhere): bit v of each
+    # row and verify position allows token v (mtpjax.structured.bitmask; all ones: no grammar)
+    token_bitmask: jax.Array | None = None   # int32[B, K+1, ceil(V/32)]
     mode: str = struct.field(pytree_node=False, default="filter")   # static: ALL_SAMPLING_MODES
 
     @classmethod
@@ -373,6 +376,11 @@ def validate_sampling_params(sampling, num_prompts: int, *, vocab_size: int,
         if bad:
             raise ValueError(f"{where}: stop_token_ids has {bad[0]}, outside the vocabulary "
                              f"[0, {vocab_size}); expected ids < vocab_size={vocab_size}")
+        if sp.structured_output is not None and caller == "generate":
+            # the grammar's masks are built on the host after every step, along the drafts
+            raise ValueError(f"{where}: structured_output={sp.structured_output.kind}: "
+                             f"structured output needs the engine (mtpjax.LLM); generate's "
+                             f"on-device loop cannot run a grammar matcher")
         if sp.stop and caller == "generate":
             # stop strings need the text, so a tokenizer on the host after every step
             raise ValueError(f"{where}: stop={list(sp.stop)!r}, but mtpjax.generate (the "

@@ -323,6 +323,7 @@ class LLM:
         self.adaptive_k = adaptive_k
         self._acceptance = AcceptanceTable(self.spec.num_speculative_tokens if self.spec else 0)
         self._inflight = None                       # (SchedulerOutput, result) dispatched, unread
+        self._grammars = None       # structured.compiler.GrammarCache, on the first grammar
         self.warmup_times: list[tuple[int, int, float]] = []    # (T, F, compile seconds)
         if warmup is None:
             warmup = jax.default_backend() != "cpu"
@@ -452,6 +453,8 @@ class LLM:
                 raise ValueError(f"{where}: stop={list(sp.stop)!r} (prompt {i}), but the LLM has "
                                  "no tokenizer to find stop strings in the text; pass "
                                  "LLM(..., tokenizer=) or use stop_token_ids")
+            if sp.structured_output is not None:
+                self._check_structured(sp, where, i)
             if sp.n > 1 and not samples:
                 raise ValueError(f"{where}: n={sp.n} (prompt {i}): several samples per prompt "
                                  "need LLM.generate or LLM.generate_stream (add_request and "
@@ -469,6 +472,8 @@ class LLM:
                     seq.stop_checker = TokenStopChecker(self.tokenizer.decode,
                                                         seq.prompt_token_ids, sp.stop,
                                                         sp.include_stop_str_in_output)
+                if sp.structured_output is not None:
+                    seq.grammar = self._request_grammar(sp.structured_output, where, i)
                 seqs.append(seq)
                 prompt_of.append(i)
         for seq in seqs:         # all valid: dispatch the extra prompt passes (asynchronous)
@@ -477,6 +482,29 @@ class LLM:
                 seq.prompt_lp = PromptLogprobs(self.runner.params, self.cfg,
                                                list(seq.prompt_token_ids), sp, self.max_logprobs)
         return (seqs, prompt_of) if samples else seqs
+
+    def _check_structured(self, sp: SamplingParams, where: str, i: int) -> None:
+        """A request with structured output needs a tokenizer (the grammar is over text) and an
+        eos token (where the grammar ends)."""
+        if self.tokenizer is None or self.scheduler.eos_token_id is None:
+            missing = "tokenizer" if self.tokenizer is None else "eos_token_id"
+            raise ValueError(f"{where}: structured_output (prompt {i}) needs the LLM's "
+                             f"{missing}: the grammar is matched on the tokenizer's text and "
+                             f"the completion ends with the eos token; use "
+                             f"LLM.from_pretrained or pass LLM(..., tokenizer=, eos_token_id=)")
+
+    def _request_grammar(self, spec, where: str, i: int):
+        """A fresh matcher of the spec's grammar (compiled once per distinct spec)."""
+        from mtpjax.structured.compiler import GrammarCache
+        from mtpjax.structured.matcher import RequestGrammar
+        stops = [self.scheduler.eos_token_id]
+        if self._grammars is None:
+            self._grammars = GrammarCache(self.tokenizer, self.cfg.vocab_size, stops)
+        try:
+            compiled = self._grammars.compile(spec)
+        except ValueError as e:
+            raise ValueError(f"{where} (prompt {i}): {e}") from None
+        return RequestGrammar(compiled, self.cfg.vocab_size, stops)
 
     def _has_room(self) -> bool:
         return (self.max_waiting_requests is None
@@ -638,6 +666,10 @@ class LLM:
 
     def _step(self) -> None:
         self._reclaim_slots()
+        if self._inflight is not None and _has_grammar(self._inflight[0]):
+            # a grammar row's next masks follow the drafts and tokens this step returns: only
+            # batches with such a row wait for their readback before the next schedule
+            self._flush()
         out = self.scheduler.schedule()
         for seq in out.preempted:
             self.runner.release(seq.seq_id)
@@ -705,6 +737,8 @@ class LLM:
         K = self.spec.num_speculative_tokens if self.spec else 0
         ks = [K] * len(out.requests) if ks is None else ks
         self.scheduler.postprocess(out, committed)
+        if _has_grammar(out):
+            self.runner.record_drafts(out, result)
         self.num_steps += 1
         observed = []             # (seq_id, drafts proposed, drafts accepted) for adaptive K
         for i, (req, toks, was_live) in enumerate(zip(out.requests, committed, live)):
@@ -898,6 +932,11 @@ class LLM:
         `llm_kwargs` as for `LLM(...)` (num_pages, ...)."""
         params, cfg, llm_kwargs = load_for_engine(path, spec, dtype, mesh, llm_kwargs)
         return cls(params, cfg, spec, mesh=mesh, **llm_kwargs)
+
+
+def _has_grammar(out) -> bool:
+    """Does a scheduled step hold a structured-output request?"""
+    return any(req.seq.grammar is not None for req in out.requests)
 
 
 def _chat_template(template):

@@ -33,6 +33,7 @@ from mtpjax.speculative.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CH
                                            KIND_RESUME, MixedBatch, SlotState, mixed_step)
 from mtpjax.speculative.rules.registry import acceptance_rule
 from mtpjax.step_jit import step_jit
+from mtpjax.structured.bitmask import bitmask_width
 
 
 def pack_host(batch: MixedBatch) -> np.ndarray:
@@ -57,17 +58,22 @@ def pack_host(batch: MixedBatch) -> np.ndarray:
                              np.asarray(sp.bias_vals, np.float32)], 1)
         parts += [np.concatenate([fl.view(np.int32), np.asarray(sp.bias_ids, np.int32)],
                                  1).ravel()]
+    if sp.token_bitmask is not None:       # structured output: [R, K+1, W], always last
+        parts.append(np.ascontiguousarray(sp.token_bitmask, np.int32).ravel())
     return np.concatenate(parts)
 
 
 def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int,
-                  sampling_mode: str = "filter") -> MixedBatch:
-    """Inverse of pack_host, inside the jitted step (static slices and bit-casts are free)."""
+                  sampling_mode: str = "filter", bitmask_shape=None) -> MixedBatch:
+    """Inverse of pack_host, inside the jitted step (static slices and bit-casts are free).
+    bitmask_shape (J, W): the batch carries structured-output bitmasks [R, J, W] (last)."""
     T, R, M = num_tokens, num_rows, max_blocks
     S = LOGIT_BIAS_SLOTS
     sizes = [3 * T, None, R * M, 2 * R, 2 * R]
     if sampling_mode in FEATURE_MODES:
         sizes.append(R * (1 + 2 * S))
+    if bitmask_shape is not None:
+        sizes.append(R * bitmask_shape[0] * bitmask_shape[1])
     sizes[1] = flat.shape[0] - sum(x for x in sizes if x is not None)
     parts, off = [], 0
     for n in sizes:
@@ -84,6 +90,8 @@ def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int,
         feats = parts[5].reshape(R, 1 + 2 * S)
         fl = jax.lax.bitcast_convert_type(feats[:, :1 + S], jnp.float32)
         extra = dict(min_p=fl[:, 0], bias_vals=fl[:, 1:], bias_ids=feats[:, 1 + S:])
+    if bitmask_shape is not None:
+        extra["token_bitmask"] = parts[-1].reshape((R,) + tuple(bitmask_shape))
     return MixedBatch(
         tokens=per_token[0], positions=per_token[1], seq_ids=per_token[2],
         cu_q_lens=cu, kv_lens=per_row[:, 1], block_tables=tables, slots=per_row[:, 2],
@@ -95,13 +103,19 @@ def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int,
 
 
 @step_jit(static_argnames=("cfg", "spec", "first_pass_len", "backend", "shape", "logprobs",
-                           "sampling_mode"),
+                           "sampling_mode", "structured"),
           donate_argnames=("state",))
 def _step(params, cfg, spec, state, flat_inputs, *, first_pass_len, backend, shape, logprobs=0,
-          sampling_mode="filter"):
+          sampling_mode="filter", structured=False):
+    """structured (static): the batch has a structured-output row; its inputs end with the
+    token bitmasks and its result with each row's new drafts (the host builds the next step's
+    masks along them). A batch without one compiles exactly the program it did before."""
     T, R, M = shape
+    K = draft_shape(spec)[0]
     batch = unpack_device(flat_inputs, num_tokens=T, num_rows=R, max_blocks=M,
-                          sampling_mode=sampling_mode)
+                          sampling_mode=sampling_mode,
+                          bitmask_shape=(K + 1, bitmask_width(cfg.vocab_size)) if structured
+                          else None)
     out = mixed_step(params, cfg, spec, state, batch, first_pass_len=first_pass_len,
                      backend=backend, logprobs=logprobs)
     state, acc, num = out[:3]
@@ -110,6 +124,8 @@ def _step(params, cfg, spec, state, flat_inputs, *, first_pass_len, backend, sha
         lp = out[3]
         f2i = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32).reshape(R, -1)  # noqa: E731
         parts += [f2i(lp.chosen), f2i(lp.top_values), lp.top_ids.reshape(R, -1)]
+    if structured and K:                                           # [R, K] drafts, last
+        parts.append(state.drafts[batch.slots])
     result = jnp.concatenate(parts, axis=1)                        # one array to read back
     return pin(state, cfg, backend.mesh), pin_replicated(result, backend.mesh)
 
@@ -256,12 +272,55 @@ class ModelRunner:
                         K if sp.num_speculative_tokens is None else sp.num_speculative_tokens)
             want_lp[i] = sp.logprobs is not None
         cu[len(reqs) + 1:] = off
+        sampling = self._sampling(temp, top_k, top_p, keys, row_sps)
+        if any(getattr(req.seq, "grammar", None) is not None for req in reqs):
+            sampling = sampling.replace(token_bitmask=self._grammar_masks(reqs, kinds, row_k))
         batch = MixedBatch(
             tokens=tokens, positions=positions, seq_ids=seq_ids, cu_q_lens=cu, kv_lens=kv_lens,
             block_tables=tables, slots=slots, kinds=kinds, next_tokens=next_tokens,
             thinking=thinking, hist_from=hist_from, num_drafts=row_k, want_logprobs=want_lp,
-            sampling=self._sampling(temp, top_k, top_p, keys, row_sps))
+            sampling=sampling)
         return batch, bucket_size(first_pass, self.min_bucket)
+
+    def _grammar_masks(self, reqs, kinds, row_k) -> np.ndarray:
+        """Structured output: the step's token bitmasks int32[R, K+1, W], all ones except
+        where a grammar row samples (a decode's verify window along its drafts, a last chunk's
+        first token). A decode verifies only its drafts the grammar accepts (row_k is lowered
+        in place): the rest could never be committed, whatever the acceptance rule. Its drafts
+        are those the previous step returned (`record_drafts`): the engine reads a step with
+        a grammar row back before it schedules the next one."""
+        K = self.K
+        masks = np.full((self.max_num_seqs, K + 1, bitmask_width(self.cfg.vocab_size)), -1,
+                        np.int32)
+        for i, req in enumerate(reqs):
+            g = getattr(req.seq, "grammar", None)
+            if g is None or kinds[i] not in (KIND_DECODE, KIND_LAST_CHUNK):
+                continue
+            completion = req.seq.completion_token_ids
+            drafts = []
+            if kinds[i] == KIND_DECODE and K:
+                if g.drafts_at != len(completion):
+                    raise RuntimeError(f"request {req.seq.seq_id}: its drafts were read after "
+                                       f"{g.drafts_at} completion tokens, it has "
+                                       f"{len(completion)}; a step with a grammar row must be "
+                                       "read back before the next is scheduled")
+                drafts = g.drafts[:row_k[i]]
+            masks[i], n_valid = g.step_masks(completion, drafts, K + 1)
+            if kinds[i] == KIND_DECODE:
+                row_k[i] = min(row_k[i], n_valid)
+        return masks
+
+    def record_drafts(self, out: SchedulerOutput, result) -> None:
+        """After a structured step's readback: each grammar request's drafts for its next
+        verify step (the result's last K columns)."""
+        if not self.K:
+            return
+        drafts = np.asarray(result)[:, -self.K:]
+        for i, req in enumerate(out.requests):
+            g = getattr(req.seq, "grammar", None)
+            if g is not None:
+                g.drafts = drafts[i].copy()
+                g.drafts_at = req.seq.num_completion_tokens
 
     @staticmethod
     def _sampling(temp, top_k, top_p, keys, row_sps) -> SamplingArrays:
@@ -287,12 +346,14 @@ class ModelRunner:
         batch, F = self.pack(out, num_drafts)
         inputs, shape = self.device_inputs(batch)
         mode = batch.sampling.mode        # pack's pick: its layout holds what the mode reads
-        compiled = self.executables.get((shape, F, mode))
+        structured = batch.sampling.token_bitmask is not None    # compiled on first use
+        compiled = None if structured else self.executables.get((shape, F, mode))
         if compiled is not None:                 # warmed up: no tracing, not even a cache lookup
             self.state, result = compiled(self.params, self.state, inputs)
         else:
+            extra = dict(structured=True) if structured else {}
             self.state, result = _step(self.params, self.cfg, self.spec, self.state, inputs,
-                                       **self._static(F, shape, mode))
+                                       **self._static(F, shape, mode), **extra)
         result.copy_to_host_async()                        # the step's only device->host copy
         return result
 
@@ -406,5 +467,5 @@ class ModelRunner:
         J, n = self.K + 1, self.max_logprobs
         sel = np.asarray(result)[np.asarray(rows, np.int64)]
         return (sel[:, J + 1:2 * J + 1].view(np.float32),
-                sel[:, 2 * J + 1 + J * n:].reshape(-1, J, n),
+                sel[:, 2 * J + 1 + J * n:2 * J + 1 + 2 * J * n].reshape(-1, J, n),
                 sel[:, 2 * J + 1:2 * J + 1 + J * n].view(np.float32).reshape(-1, J, n))

@@ -71,6 +71,8 @@ class Sequence:
         # stop strings: serve.stop_strings.TokenStopChecker, pushed every committed token by
         # the Scheduler (None when the request has none, so others pay nothing)
         self.stop_checker = None
+        # structured.matcher.RequestGrammar of a request with structured output (LLM), else None
+        self.grammar = None
         # which of its prompt's SamplingParams.n samples this request is (mtpjax.LLM.generate)
         self.sample_index: int = 0
 

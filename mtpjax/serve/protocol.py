@@ -28,10 +28,10 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "
                  "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user",
                  "logprobs", "top_logprobs", "top_k", "stop_token_ids", "num_speculative_tokens",
                  "acceptance", "return_token_ids", "metadata", "store", "service_tier",
-                 "min_p"}
+                 "min_p", "response_format"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice",
-                               "parallel_tool_calls", "response_format"}
+                               "parallel_tool_calls"}
 
 
 class RequestError(Exception):
@@ -159,6 +159,12 @@ def _common(body: dict, ctx: ServeContext, prompt_ids: list[int], prompt_field: 
         f"a list of token ids in [0, {ctx.vocab_size})", [])
     return_ids = _get(body, "return_token_ids", lambda v: isinstance(v, bool), "true or false",
                       False)
+    # {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}
+    from mtpjax.structured.spec import StructuredOutput
+    try:
+        structured = StructuredOutput.from_response_format(body.get("response_format"))
+    except ValueError as e:
+        raise RequestError(str(e), "response_format") from None
 
     K = ctx.num_speculative_tokens
     k = _get(body, "num_speculative_tokens", lambda v: _is_int(v) and 0 <= v <= K,
@@ -194,7 +200,7 @@ def _common(body: dict, ctx: ServeContext, prompt_ids: list[int], prompt_field: 
                             top_p=float(top_p), max_tokens=max_tokens,
                             stop_token_ids=tuple(stop_ids), seed=seed,
                             num_speculative_tokens=k if K else None, min_p=float(min_p),
-                            logit_bias=logit_bias)
+                            logit_bias=logit_bias, structured_output=structured)
     except ValueError as e:           # SamplingParams' messages start with the field's name
         word = str(e).split(" ", 1)[0]
         raise RequestError(str(e), word if word in body else None) from None
@@ -284,7 +290,6 @@ def parse_chat(body: Any, ctx: ServeContext) -> GenerationRequest:
     _unknown_fields(body, CHAT_FIELDS)
     _unsupported(body, "tools", lambda v: v == [], "no tool calls")
     _unsupported(body, "tool_choice", lambda v: v == "none", "no tool calls")
-    _unsupported(body, "response_format", lambda v: v == {"type": "text"}, "text answers only")
     if ctx.chat_template is None:
         raise RequestError("this server has no chat template (no tokenizer)", "messages")
     text = render_messages(body, ctx)

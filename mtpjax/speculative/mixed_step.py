@@ -31,6 +31,7 @@ from mtpjax.model.transformer import forward_cached, logits_from_hidden
 from mtpjax.sampling import SamplingArrays, apply_logit_bias, processed_logprob_top, sample
 from mtpjax.speculative.accept import apply_acceptance
 from mtpjax.speculative.draft import draft_shape, run_drafts
+from mtpjax.structured.bitmask import apply_token_bitmask
 from mtpjax.speculative.rules.relaxed import thinking_after  # noqa: F401 (notebooks import it here)
 
 KIND_PAD, KIND_DECODE, KIND_CHUNK, KIND_LAST_CHUNK, KIND_RESUME = 0, 1, 2, 3, 4
@@ -153,6 +154,10 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         rows = jnp.where(is_dec[:, None], cu[:-1, None] + jnp.arange(K + 1)[None, :],
                          (cu[1:] - 1)[:, None])
         logits = logits_from_hidden(params, hidden[jnp.clip(rows, 0, T - 1)])   # [R, K+1, V]
+        if batch.sampling.token_bitmask is not None:
+            # structured output: every later use (acceptance, sampling, logprobs) sees the
+            # grammar's masks; a batch without grammar rows has no bitmask and traces none of it
+            logits = apply_token_bitmask(logits, batch.sampling.token_bitmask)
 
     live = batch.kinds != KIND_PAD
     s = batch.slots
