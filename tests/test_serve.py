@@ -79,6 +79,7 @@ def test_openai_client_end_to_end(served):
     check_chat_completion_and_stream(served, client)
     check_mtp_options_per_request(served, client)
     check_stop_string_cuts_the_text(served, client)
+    check_response_format_holds_the_answer_to_json(client)
     for kwargs, param in BAD_REQUESTS:
         check_bad_request_names_the_field(client, kwargs, param)
     check_bad_chat_and_unknown_model(served, client)
@@ -161,6 +162,28 @@ def check_stop_string_cuts_the_text(served, client):
                                   stop=["sys\n"])
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == ref[:ref.index("sys\n")]
+
+
+def check_response_format_holds_the_answer_to_json(client):
+    """OpenAI's response_format through the engine's structured output (greedy and sampled)."""
+    import json
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=40, temperature=0,
+                                       response_format=fmt)
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 99 and isinstance(value["ok"], bool)
+    r = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(r.choices[0].text), dict)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=4,
+                                       response_format={"type": "xml"})
+    assert e.value.body["param"] == "response_format"
 
 
 BAD_REQUESTS = [                       # (request fields, the field the 400 must name)
