@@ -142,7 +142,7 @@ REGEX = "[ab]{1,3}c?"
 
 def test_sampled_regex_distribution_matches_plain(engines):
     """Temperature 1 under a regex grammar: the law of the whole output (token sequence) under
-    chain speculation (rejection sampling, drafts unmasked) equals plain decoding's
+    chain speculation (K = 1..3, rejection sampling, drafts unmasked) equals plain decoding's
     (two-sample chi-square); every output matches the regex."""
     from scipy import stats
     n = 240
@@ -150,7 +150,9 @@ def test_sampled_regex_distribution_matches_plain(engines):
     laws = {}
     for name in ("plain", "chain"):
         sps = [SamplingParams(temperature=1.0, max_tokens=6, structured_output=so,
-                              seed=(0 if name == "plain" else 10**6) + i) for i in range(n)]
+                              seed=(0 if name == "plain" else 10**6) + i,
+                              num_speculative_tokens=None if name == "plain" else 1 + i % 3)
+               for i in range(n)]
         outs = engines[name].generate(["x ="] * n, sps)
         for o in outs:
             assert o.finish_reason == "stop" and re.fullmatch(REGEX, o.text), o.text
