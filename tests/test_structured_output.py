@@ -34,7 +34,7 @@ def engines():
     enough that 8 concurrent requests preempt each other."""
     plain = mtpjax.LLM.from_pretrained(MODEL, None, num_pages=128, **ENGINE)
     chain = mtpjax.LLM.from_pretrained(MODEL, SpecConfig(num_speculative_tokens=3),
-                                       num_pages=14, **ENGINE)
+                                       num_pages=14, max_logprobs=2, **ENGINE)
     multi = mtpjax.LLM.from_pretrained(
         MODEL, SpecConfig(num_speculative_tokens=3, method="multi_layer"), num_pages=14,
         **ENGINE)
@@ -170,16 +170,24 @@ def test_sampled_regex_distribution_matches_plain(engines):
 
 def test_unconstrained_rows_equal_their_solo_outputs(engines):
     """A batch mixing grammar rows with greedy and seeded sampled rows without one: the latter
-    give what they give alone (in a batch with no grammar at all)."""
+    give what they give alone (in a batch with no grammar at all). Logprobs of a grammar row
+    are those of the masked distribution: its chosen tokens have finite logprobs, and the
+    structured step's appended drafts do not disturb the logprob columns."""
     llm = engines["chain"]
     rng = np.random.default_rng(3)
     schemas, prompts, gsps = schema_requests(3, 3)
+    gsps[0] = dataclasses.replace(gsps[0], logprobs=2)
     free = [random_prompt(rng) for _ in range(3)]
     fsps = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, temperature=1.0, seed=4),
             SamplingParams(max_tokens=12, temperature=0.7, top_k=20, seed=5)]
     mixed = llm.generate(prompts + free, gsps + fsps)
     solo = llm.generate(free, fsps)
     assert [o.token_ids for o in mixed[3:]] == [o.token_ids for o in solo]
+    lps = mixed[0].logprobs
+    assert len(lps) == len(mixed[0].token_ids)
+    for tok, lp in zip(mixed[0].token_ids, lps):
+        assert np.isfinite(lp[tok]) and lp[tok] <= 0 and all(0 <= t < llm.cfg.vocab_size
+                                                              for t in lp)
     for out, schema in zip(mixed[:3], schemas):
         check_schema(json.loads(out.text), schema)
 
