@@ -98,7 +98,10 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only target model (Llama/Qwen family) plus D = `num_mtp_layers` MTP modules.
+    """A decoder-only target model plus D = `num_mtp_layers` MTP modules.
+
+    `model_type` names its family (mtpjax/models/: how its config.json and checkpoint read and
+    write); the layers are (attention kind, FFN kind) pairs (`layer_kinds`, model/kinds.py).
 
     MTP modules follow docs/models.md: `u = eh_proj(concat(enorm(embed(x)), hnorm(h)))` (order set by
     `mtp_concat_order`), one decoder layer, and the shared `lm_head` behind the module's own

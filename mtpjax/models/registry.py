@@ -9,8 +9,8 @@ vocab_size, hidden_size, num_attention_heads, rope, ...) is read and written by 
 and `checkpoint.hf_export.hf_config_dict` themselves. The tensor names come from the layer
 kinds (`model/kinds.py`) and the MTP layout, so a family adds no key table of its own.
 
-Adding a family: one module under `mtpjax/models/` that calls `register_family`, listed in
-`_load_builtin` below (docs/models.md, "Adding a model family").
+Adding a family: one module under `mtpjax/models/` that calls `register_family` (every module
+of the package is imported on first use; docs/models.md, "Adding a model family").
 """
 
 from __future__ import annotations
@@ -67,10 +67,19 @@ def family_for(model_type: Any) -> Family:
     return FAMILIES[model_type]
 
 
+# Listed first so that `supported_model_types` (and error messages) name the common families
+# first; any other module of this package is a family too and is imported after them.
+_FIRST = ("llama", "mimo", "deepseek")
+_NOT_FAMILIES = ("registry",)
+
+
 def _load_builtin() -> None:
-    # the built-in families register themselves on import (lazily: they import mtpjax.config);
-    # this order is the order `supported_model_types` lists them in
-    import mtpjax.models.llama  # noqa: F401
-    import mtpjax.models.mimo  # noqa: F401
-    import mtpjax.models.deepseek  # noqa: F401
-    import mtpjax.models.glm4_moe  # noqa: F401
+    # the families register themselves on import (lazily: they import mtpjax.config)
+    import importlib
+    import pkgutil
+
+    import mtpjax.models as package
+    found = sorted(m.name for m in pkgutil.iter_modules(package.__path__)
+                   if m.name not in _NOT_FAMILIES)
+    for name in (*_FIRST, *(n for n in found if n not in _FIRST)):
+        importlib.import_module(f"mtpjax.models.{name}")
