@@ -192,6 +192,60 @@ def test_greedy_generate_and_engine_spec_match_transformers(checkpoints, variant
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10))] == want
 
 
+def _torch_rmsnorm(x, w, eps):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_mtp_module_matches_transformers_decoder_layer(checkpoints, variant):
+    """The MTP module written out in torch around transformers' own Glm4MoeDecoderLayer (GQA
+    with partial rotary + MoE): e = enorm(embed(x)) (zero at position 0), u = eh_proj([e,
+    hnorm(h)]), y = layer(u), logits = head(shared_head.norm(y)), and y handed on."""
+    from safetensors.torch import load_file
+    mod_glm = transformers.models.glm4_moe.modeling_glm4_moe
+    path, model = checkpoints[variant, 0]
+    ck = load_hf(str(path), jnp.float32)
+    L, X, eps = GLM_BASE["num_hidden_layers"], GLM_BASE["n_routed_experts"], GLM_BASE["rms_norm_eps"]
+    sd = load_file(str(path / "model.safetensors"))
+    pre = f"model.layers.{L}."
+    mod = {k[len(pre):]: v for k, v in sd.items() if k.startswith(pre)}
+    layer = mod_glm.Glm4MoeDecoderLayer(model.config, layer_idx=L).eval()
+    block = {k: v for k, v in mod.items() if not k.startswith(("enorm", "hnorm", "eh_proj",
+                                                                "shared_head", "embed_tokens"))
+             and ".experts." not in k}
+    block["mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([mod[f"mlp.experts.{e}.gate_proj.weight"], mod[f"mlp.experts.{e}.up_proj.weight"]])
+         for e in range(X)])
+    block["mlp.experts.down_proj"] = torch.stack(
+        [mod[f"mlp.experts.{e}.down_proj.weight"] for e in range(X)])
+    missing, unexpected = layer.load_state_dict(block, strict=False)
+    assert not unexpected and not [m for m in missing if "e_score_correction_bias" not in m], \
+        (missing, unexpected)
+
+    rng = np.random.default_rng(3)
+    B, T = 2, 9
+    tokens = rng.integers(0, GLM_BASE["vocab_size"], (B, T))
+    hidden = rng.normal(size=(B, T, GLM_BASE["hidden_size"])).astype(np.float32)
+    h_next, logits = mtpjax.mtp_forward(ck.params, ck.cfg, 0, jnp.asarray(hidden), jnp.asarray(tokens))
+    with torch.no_grad():
+        if "mlp.gate.e_score_correction_bias" in mod:
+            layer.mlp.gate.e_score_correction_bias.copy_(mod["mlp.gate.e_score_correction_bias"])
+        tok = torch.as_tensor(tokens)
+        pos = torch.arange(T)[None].expand(B, T)
+        emb = sd["model.embed_tokens.weight"][tok]
+        emb = torch.where((pos == 0)[..., None], torch.zeros_like(emb), emb)
+        e = _torch_rmsnorm(emb, mod["enorm.weight"], eps)
+        h = _torch_rmsnorm(torch.as_tensor(hidden), mod["hnorm.weight"], eps)
+        u = torch.cat([e, h], -1) @ mod["eh_proj.weight"].T
+        rotary = mod_glm.Glm4MoeRotaryEmbedding(model.config)
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        y = layer(u, attention_mask=mask, position_ids=pos, position_embeddings=rotary(u, pos))
+        want = _torch_rmsnorm(y, mod["shared_head.norm.weight"], eps) @ mod["shared_head.head.weight"].T
+    np.testing.assert_allclose(np.asarray(h_next), y.numpy(), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits), want.numpy(), atol=1e-4, rtol=1e-4)
+
+
 def test_export_round_trip_and_transformers_reads_it(checkpoints, tmp_path):
     path, model = checkpoints["qk_norm", 1]
     ck = load_hf(str(path), jnp.float32)
