@@ -26,9 +26,9 @@ at an *opaque zero* (`_opaque_zero`). Without it, LLVM hoists the loop-invariant
 descriptors (Q's, and the slots', whose indices fold to constants in a pair) out of the loop:
 registers held across it, and spills.
 
-Against FlashMLA's order taken literally, three changes shorten the
-chain that links the warpgroups (m0 -> wg 1's softmax -> P1 -> wg 0's P1 . V1_L -> the next
-logits; each measured faster on the H100):
+Against FlashMLA's order taken literally, three changes shorten the chain that links the
+warpgroups (m0 -> wg 1's softmax -> P1 -> wg 0's P1 . V1_L -> the next logits; each measured
+faster on the H100):
 - each maximum is published as soon as its row max is known, before its exponentials (P0
   then goes over through a barrier of its own, p0_ready): wg 1's softmax starts beside
   wg 0's exponentials;

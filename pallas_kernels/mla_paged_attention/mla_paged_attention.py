@@ -106,10 +106,9 @@ def default_tuning(num_tokens, num_heads, num_seqs, max_pages, page_size, block_
     Decode-sized tiles (<= 16 rows): 4 warps, no software pipelining, KV splits for ~2 waves
     over the SMs. Larger tiles: 8 warps, 2 pipeline stages, splits for ~1 wave (one CTA per SM
     fits). Both: 32-token KV blocks with the logits computed keys first (None here: on unless
-    value_split or qk_chunk is given, or a decode-sized tile's block spans several pages).
-    32-token blocks keys first beat 64-token blocks query first at every H100/H200 shape
-    measured, except a decode-sized tile whose block spans several pages: it then loads its
-    block piecewise and keys first is much slower (docs/kernels.md).
+    value_split or qk_chunk is given, or a decode-sized tile's block spans several pages:
+    that tile loads its block piecewise, and keys first is much slower there; everywhere else
+    it beat 64-token blocks query first on the H100 and H200, docs/kernels.md).
     """
     block_q, block_h = _tile(num_heads, block_q)
     small = _decode_sized(block_q, block_h)
