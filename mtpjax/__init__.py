@@ -28,6 +28,12 @@ from mtpjax.parallel import make_mesh  # noqa: E402
 
 __all__ += ["make_mesh"]
 
+from mtpjax.model.fp8_weight import Fp8Weight  # noqa: E402
+from mtpjax.model.quantize import dequantize_params, quantize_fp8  # noqa: E402
+from mtpjax.memory_plan import MemoryPlan, memory_plan  # noqa: E402
+
+__all__ += ["Fp8Weight", "quantize_fp8", "dequantize_params", "MemoryPlan", "memory_plan"]
+
 from mtpjax import train  # noqa: E402
 from mtpjax.train import LossConfig, Trainer, TrainState, joint_loss  # noqa: E402
 

@@ -140,11 +140,12 @@ def _path_str(path) -> str:
 def check_params(params, cfg: ModelConfig) -> None:
     """ValueError naming the first leaf whose path or shape differs from the config's parameter
     tree (`mtpjax.model.params.abstract_params(cfg)`); dtypes are not compared."""
+    from mtpjax.model.fp8_weight import is_fp8
     from mtpjax.model.params import abstract_params
     want = {_path_str(p): tuple(x.shape) for p, x in
             jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]}
     try:
-        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_fp8)[0]   # FP8: one leaf
     except Exception as e:          # noqa: BLE001 -- anything that is not a tree of arrays
         raise ValueError(f"params must be a nested dict of arrays, got {type(params).__name__}") \
             from e

@@ -27,6 +27,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from mtpjax.model.fp8_weight import concatenate_out, is_fp8
+
 QKV = ("wq", "wk", "wv")
 BQKV = ("bq", "bk", "bv")
 GATE_UP = ("w_gate", "w_up")
@@ -43,14 +45,30 @@ def fusion_groups(value) -> tuple[str, ...]:
     raise ValueError(f"fuse_projections must be True, False, 'all' or 'qkv', got {value!r}")
 
 
+def _concatenate(ws: list):
+    """Weights joined along the output axis; None for FP8 weights whose scale blocks would
+    straddle the seams (`fp8_weight.concatenate_out`): those stay unfused."""
+    if any(is_fp8(w) for w in ws):
+        return concatenate_out(ws)
+    return jnp.concatenate(ws, axis=-1)
+
+
 def _fuse_block(block: dict, kinds: tuple[str, str], groups=GROUPS) -> dict:
     out = dict(block)
     if "qkv" in groups and kinds[0] == "gqa" and all(k in out for k in QKV):
-        out["wqkv"] = jnp.concatenate([out.pop(k) for k in QKV], axis=-1)
-        if all(k in out for k in BQKV):
-            out["bqkv"] = jnp.concatenate([out.pop(k) for k in BQKV], axis=-1)
+        wqkv = _concatenate([out[k] for k in QKV])
+        if wqkv is not None:
+            for k in QKV:
+                del out[k]
+            out["wqkv"] = wqkv
+            if all(k in out for k in BQKV):
+                out["bqkv"] = jnp.concatenate([out.pop(k) for k in BQKV], axis=-1)
     if "gate_up" in groups and kinds[1] == "dense" and all(k in out for k in GATE_UP):
-        out["w_gate_up"] = jnp.concatenate([out.pop(k) for k in GATE_UP], axis=-1)
+        w_gate_up = _concatenate([out[k] for k in GATE_UP])
+        if w_gate_up is not None:
+            for k in GATE_UP:
+                del out[k]
+            out["w_gate_up"] = w_gate_up
     return out
 
 

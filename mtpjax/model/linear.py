@@ -9,6 +9,10 @@ projections of each layer became `(bf16[4096,1024], bf16[4096,1024]) multiply` +
 second zero, dropped) keeps every projection a GEMM fusion that reads each weight once. The
 engine's batches are padded to >= 8 tokens and never hit this; `generate` at batch 1 and every
 batch-1 draft pass did.
+
+FP8 weights (`Fp8Weight`) are dequantized inside the dot's operand (convert, times the broadcast
+block scale, dot): on the GPU XLA fuses the dequantization into the GEMM's operand read, and the
+products are exactly those of the dequantized reference model.
 """
 
 from __future__ import annotations
@@ -18,9 +22,14 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mtpjax.model.fp8_weight import Fp8Weight
+
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., E] @ w [E, N] -> [..., N]; a single row is computed as two rows (see above)."""
+    """x [..., E] @ w [E, N] -> [..., N]; a single row is computed as two rows (see above).
+    w may be an Fp8Weight (dequantized in the step, see above)."""
+    if isinstance(w, Fp8Weight):
+        w = w.dequantize()
     if math.prod(x.shape[:-1]) != 1:
         return x @ w
     rows = jnp.pad(x.reshape(1, x.shape[-1]), ((0, 1), (0, 0)))

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from mtpjax.model.fp8_weight import as_array
 from mtpjax.model.kinds import ParamSpec, register_attention_kind
 from mtpjax.model.layers import apply_rope, rms_norm
 from mtpjax.model.linear import linear
@@ -94,9 +95,10 @@ def mla_projections(p: dict, x: jax.Array, positions: jax.Array, cfg):
 
 
 def _w_uk_uv(p: dict, cfg):
-    """kv_b_proj [R, H * (dn + dv)] -> W_UK [R, H, dn], W_UV [R, H, dv]."""
+    """kv_b_proj [R, H * (dn + dv)] -> W_UK [R, H, dn], W_UV [R, H, dv]. An FP8 kv_b is
+    dequantized first (the absorption reshapes and contracts it per head, not as one GEMM)."""
     dn = cfg.qk_nope_head_dim
-    w = p["wkv_b"].reshape(cfg.kv_lora_rank, cfg.num_heads, dn + cfg.v_head_dim)
+    w = as_array(p["wkv_b"]).reshape(cfg.kv_lora_rank, cfg.num_heads, dn + cfg.v_head_dim)
     return w[..., :dn], w[..., dn:]
 
 

@@ -7,6 +7,7 @@ import numpy as np
 
 import jax
 
+from mtpjax.model.fp8_weight import is_fp8, shard_like
 from mtpjax.parallel.mesh import replicated
 from mtpjax.parallel.sharding import param_shardings, state_shardings
 
@@ -24,8 +25,14 @@ def place(x, sharding):
 
 
 def shard_params(params, cfg, mesh):
-    """The params in their table shardings (`sharding.param_shardings`)."""
-    return jax.tree.map(place, params, param_shardings(cfg, mesh))
+    """The params in their table shardings (`sharding.param_shardings`); an FP8 weight's values
+    and scale by `fp8_weight.shard_like` (the same split where its blocks allow)."""
+    def leaf(x, sharding):
+        if is_fp8(x):
+            return jax.tree.map(place, x, shard_like(x, sharding))
+        return place(x, sharding)
+
+    return jax.tree.map(leaf, params, param_shardings(cfg, mesh), is_leaf=is_fp8)
 
 
 def create_sharded(make, cfg, mesh):
