@@ -49,8 +49,9 @@ def quantize(w: np.ndarray):
 
 
 def _quantized(name: str) -> bool:
-    """The projections; norms, embeddings and the head stay float (as DeepSeek-V3 ships them)."""
-    return name.endswith("proj.weight")
+    """The projections (experts' too); norms, embeddings, the router and the head stay float
+    (as DeepSeek-V3 ships them)."""
+    return name.endswith(("proj.weight", "proj_with_mqa.weight"))
 
 
 def _write(path, tensors: dict, hf_config: dict, sharded: bool = False):
@@ -60,10 +61,11 @@ def _write(path, tensors: dict, hf_config: dict, sharded: bool = False):
     (path / "config.json").write_text(json.dumps(hf_config))
 
 
-def make_fp8(tmp_path, seed: int, sharded: bool = False):
-    """An FP8 HF folder at tmp_path/"fp8". Returns (cfg, original params, HF tensors as
-    stored, the dequantized weights expected by HF name)."""
-    cfg = _cfg()
+def make_fp8(tmp_path, seed: int, sharded: bool = False, cfg=None):
+    """An FP8 HF folder at tmp_path/"fp8" (of `cfg`, default a llama with partial blocks; a
+    deepseek_v3 config gives DeepSeek-V3's own tensor names). Returns (cfg, original params,
+    HF tensors as stored, the dequantized weights expected by HF name)."""
+    cfg = cfg or _cfg()
     params = random_params(cfg, seed, std=0.05)
     src = tmp_path / f"src{seed}"
     export_hf(str(src), params, cfg)
@@ -103,7 +105,7 @@ def test_load_gives_the_dequantized_weights_bitwise(tmp_path, seed, sharded):
     cfg, params, tensors, expected = make_fp8(tmp_path, seed, sharded)
     if sharded:
         assert (tmp_path / "fp8" / "model.safetensors.index.json").exists()
-    ckpt = load_hf(str(tmp_path / "fp8"))
+    ckpt = load_hf(str(tmp_path / "fp8"), fp8="dequantize")
     assert ckpt.cfg == cfg
     _assert_dequantized(ckpt.params, cfg, expected)
     for name, slot in key_table(cfg).slots.items():          # the rest as stored
@@ -120,7 +122,7 @@ def test_load_gives_the_dequantized_weights_bitwise(tmp_path, seed, sharded):
 
 def test_fp8_model_runs_and_matches_the_unquantized_one(tmp_path):
     cfg, params, _, _ = make_fp8(tmp_path, 3)
-    ckpt = load_hf(str(tmp_path / "fp8"), dtype=jnp.bfloat16)
+    ckpt = load_hf(str(tmp_path / "fp8"), dtype=jnp.bfloat16, fp8="dequantize")
     assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(ckpt.params))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
     ours = np.asarray(mtpjax.forward(ckpt.params, cfg, tokens), np.float32)
@@ -133,7 +135,7 @@ def test_fp8_model_runs_and_matches_the_unquantized_one(tmp_path):
 
 def test_export_writes_unquantized_weights_without_quantization_config(tmp_path):
     cfg, _, _, expected = make_fp8(tmp_path, 4)
-    ckpt = load_hf(str(tmp_path / "fp8"))
+    ckpt = load_hf(str(tmp_path / "fp8"), fp8="dequantize")
     out = tmp_path / "out"
     export_hf(str(out), ckpt.params, cfg, assets=ckpt.assets)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
@@ -218,7 +220,8 @@ def test_fp8_without_quantization_config(tmp_path, pristine):
 @pytest.mark.parametrize("key,value,says", [
     ("quant_method", "gptq", "quant_method 'gptq' is not supported"),
     ("fmt", "e5m2", "fmt 'e5m2' is not supported"),
-    ("weight_block_size", [64, 64], "weight_block_size [64, 64] is not supported"),
+    ("weight_block_size", [0, 64], "weight_block_size [0, 64] is not supported"),
+    ("weight_block_size", [128], "weight_block_size [128] is not supported"),
     ("weight_block_size", None, "weight_block_size None is not supported"),
     ("activation_scheme", "static", "activation_scheme 'static' is not supported"),
 ])
@@ -248,3 +251,88 @@ def test_python_dash_m():
     assert r.returncode == 0, r.stderr
     assert "usage: mtpjax" in r.stdout and "convert" in r.stdout
     assert _run("-m", "mtpjax").returncode == 2   # argparse: a command is required
+
+
+# ---- kept FP8 (load_hf's default) ----------------------------------------------------------------
+
+def _ds_cfg():
+    """A tiny DeepSeek-V3 (MLA + MoE + an MTP layer): DeepSeek-V3's own tensor names, its
+    128 x 128 blocks (partial ones here), routed and shared experts quantized, the router not."""
+    from tests.test_deepseek import ds_config
+    return ds_config(num_mtp_layers=1)
+
+
+@pytest.mark.parametrize("seed,sharded", [(20, False), (21, True)])
+def test_deepseek_v3_fp8_checkpoint_loads_fp8_and_exports_byte_for_byte(tmp_path, seed, sharded):
+    from mtpjax import Fp8Weight
+    cfg, _, tensors, expected = make_fp8(tmp_path, seed, sharded, cfg=_ds_cfg())
+    assert "model.layers.1.mlp.experts.7.down_proj.weight_scale_inv" in tensors
+    assert "model.layers.2.eh_proj.weight_scale_inv" in tensors
+    ckpt = load_hf(str(tmp_path / "fp8"))
+    table = key_table(cfg)
+    for name, slot in table.slots.items():
+        leaf = ckpt.params
+        for p in slot.path:
+            leaf = leaf[p]
+        if name not in expected:
+            assert not isinstance(leaf, Fp8Weight), name
+            continue
+        assert isinstance(leaf, Fp8Weight), name
+        assert leaf.values.dtype == jnp.float8_e4m3fn and leaf.scale.dtype == jnp.float32
+        assert leaf.dtype == jnp.bfloat16 and leaf.block == (BLOCK, BLOCK)
+        one = Fp8Weight(leaf.values[slot.index] if slot.index else leaf.values,
+                        leaf.scale[slot.index] if slot.index else leaf.scale, leaf.block)
+        stored = tensors[name].T if slot.transpose else tensors[name]
+        np.testing.assert_array_equal(np.asarray(one.values).view(np.uint8), stored.view(np.uint8))
+        # its dequantization is the checkpoint's (fp8.dequantize, transposed)
+        want = expected[name].T if slot.transpose else expected[name]
+        np.testing.assert_array_equal(np.asarray(one.dequantize(jnp.float32)), want, err_msg=name)
+    out = tmp_path / "out"
+    export_hf(str(out), ckpt.params, cfg, assets=ckpt.assets, max_shard_size=60_000 if sharded
+              else None)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == QUANT_CONFIG
+    infos = scan_folder(str(out))
+    assert set(infos) == set(tensors)
+    for name, info in infos.items():
+        a = read_tensor(info)
+        assert a.dtype == tensors[name].dtype and a.tobytes() == tensors[name].tobytes(), name
+
+
+def test_kept_fp8_runs_greedy_like_the_dequantize_on_load_path(tmp_path):
+    from mtpjax import dequantize_params
+    cfg, _, _, _ = make_fp8(tmp_path, 22, cfg=_ds_cfg())
+    kept = load_hf(str(tmp_path / "fp8"), dtype=jnp.bfloat16)
+    ref = load_hf(str(tmp_path / "fp8"), dtype=jnp.bfloat16, fp8="dequantize")
+    # the same bf16 weights: dequantized on the host at load, or from the kept FP8 in the step
+    for a, b in zip(jax.tree.leaves(dequantize_params(kept.params)), jax.tree.leaves(ref.params)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5]]
+    want = mtpjax.generate(ref.params, cfg, prompts, max_new_tokens=8).tokens
+    spec = mtpjax.SpecConfig(num_speculative_tokens=1)
+    assert mtpjax.generate(kept.params, cfg, prompts, max_new_tokens=8, spec=spec).tokens == want
+
+
+def test_export_of_quantize_fp8_params_loads_back_bit_exact(tmp_path):
+    from mtpjax import Fp8Weight, quantize_fp8
+    cfg = _cfg()
+    q = quantize_fp8(random_params(cfg, 23, std=0.05), (32, 16))
+    export_hf(str(tmp_path / "q"), q, cfg)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [16, 32]   # HF's [out, in]
+    back = load_hf(str(tmp_path / "q"), dtype=jnp.float32)
+    for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(back.params)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    assert isinstance(back.params["layers"][0]["wq"], Fp8Weight)
+    # one quantization_config cannot hold per-channel scales of several shapes
+    with pytest.raises(CheckpointError, match="one weight_block_size"):
+        export_hf(str(tmp_path / "c"), quantize_fp8(random_params(cfg, 23), "channel"), cfg)
+    # ... but exports dequantized with a dtype
+    export_hf(str(tmp_path / "d"), quantize_fp8(random_params(cfg, 23), "channel"), cfg,
+              dtype=np.float32)
+    assert "quantization_config" not in json.loads((tmp_path / "d" / "config.json").read_text())
+
+
+def test_bad_fp8_option(tmp_path):
+    with pytest.raises(ValueError, match="fp8='maybe': expected 'keep' or 'dequantize'"):
+        load_hf(str(tmp_path), fp8="maybe")

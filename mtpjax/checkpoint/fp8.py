@@ -10,7 +10,10 @@ config.json says `"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
 Other tensors (norms, embeddings, lm_head, the MoE router) are stored unquantized. `split_scales`
 pairs every weight with its scale from the headers alone, so loading validates the pairing
 before any data is read, and hands the key table the weights as "F32" (what dequantizing gives)
-without the scales; `dequantize` then turns one tensor into float32 when it is read.
+without the scales; `dequantize` then turns one tensor into float32 when it is read
+(load_hf(fp8="dequantize")), or `kept` pairs the stored values with their scale as an
+`Fp8Weight` (load_hf's default: the model runs on FP8 weights, model/fp8_weight.py).
+Any positive block size is read (export writes the params' own); released checkpoints use 128.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ SCALE_SUFFIX = "_scale_inv"                    # "X.weight" -> "X.weight_scale_i
 DEQUANTIZED_DTYPE = "F32"
 SCALE_DTYPES = ("F32", "BF16", "F16")
 FMT_DTYPES = {"e4m3": "F8_E4M3"}               # quantization_config fmt -> safetensors dtype
-BLOCK_SIZES = ((128, 128),)                    # what released checkpoints use, and the tests
+DEFAULT_BLOCK = (128, 128)                     # what released checkpoints use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +65,22 @@ def from_hf_config(hf_config: Mapping, source: str = "config.json") -> BlockFp8 
     raw = q.get("weight_block_size")
     try:
         block = tuple(int(b) for b in raw)
+        ok = len(block) == 2 and min(block) > 0 and all(int(b) == b for b in raw)
     except (TypeError, ValueError):
-        block = None
-    if block not in BLOCK_SIZES:
+        ok = False
+    if not ok:
         raise CheckpointError(
             f"{source}: quantization_config weight_block_size {raw!r} is not supported; "
-            f"supported: {[list(b) for b in BLOCK_SIZES]} (per-tensor FP8 has no block size)")
+            f"expected two positive ints [rows, cols] such as {list(DEFAULT_BLOCK)} "
+            "(per-tensor FP8 has no block size)")
     return BlockFp8(block, FMT_DTYPES[fmt])
+
+
+def to_hf_config(block: tuple[int, int], base: Mapping | None = None) -> dict:
+    """The quantization_config export writes for weights in `block` (Hugging Face's [out, in]
+    orientation), keeping the other keys of the source's (`base`)."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            **(base or {}), "weight_block_size": [int(b) for b in block]}
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
@@ -154,11 +166,51 @@ def dequantize(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]
     return out
 
 
+def kept(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], dtype="bfloat16"):
+    """FP8 weight [R, C] and its scale_inv, as stored -> an `Fp8Weight` of the two (host arrays,
+    Hugging Face's orientation; the key table transposes it like any weight). Scales become
+    float32. dtype: what the weight stands for (its dequantized dtype)."""
+    from mtpjax.model.fp8_weight import Fp8Weight
+    want = scale_shape(weight.shape, block)
+    if weight.ndim != 2 or scale_inv.shape != want:
+        raise CheckpointError(f"scale_inv shape {list(scale_inv.shape)}, expected {list(want)} "
+                              f"for a weight {list(weight.shape)}")
+    return Fp8Weight(weight, np.asarray(scale_inv, np.float32), tuple(block),
+                     np.dtype(dtype).name)
+
+
+def fill(buf, index: tuple, w):
+    """buf[index] = w for a leaf buffer being assembled, where w is an `Fp8Weight` (a tensor
+    kept FP8): the first such tensor turns the leaf's numpy buffer (its shape and dtype) into an
+    Fp8Weight of two numpy buffers, values and scales, filled alike. Returns the buffer."""
+    from mtpjax.model.fp8_weight import Fp8Weight, scale_grid
+    if not isinstance(buf, Fp8Weight):
+        buf = Fp8Weight(np.empty(buf.shape, w.values.dtype),
+                        np.empty(scale_grid(buf.shape, w.block), np.float32), w.block,
+                        np.dtype(buf.dtype).name)
+    elif buf.block != w.block:
+        raise CheckpointError(f"FP8 blocks {list(w.block)} and {list(buf.block)} in one leaf")
+    buf.values[index] = w.values
+    buf.scale[index] = w.scale
+    return buf
+
+
+def same_leaf(a, buf, dtype) -> bool:
+    """Does a copy of a shared tensor (e.g. DeepSeek's MTP copy of lm_head) equal the leaf it
+    duplicates? Both FP8: values and scales bit for bit."""
+    from mtpjax.model.fp8_weight import Fp8Weight
+    if isinstance(a, Fp8Weight) or isinstance(buf, Fp8Weight):
+        return (isinstance(a, Fp8Weight) and isinstance(buf, Fp8Weight) and a.block == buf.block
+                and np.array_equal(a.values.view(np.uint8), buf.values.view(np.uint8))
+                and np.array_equal(a.scale, buf.scale))
+    return np.array_equal(a.astype(dtype), buf)
+
+
 def dequantize_state_dict(tensors: Mapping[str, object], quant: BlockFp8 | None = None) -> dict:
     """In-memory HF tensors (numpy, or torch with its float8 dtypes) of an FP8 checkpoint -> the
     same dict with each quantized weight dequantized to a float32 numpy array and the scales
     dropped, ready for `from_hf_state_dict`. quant: default 128x128 blocks of e4m3."""
-    quant = quant or BlockFp8(BLOCK_SIZES[0], FMT_DTYPES["e4m3"])
+    quant = quant or BlockFp8(DEFAULT_BLOCK, FMT_DTYPES["e4m3"])
     meta = {n: (tuple(v.shape), _dtype_name(v)) for n, v in tensors.items()}
     weights, paired = split_scales(quant, meta, "state dict")
     return {n: dequantize(_numpy(tensors[n]), _numpy(tensors[paired[n]], np.float32), quant.block)
@@ -189,3 +241,47 @@ def _numpy(value, dtype=None) -> np.ndarray:
         else:
             value = value.float().numpy()
     return np.asarray(value, dtype)
+
+
+def export_sources(name: str, hf_shape: tuple[int, ...], leaf, index: tuple, transpose: bool,
+                   dtype=None) -> tuple[list, tuple[int, int] | None]:
+    """What export writes for tensor `name` of an `Fp8Weight` leaf (`index`: its expert, if the
+    leaf stacks them; `transpose`: Hugging Face stores it [out, in]). dtype None: the values as
+    F8_E4M3 and `name + "_scale_inv"` as F32, bit for bit what the leaf holds, with the block in
+    Hugging Face's orientation; else the dequantized weight in dtype (block None)."""
+    import jax
+
+    from mtpjax.checkpoint.safetensors_io import TensorSource
+    from mtpjax.model.fp8_weight import Fp8Weight
+
+    def part(a):
+        a = np.asarray(jax.device_get(a[index] if index else a))
+        return a.T if transpose else a
+
+    if dtype is not None:
+        out = np.dtype(dtype)
+
+        def fetch_dequantized():
+            w = Fp8Weight(leaf.values[index] if index else leaf.values,
+                          leaf.scale[index] if index else leaf.scale, leaf.block, out.name)
+            a = np.asarray(jax.device_get(w.dequantize()))
+            return a.T if transpose else a
+
+        return [TensorSource(name, hf_shape, out, fetch_dequantized)], None
+    block = tuple(reversed(leaf.block)) if transpose else tuple(leaf.block)
+    return [TensorSource(name, hf_shape, np.dtype(leaf.values.dtype), lambda: part(leaf.values)),
+            TensorSource(name + SCALE_SUFFIX, scale_shape(hf_shape, block), np.dtype(np.float32),
+                         lambda: part(leaf.scale))], block
+
+
+def export_block(blocks: set, source_config: Mapping | None) -> dict:
+    """The quantization_config for the FP8 tensors export wrote in `blocks` (one block size:
+    config.json has one weight_block_size); a CheckpointError otherwise."""
+    if len(blocks) != 1:
+        raise CheckpointError(
+            f"FP8 weights in blocks {sorted(list(b) for b in blocks)} (Hugging Face's [out, in] "
+            "orientation): a checkpoint's quantization_config has one weight_block_size; "
+            "per-output-channel scales differ per matrix. Quantize with one block size, or "
+            "export dequantized (export_hf(..., dtype=jnp.bfloat16))")
+    base = (source_config or {}).get("quantization_config")
+    return to_hf_config(next(iter(blocks)), base if isinstance(base, Mapping) else None)

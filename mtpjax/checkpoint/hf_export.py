@@ -6,8 +6,10 @@ family's layout (MiMo: `model.mtp_layers.{k}`; others: DeepSeek's `model.layers.
 its copies of the shared embedding and head). Each tensor is fetched from the device and
 written on its own, so host memory holds one tensor at a time. `load_hf(export_hf(x)) == x`
 bit for bit; a config that config.json cannot express is refused rather than silently changed.
-Tensors are written unquantized, in the params' dtype (or `dtype`): a model loaded from an FP8
-checkpoint exports as bf16 / f32, without the source's `quantization_config`.
+Tensors are written in the params' dtype (or `dtype`); FP8 weights (`Fp8Weight`) as DeepSeek-V3
+ships them (F8_E4M3 + float32 `weight_scale_inv`, a quantization_config with their block size),
+so an FP8 checkpoint loaded and exported comes back byte for byte. A model loaded with
+fp8="dequantize" exports unquantized, without the source's `quantization_config`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from mtpjax.checkpoint import fp8
 from mtpjax.checkpoint.atomic import atomic_dir
 from mtpjax.checkpoint.bundle import Assets, check_params
 from mtpjax.checkpoint.errors import CheckpointError
@@ -28,12 +31,13 @@ from mtpjax.checkpoint.hf_keys import key_table
 from mtpjax.checkpoint.hf_load import CONFIG_FILE
 from mtpjax.checkpoint.safetensors_io import TensorSource, write_folder
 from mtpjax.config import ModelConfig
+from mtpjax.model.fp8_weight import Fp8Weight
 from mtpjax.models.registry import family_for
 
 # Keys this module owns; anything else in the source config.json is kept as it was.
 _ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
-# Dropped from the source config.json: export writes the params unquantized (as they are, bf16 /
-# f32), so an FP8 checkpoint's quantization_config would describe tensors that are not there.
+# Dropped from the source config.json: it would describe tensors that are not there unless the
+# params hold FP8 weights, and then export_hf writes it again for them (`fp8.export_block`).
 _DROPPED_KEYS = ("quantization_config",)
 
 
@@ -91,20 +95,27 @@ def export_hf(path: str, params, cfg: ModelConfig, *, assets: Assets | None = No
     """Writes a Hugging Face folder at `path` (all or nothing); returns the files written.
 
     assets: the source config.json (its other keys are kept) and tokenizer files.
-    dtype: of the written tensors (None keeps each leaf's). max_shard_size: bytes or "5GB";
-    None writes one model.safetensors.
+    dtype: of the written tensors (None keeps each leaf's: FP8 weights as F8_E4M3 with their
+    `weight_scale_inv` and a quantization_config, DeepSeek-V3's layout; a dtype writes them
+    dequantized). max_shard_size: bytes or "5GB"; None writes one model.safetensors.
     """
     check_params(params, cfg)
     assets = assets or Assets()
     table = key_table(cfg, mtp_layout)
     # transformers does not store the head of a tied model; the DeepSeek copies are stored.
     entries = {**table.slots, **{n: s for n, s in table.copies.items() if n != "lm_head.weight"}}
-    sources = []
+    sources, fp8_blocks = [], set()
     for name in sorted(entries, key=_natural):
         slot = entries[name]
         leaf = params
         for p in slot.path:
             leaf = leaf[p]
+        if isinstance(leaf, Fp8Weight):     # FP8 as FP8 + weight_scale_inv (dtype: dequantized)
+            srcs, block = fp8.export_sources(name, table.hf_shape(name), leaf, slot.index,
+                                             slot.transpose, dtype)
+            sources += srcs
+            fp8_blocks |= {block} - {None}
+            continue
         out_dtype = np.dtype(dtype if dtype is not None else leaf.dtype)
 
         def fetch(leaf=leaf, slot=slot, out_dtype=out_dtype):
@@ -123,6 +134,8 @@ def export_hf(path: str, params, cfg: ModelConfig, *, assets: Assets | None = No
 
     torch_dtype = np.dtype(dtype if dtype is not None else params["embed"].dtype).name
     hf_config = hf_config_dict(cfg, assets.hf_config, torch_dtype)
+    if fp8_blocks:
+        hf_config["quantization_config"] = fp8.export_block(fp8_blocks, assets.hf_config)
     with atomic_dir(path) as tmp:
         files = write_folder(tmp, sources, parse_size(max_shard_size), on_tensor)
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:

@@ -32,9 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtpjax.checkpoint import fp8
 from mtpjax.checkpoint.errors import CheckpointError
 from mtpjax.checkpoint.safetensors_io import DTYPE_NAMES, DTYPES
 from mtpjax.config import ModelConfig
+from mtpjax.model.fp8_weight import Fp8Weight
 from mtpjax.model.kinds import attention_kind, ffn_kind
 from mtpjax.model.params import param_specs, tree_from_items, tree_items
 from mtpjax.models.registry import family_for
@@ -242,7 +244,8 @@ def assemble(table: KeyTable, tensors: Mapping[str, tuple[tuple[int, ...], str]]
     and copied in, then `place(path, buffer)` turns it into the output leaf (default: a device
     array) before the next leaf starts. Host memory therefore holds one leaf buffer and one
     tensor beyond what `place` keeps. dtype None keeps the stored dtype (promoted across a leaf's
-    tensors).
+    tensors). `read` may return an `Fp8Weight` (an FP8 tensor kept FP8): its leaf becomes one,
+    standing for the leaf's dtype.
     """
     specs = table.specs
     fills: dict[tuple, list[tuple[str, Slot]]] = {}
@@ -260,14 +263,17 @@ def assemble(table: KeyTable, tensors: Mapping[str, tuple[tuple[int, ...], str]]
         buf = np.empty(spec.shape, leaf_dtype)
         for name, slot in entries:
             arr = read(name)
-            buf[slot.index] = arr.T if slot.transpose else arr
+            if isinstance(arr, Fp8Weight):         # kept FP8: values and scales, filled alike
+                buf = fp8.fill(buf, slot.index, arr.T if slot.transpose else arr)
+            else:
+                buf[slot.index] = arr.T if slot.transpose else arr
             del arr
             if on_tensor is not None:
                 on_tensor(name)
         for name, slot in copies.get(path, []):    # must equal what was loaded
             arr = read(name)
             arr = arr.T if slot.transpose else arr
-            if not np.array_equal(arr.astype(leaf_dtype), buf):
+            if not fp8.same_leaf(arr, buf, leaf_dtype):
                 raise CheckpointError(f"{name} differs from the {'/'.join(path)} it duplicates "
                                       "(shared weights must be equal)")
             del arr

@@ -7,9 +7,11 @@ tensor at a time. Each leaf goes to its device (and sharding) as soon as it is c
 memory: the output plus one leaf buffer and one tensor on CPU; with the output on an accelerator,
 just the leaf buffer and the tensor.
 
-Block-scaled FP8 checkpoints (config.json `quantization_config`, DeepSeek-V3) are dequantized to
-float32 one tensor at a time as they are read (`fp8.py`); the pairing of weights and scales is
-checked from the headers first, like everything else.
+Block-scaled FP8 checkpoints (config.json `quantization_config`, DeepSeek-V3) stay FP8 by default:
+each quantized weight becomes an `Fp8Weight` (its e4m3 values and float32 block scales,
+transposed into our layout together; model/fp8_weight.py). `fp8="dequantize"` instead turns each
+into float32 as it is read (`fp8.py`). The pairing of weights and scales is checked from the
+headers first, like everything else.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from typing import Callable
 
 import jax
 
-from mtpjax.checkpoint import fp8
+from mtpjax.checkpoint import fp8 as fp8_format
 from mtpjax.checkpoint.bundle import Assets, Checkpoint
 from mtpjax.checkpoint.errors import CheckpointError
 from mtpjax.checkpoint.hf_keys import assemble, key_table, validate
 from mtpjax.checkpoint.safetensors_io import read_tensor, scan_folder
 from mtpjax.config import ModelConfig
+from mtpjax.model.fp8_weight import Fp8Weight, shard_like
 from mtpjax.parallel.sharding import mesh_sharding
 
 CONFIG_FILE = "config.json"
@@ -65,12 +68,15 @@ def _placer(sharding):
         if s is not None and not isinstance(s, jax.sharding.Sharding):
             for p in path:
                 s = s[p]
+        if isinstance(a, Fp8Weight) and isinstance(s, jax.sharding.NamedSharding):
+            s = shard_like(a, s)              # the scale grid split like the values
         return jax.block_until_ready(jax.device_put(a, s))
     return place
 
 
 def load_hf(path: str, dtype=None, *, sharding=None, mesh=None, mtp_layout: str | None = None,
-            progress: Progress | None = None, **config_overrides) -> Checkpoint:
+            progress: Progress | None = None, fp8: str | None = None,
+            **config_overrides) -> Checkpoint:
     """Reads a Hugging Face folder into a `Checkpoint` (cfg, params, assets with the tokenizer).
 
     dtype: of the params (None keeps the stored dtype). sharding: a `jax.sharding.Sharding` for
@@ -78,17 +84,25 @@ def load_hf(path: str, dtype=None, *, sharding=None, mesh=None, mtp_layout: str 
     ("data", "model") jax.sharding.Mesh: each leaf goes straight into its sharding from the table
     (`mtpjax/parallel/sharding.py`; give sharding or mesh, not both). mtp_layout:
     "mimo" | "deepseek", default by family.
+    fp8: for an FP8 checkpoint, "keep" (the default: its weights load as `Fp8Weight`, standing
+    for dtype, default bfloat16) or "dequantize" (float32 arrays, or dtype).
     config_overrides: ModelConfig fields that replace what config.json says.
     """
+    if fp8 not in (None, "keep", "dequantize"):
+        raise ValueError(f"fp8={fp8!r}: expected 'keep' or 'dequantize'")
     hf_config, cfg = read_hf_config(path, **config_overrides)
     assets = Assets.from_dir(path, hf_config)     # checked before any tensor is read
     sharding = mesh_sharding(cfg, sharding, mesh)
-    quant = fp8.from_hf_config(hf_config, os.path.join(path, CONFIG_FILE))
+    quant = fp8_format.from_hf_config(hf_config, os.path.join(path, CONFIG_FILE))
+    keep = quant is not None and fp8 != "dequantize"
     infos = scan_folder(path)
     table = key_table(cfg, mtp_layout)
     # FP8 weights reach validation as the F32 they dequantize to, their scales not at all.
-    meta, scales = fp8.split_scales(quant, {n: (i.shape, i.dtype) for n, i in infos.items()}, path)
+    meta, scales = fp8_format.split_scales(quant, {n: (i.shape, i.dtype) for n, i in infos.items()},
+                                           path)
     validate(table, meta, path)
+    if keep:                   # kept weights stand for bfloat16 (DeepSeek's activations) or dtype
+        meta = {n: (m[0], "BF16") if n in scales else m for n, m in meta.items()}
 
     def nbytes(name):
         return infos[name].nbytes + (infos[scales[name]].nbytes if name in scales else 0)
@@ -105,7 +119,9 @@ def load_hf(path: str, dtype=None, *, sharding=None, mesh=None, mtp_layout: str 
     def read(name):
         if name not in scales:
             return read_one(name)
-        return fp8.dequantize(read_one(name), read_one(scales[name]), quant.block)
+        if keep:
+            return fp8_format.kept(read_one(name), read_one(scales[name]), quant.block)
+        return fp8_format.dequantize(read_one(name), read_one(scales[name]), quant.block)
 
     def on_tensor(name):
         nonlocal done

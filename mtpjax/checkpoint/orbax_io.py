@@ -1,13 +1,16 @@
 """mtpjax's own checkpoint folder: the param tree in Orbax, config and tokenizer beside it.
 
     DIR/mtpjax_checkpoint.json   {"format": "mtpjax-orbax", "version": 1,
-                                  "model_config": ModelConfig.to_dict(), "dtypes": {leaf: dtype}}
+                                  "model_config": ModelConfig.to_dict(), "dtypes": {leaf: dtype},
+                                  "fp8": {leaf: {"block": [rows, cols]}} (FP8 leaves only)}
     DIR/params/                  the param tree (orbax StandardCheckpointer)
     DIR/hf_config.json           the source config.json, when converted from Hugging Face
     DIR/tokenizer.json, ...      tokenizer / generation files, copied verbatim
 
 `restore` builds the target tree from the saved config (no reliance on Orbax's metadata API)
 and restores straight into the requested sharding: every array is written once, on its devices.
+An FP8 weight (`Fp8Weight`) is stored as its two arrays, {"fp8_values": float8_e4m3fn,
+"fp8_scale": float32}; its dtype entry is the dtype it stands for, its block in "fp8".
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from mtpjax.checkpoint.atomic import atomic_dir
 from mtpjax.checkpoint.bundle import Assets, Checkpoint, check_params, flat_items
 from mtpjax.checkpoint.errors import CheckpointError, json_object
 from mtpjax.config import ModelConfig
+from mtpjax.model.fp8_weight import FP8_DTYPE, Fp8Weight, check_block, scale_grid, shard_like
 from mtpjax.model.params import param_specs, tree_from_items, tree_items
 from mtpjax.parallel.sharding import mesh_sharding
 
@@ -30,6 +34,7 @@ FORMAT_FILE = "mtpjax_checkpoint.json"
 FORMAT = "mtpjax-orbax"
 PARAMS_DIR = "params"
 HF_CONFIG_FILE = "hf_config.json"
+FP8_VALUES, FP8_SCALE = "fp8_values", "fp8_scale"      # an Fp8Weight's two arrays on disk
 
 
 def is_orbax_folder(path: str) -> bool:
@@ -43,9 +48,14 @@ def save(path: str, params, cfg: ModelConfig, *, assets: Assets | None = None) -
     assets = assets or Assets()
     meta = {"format": FORMAT, "version": 1, "model_config": cfg.to_dict(),
             "dtypes": {p: np.dtype(a.dtype).name for p, a in flat_items(params)}}
+    fp8 = {p: {"block": list(a.block)} for p, a in flat_items(params) if isinstance(a, Fp8Weight)}
+    if fp8:
+        meta["fp8"] = fp8
+    stored = tree_from_items((p, {FP8_VALUES: a.values, FP8_SCALE: a.scale}
+                              if isinstance(a, Fp8Weight) else a) for p, a in tree_items(params))
     with atomic_dir(path) as tmp:
         with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(os.path.join(tmp, PARAMS_DIR), params)
+            ckptr.save(os.path.join(tmp, PARAMS_DIR), stored)
         with open(os.path.join(tmp, FORMAT_FILE), "w") as f:
             json.dump(meta, f, indent=2)
         if assets.hf_config is not None:
@@ -95,6 +105,16 @@ def read_meta(path: str) -> tuple[dict, ModelConfig]:
         if not _is_float_dtype_name(dtypes[p]):
             raise CheckpointError(f"{file}: dtypes[{p!r}] is {json.dumps(dtypes[p])}, expected "
                                   "a float dtype name such as \"float32\" or \"bfloat16\"")
+    fp8 = meta.get("fp8", {})
+    if not isinstance(fp8, dict) or any(p not in dtypes for p in fp8):
+        raise CheckpointError(f"{file}: fp8 must be an object {{param path: {{\"block\": "
+                              f"[rows, cols]}}}} over params, got {json.dumps(fp8)[:200]}")
+    for p, v in fp8.items():
+        try:
+            check_block(v["block"])
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{file}: fp8[{p!r}] is {json.dumps(v)[:200]}, expected "
+                                  "{\"block\": [rows, cols]} of positive ints") from None
     return meta, cfg
 
 
@@ -121,8 +141,20 @@ def restore(path: str, sharding=None, *, dtype=None, mesh=None) -> Checkpoint:
             s = s[k]
         return s
 
+    fp8 = meta.get("fp8", {})
+
     def abstract(p, spec):
-        return jax.ShapeDtypeStruct(spec.shape, dtype or meta["dtypes"]["/".join(map(str, p))],
+        name = "/".join(map(str, p))
+        if name in fp8:                 # an Fp8Weight: values and scale, split alike
+            block = tuple(fp8[name]["block"])
+            w = Fp8Weight(jax.ShapeDtypeStruct(spec.shape, FP8_DTYPE),
+                          jax.ShapeDtypeStruct(scale_grid(spec.shape, block), jnp.float32), block)
+            s = leaf_sharding(p)
+            s = shard_like(w, s) if isinstance(s, jax.sharding.NamedSharding) else Fp8Weight(
+                s, s, block)
+            return {FP8_VALUES: jax.ShapeDtypeStruct(w.values.shape, FP8_DTYPE, sharding=s.values),
+                    FP8_SCALE: jax.ShapeDtypeStruct(w.scale.shape, jnp.float32, sharding=s.scale)}
+        return jax.ShapeDtypeStruct(spec.shape, dtype or meta["dtypes"][name],
                                     sharding=leaf_sharding(p))
 
     # the small files first: a damaged one fails before the arrays are read
@@ -136,4 +168,15 @@ def restore(path: str, sharding=None, *, dtype=None, mesh=None) -> Checkpoint:
     target = tree_from_items((p, abstract(p, spec)) for p, spec in tree_items(param_specs(cfg)))
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), target)
+    if fp8:
+        def leaf(p):
+            name, x = "/".join(map(str, p)), params
+            for k in p:
+                x = x[k]
+            if name not in fp8:
+                return x
+            return Fp8Weight(x[FP8_VALUES], x[FP8_SCALE], tuple(fp8[name]["block"]),
+                             jnp.dtype(dtype or meta["dtypes"][name]).name)
+
+        params = tree_from_items((p, leaf(p)) for p, _ in tree_items(param_specs(cfg)))
     return Checkpoint(cfg, params, assets)
