@@ -78,7 +78,8 @@ def write_glm(path, variant: str, seed: int):
 
 def _prompts(seed: int, n: int = 3):
     rng = np.random.default_rng(seed)
-    return [rng.integers(2, GLM_BASE["vocab_size"], int(t)).tolist() for t in rng.integers(4, 14, n)]
+    return [rng.integers(2, GLM_BASE["vocab_size"], int(t)).tolist()
+            for t in rng.integers(4, 14, n)]
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +141,8 @@ def test_partial_rotary_turns_only_the_leading_dims(seed):
     pos = jnp.broadcast_to(jnp.arange(5) * (seed + 3), (2, 5))
     got = apply_rope(x, pos, cfg)
     np.testing.assert_array_equal(np.asarray(got[..., 8:]), np.asarray(x[..., 8:]))
-    np.testing.assert_allclose(np.asarray(got[..., :8]), np.asarray(apply_rope(x[..., :8], pos, full)),
-                               atol=1e-6)
+    want = apply_rope(x[..., :8], pos, full)
+    np.testing.assert_allclose(np.asarray(got[..., :8]), np.asarray(want), atol=1e-6)
     assert not np.allclose(np.asarray(got[:, 1:, :, :8]), np.asarray(x[:, 1:, :, :8]))
 
 
@@ -170,8 +171,8 @@ def test_correction_bias_and_group_limit_change_the_experts(checkpoints):
     ids, _ = route(p, x, ck.cfg)
     no_bias, _ = route({**p, "router_bias": jnp.zeros_like(p["router_bias"])}, x, ck.cfg)
     no_limit, _ = route(p, x, dataclasses.replace(ck.cfg, topk_group=ck.cfg.n_group))
-    differs = lambda a, b: any(set(r) != set(s) for r, s in zip(np.asarray(a).tolist(),  # noqa: E731
-                                                                   np.asarray(b).tolist()))
+    def differs(a, b):
+        return any(set(r) != set(s) for r, s in zip(np.asarray(a).tolist(), np.asarray(b).tolist()))
     assert differs(ids, no_bias) and differs(ids, no_limit)
 
 
@@ -206,7 +207,8 @@ def test_mtp_module_matches_transformers_decoder_layer(checkpoints, variant):
     mod_glm = transformers.models.glm4_moe.modeling_glm4_moe
     path, model = checkpoints[variant, 0]
     ck = load_hf(str(path), jnp.float32)
-    L, X, eps = GLM_BASE["num_hidden_layers"], GLM_BASE["n_routed_experts"], GLM_BASE["rms_norm_eps"]
+    L, X = GLM_BASE["num_hidden_layers"], GLM_BASE["n_routed_experts"]
+    eps = GLM_BASE["rms_norm_eps"]
     sd = load_file(str(path / "model.safetensors"))
     pre = f"model.layers.{L}."
     mod = {k[len(pre):]: v for k, v in sd.items() if k.startswith(pre)}
@@ -215,8 +217,8 @@ def test_mtp_module_matches_transformers_decoder_layer(checkpoints, variant):
                                                                 "shared_head", "embed_tokens"))
              and ".experts." not in k}
     block["mlp.experts.gate_up_proj"] = torch.stack(
-        [torch.cat([mod[f"mlp.experts.{e}.gate_proj.weight"], mod[f"mlp.experts.{e}.up_proj.weight"]])
-         for e in range(X)])
+        [torch.cat([mod[f"mlp.experts.{e}.gate_proj.weight"],
+                    mod[f"mlp.experts.{e}.up_proj.weight"]]) for e in range(X)])
     block["mlp.experts.down_proj"] = torch.stack(
         [mod[f"mlp.experts.{e}.down_proj.weight"] for e in range(X)])
     missing, unexpected = layer.load_state_dict(block, strict=False)
@@ -227,7 +229,8 @@ def test_mtp_module_matches_transformers_decoder_layer(checkpoints, variant):
     B, T = 2, 9
     tokens = rng.integers(0, GLM_BASE["vocab_size"], (B, T))
     hidden = rng.normal(size=(B, T, GLM_BASE["hidden_size"])).astype(np.float32)
-    h_next, logits = mtpjax.mtp_forward(ck.params, ck.cfg, 0, jnp.asarray(hidden), jnp.asarray(tokens))
+    h_next, logits = mtpjax.mtp_forward(ck.params, ck.cfg, 0, jnp.asarray(hidden),
+                                        jnp.asarray(tokens))
     with torch.no_grad():
         if "mlp.gate.e_score_correction_bias" in mod:
             layer.mlp.gate.e_score_correction_bias.copy_(mod["mlp.gate.e_score_correction_bias"])
@@ -241,7 +244,8 @@ def test_mtp_module_matches_transformers_decoder_layer(checkpoints, variant):
         rotary = mod_glm.Glm4MoeRotaryEmbedding(model.config)
         mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
         y = layer(u, attention_mask=mask, position_ids=pos, position_embeddings=rotary(u, pos))
-        want = _torch_rmsnorm(y, mod["shared_head.norm.weight"], eps) @ mod["shared_head.head.weight"].T
+        want = (_torch_rmsnorm(y, mod["shared_head.norm.weight"], eps)
+                @ mod["shared_head.head.weight"].T)
     np.testing.assert_allclose(np.asarray(h_next), y.numpy(), atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(logits), want.numpy(), atol=1e-4, rtol=1e-4)
 

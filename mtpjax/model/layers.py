@@ -72,7 +72,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Arra
     Only the first `cfg.rotary_dim` dims rotate (rotate_half within them; partial rotary, as
     transformers' GPT-NeoX / GLM apply it); the rest pass through unchanged."""
     inv_freq, scale = rope_frequencies(cfg)
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., T, rd/2]
+    # [..., T, rd/2], rd = the rotated dims
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     cos = (jnp.cos(freqs) * scale)[..., None, :]
     sin = (jnp.sin(freqs) * scale)[..., None, :]
     rd = 2 * inv_freq.shape[0]

@@ -46,7 +46,7 @@ class RoutingRule:
     score: Callable[[jax.Array], jax.Array]          # f32 logits [N, X] -> scores [N, X]
     biased: bool                                     # choice = scores + e_score_correction_bias
     group_score: Callable[[jax.Array], jax.Array] | None   # None: no group limit
-    deepseek: tuple[str, str]                        # (scoring_func, topk_method) in DeepSeek's names
+    deepseek: tuple[str, str]               # (scoring_func, topk_method) in DeepSeek's names
 
 
 ROUTING_RULES: dict[str, RoutingRule] = {}

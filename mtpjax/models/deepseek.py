@@ -58,7 +58,8 @@ def _read(config: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     v2 = model_type == "deepseek_v2"
     get = functools.partial(_hf_value, config)
     if get("attention_bias", FLAG, False):
-        raise ValueError("attention_bias=True is not supported for MLA models (DeepSeek ships none)")
+        raise ValueError("attention_bias=True is not supported for MLA models "
+                         "(DeepSeek ships none)")
     if get("mlp_bias", FLAG, False):
         raise ValueError("mlp_bias=True is not supported (DeepSeek ships none)")
     if config.get("moe_layer_freq", 1) != 1:

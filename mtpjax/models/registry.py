@@ -5,9 +5,10 @@ claims and the `architectures` name it writes, how its config.json's own keys be
 `ModelConfig` fields (`read_hf`) and back (`write_hf`), where its MTP modules live in the
 checkpoint (`mtp_layout`, one of `checkpoint.hf_keys.MTP_LAYOUTS`), and what a config of it must
 satisfy beyond the generic checks (`check`). What all families share (the Llama-style keys:
-vocab_size, hidden_size, num_attention_heads, rope, ...) is read and written by `ModelConfig.from_hf`
-and `checkpoint.hf_export.hf_config_dict` themselves. The tensor names come from the layer
-kinds (`model/kinds.py`) and the MTP layout, so a family adds no key table of its own.
+vocab_size, hidden_size, num_attention_heads, rope, ...) is read and written by
+`ModelConfig.from_hf` and `checkpoint.hf_export.hf_config_dict` themselves. The tensor names
+come from the layer kinds (`model/kinds.py`) and the MTP layout, so a family adds no key table
+of its own.
 
 Adding a family: one module under `mtpjax/models/` that calls `register_family` (every module
 of the package is imported on first use; docs/models.md, "Adding a model family").
