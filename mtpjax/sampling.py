@@ -19,6 +19,9 @@ none of the host's work overlapped the device; docs/benchmarks.md). Modes:
             and min_p (after temperature). Only a batch with such a row gets these modes, so
             every other batch runs exactly the program it ran before they existed; the engine
             compiles them on first use (`FEATURE_MODES`, not warmed up)
+  "greedy_penalty", "filter_penalty"  the feature modes plus repetition / presence /
+            frequency penalties over each row's token history (`mtpjax.logit_processors`),
+            for batches where some row has a penalty (`PENALTY_MODES`, engine only)
 
 A greedy row's result is the one-hot argmax in both modes, so no row depends on the mode, nor
 on batch composition. (A third mode without the sorts for batches that sample without top-k /
@@ -50,6 +53,11 @@ class SamplingArrays:
     min_p: jax.Array | None = None       # f32[B]   0 = off
     bias_ids: jax.Array | None = None    # int32[B, LOGIT_BIAS_SLOTS] token ids (0 where unused)
     bias_vals: jax.Array | None = None   # f32[B, LOGIT_BIAS_SLOTS] biases (0 where unused)
+    # the penalties (PENALTY_MODES only; 1, 0, 0 = off) and each row's token history
+    repetition_penalty: jax.Array | None = None   # f32[B]
+    presence_penalty: jax.Array | None = None     # f32[B]
+    frequency_penalty: jax.Array | None = None    # f32[B]
+    history: jax.Array | None = None     # int32[B, V] output counts | PROMPT_FLAG (logit_processors)
     # structured output (engine steps with a grammar row only; None elsewhere): bit v of each
     # row and verify position allows token v (mtpjax.structured.bitmask; all ones: no grammar)
     token_bitmask: jax.Array | None = None   # int32[B, K+1, ceil(V/32)]
@@ -67,15 +75,22 @@ class SamplingArrays:
             min_p, ids, vals = feature_arrays(params)
             extra = dict(min_p=jnp.asarray(min_p), bias_ids=jnp.asarray(ids),
                          bias_vals=jnp.asarray(vals))
+        if mode in PENALTY_MODES:      # the history is the caller's (the engine's device state)
+            extra.update(zip(PENALTY_FIELDS, map(jnp.asarray, penalty_arrays(params))))
         return cls(temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k),
                    top_p=jnp.asarray(top_p), keys=jnp.asarray(np.stack(keys)), mode=mode,
                    **extra)
 
 
 SAMPLING_MODES = ("greedy", "filter")           # the modes warmup compiles
-FEATURE_MODES = ("greedy_bias", "filter_full")  # with logit_bias / min_p (module doc)
+PENALTY_MODES = ("greedy_penalty", "filter_penalty")   # + penalties (module doc)
+# with logit_bias / min_p (module doc); the penalty modes have them too
+FEATURE_MODES = ("greedy_bias", "filter_full") + PENALTY_MODES
 ALL_SAMPLING_MODES = SAMPLING_MODES + FEATURE_MODES
-GREEDY_MODES = ("greedy", "greedy_bias")        # every row greedy: the one-hot argmax only
+# every row greedy: the one-hot argmax only
+GREEDY_MODES = ("greedy", "greedy_bias", "greedy_penalty")
+MIN_P_MODES = ("filter_full", "filter_penalty")            # the sampled modes that apply min_p
+PENALTY_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 # The smallest positive normal float32. A top_p that SamplingParams accepts (any p in (0, 1])
@@ -93,8 +108,11 @@ def top_p_array(top_p) -> np.ndarray:
 def sampling_mode(temperature, params: Sequence[SamplingParams | None] | None = None) -> str:
     """Host side: the mode that serves rows with these temperatures (numpy [B]) and, when given,
     these SamplingParams (None for padding rows): a feature mode only if some row has a
-    logit_bias, or samples with min_p > 0 (min_p cannot change a greedy row; module doc)."""
+    logit_bias, or samples with min_p > 0 (min_p cannot change a greedy row; module doc); a
+    penalty mode if some row has a penalty."""
     sampled = (np.asarray(temperature) > 0).any()
+    if any(p is not None and p.has_penalties for p in params or ()):
+        return "filter_penalty" if sampled else "greedy_penalty"
     bias = any(p is not None and p.logit_bias for p in params or ())
     min_p = any(p is not None and p.min_p > 0 and p.temperature > 0 for p in params or ())
     if bias or min_p:
@@ -115,6 +133,14 @@ def feature_arrays(params: Sequence[SamplingParams | None]):
         for j, (t, b) in enumerate(p.logit_bias or ()):
             ids[i, j], vals[i, j] = t, b
     return min_p, ids, vals
+
+
+def penalty_arrays(params: Sequence[SamplingParams | None]):
+    """Host side: (repetition_penalty, presence_penalty, frequency_penalty), each f32[B]
+    (None: a padding row, penalties off)."""
+    off = SamplingParams()
+    return tuple(np.asarray([getattr(p or off, name) for p in params], np.float32)
+                 for name in PENALTY_FIELDS)
 
 
 def apply_logit_bias(logits: jax.Array, sp: "SamplingArrays", vocab_ids=None) -> jax.Array:
@@ -172,7 +198,7 @@ def filtered_probs(logits: jax.Array, temperature, top_k, top_p, mode: str = "fi
 
 def _min_p(mode, min_p):
     """min_p where the mode applies it, else None (the mode's program never mentions it)."""
-    return min_p if mode == "filter_full" else None
+    return min_p if mode in MIN_P_MODES else None
 
 
 def _sampled_probs(logits, onehot, temperature, top_k, top_p, min_p=None):
@@ -288,8 +314,10 @@ def sample_from_probs(probs: jax.Array, keys: jax.Array, mode: str = "filter") -
 
 def sample(logits: jax.Array, sp: SamplingArrays, positions: jax.Array) -> jax.Array:
     """Sample one token per request from logits [B, V]; greedy rows take the argmax (an
-    all-greedy batch, mode "greedy", computes nothing else)."""
-    logits = apply_logit_bias(logits, sp)
+    all-greedy batch, mode "greedy", computes nothing else). The logit processors of the
+    batch's mode (`logit_processors.process_logits`) apply first."""
+    from mtpjax.logit_processors import process_logits     # it imports this module
+    logits = process_logits(logits, sp)
     top1 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if sp.mode in GREEDY_MODES:
         return top1
@@ -376,6 +404,13 @@ def validate_sampling_params(sampling, num_prompts: int, *, vocab_size: int,
         if bad:
             raise ValueError(f"{where}: stop_token_ids has {bad[0]}, outside the vocabulary "
                              f"[0, {vocab_size}); expected ids < vocab_size={vocab_size}")
+        if sp.has_penalties and caller == "generate":
+            # the history lives in the engine's device state (logit_processors)
+            raise ValueError(f"{where}: repetition_penalty={sp.repetition_penalty:g}, "
+                             f"presence_penalty={sp.presence_penalty:g}, frequency_penalty="
+                             f"{sp.frequency_penalty:g}, but mtpjax.generate does not apply "
+                             f"penalties; expected 1, 0, 0 (off), or use mtpjax.LLM, which "
+                             f"applies them (speculative decoding included)")
         if sp.structured_output is not None and caller == "generate":
             # the grammar's masks are built on the host after every step, along the drafts
             raise ValueError(f"{where}: structured_output={sp.structured_output.kind}: "

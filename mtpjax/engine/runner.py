@@ -25,8 +25,10 @@ from mtpjax.model.backend import resolve_backend
 from mtpjax.model.fused import fuse_projections as fuse, fusion_groups
 from mtpjax.parallel import check_mesh, create_sharded, replicate, shard_params
 from mtpjax.parallel.sharding import pin, pin_replicated
-from mtpjax.sampling import (FEATURE_MODES, LOGIT_BIAS_SLOTS, SAMPLING_MODES, SamplingArrays,
-                             feature_arrays, request_key, sampling_mode, top_p_array)
+from mtpjax.engine.penalty_history import PenaltyHistory
+from mtpjax.sampling import (FEATURE_MODES, LOGIT_BIAS_SLOTS, PENALTY_FIELDS, PENALTY_MODES,
+                             SAMPLING_MODES, SamplingArrays, feature_arrays, penalty_arrays,
+                             request_key, sampling_mode, top_p_array)
 from mtpjax.speculative.draft import draft_shape
 from mtpjax.speculative.draft_vocab import attach as attach_draft_vocab
 from mtpjax.speculative.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CHUNK, KIND_PAD,
@@ -58,6 +60,9 @@ def pack_host(batch: MixedBatch) -> np.ndarray:
                              np.asarray(sp.bias_vals, np.float32)], 1)
         parts += [np.concatenate([fl.view(np.int32), np.asarray(sp.bias_ids, np.int32)],
                                  1).ravel()]
+    if sp.mode in PENALTY_MODES:                                     # [R, 3] penalties
+        pen = np.stack([np.asarray(getattr(sp, f), np.float32) for f in PENALTY_FIELDS], 1)
+        parts += [pen.view(np.int32).ravel()]
     if sp.token_bitmask is not None:       # structured output: [R, K+1, W], always last
         parts.append(np.ascontiguousarray(sp.token_bitmask, np.int32).ravel())
     return np.concatenate(parts)
@@ -72,6 +77,9 @@ def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int,
     sizes = [3 * T, None, R * M, 2 * R, 2 * R]
     if sampling_mode in FEATURE_MODES:
         sizes.append(R * (1 + 2 * S))
+    if sampling_mode in PENALTY_MODES:
+        penalties_at = len(sizes)
+        sizes.append(R * len(PENALTY_FIELDS))
     if bitmask_shape is not None:
         sizes.append(R * bitmask_shape[0] * bitmask_shape[1])
     sizes[1] = flat.shape[0] - sum(x for x in sizes if x is not None)
@@ -90,6 +98,10 @@ def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int,
         feats = parts[5].reshape(R, 1 + 2 * S)
         fl = jax.lax.bitcast_convert_type(feats[:, :1 + S], jnp.float32)
         extra = dict(min_p=fl[:, 0], bias_vals=fl[:, 1:], bias_ids=feats[:, 1 + S:])
+    if sampling_mode in PENALTY_MODES:
+        pen = jax.lax.bitcast_convert_type(parts[penalties_at].reshape(R, len(PENALTY_FIELDS)),
+                                           jnp.float32)
+        extra.update({f: pen[:, i] for i, f in enumerate(PENALTY_FIELDS)})
     if bitmask_shape is not None:
         extra["token_bitmask"] = parts[-1].reshape((R,) + tuple(bitmask_shape))
     return MixedBatch(
@@ -161,6 +173,8 @@ class ModelRunner:
         self.executables: dict = {}
         self.store = executable_store
         self.load_seconds = 0.0          # warmup's wait for the store's loads
+        # the penalties' per-slot token history (device), made when a penalty batch first runs
+        self.penalties = PenaltyHistory(cfg.vocab_size, self.num_slots, self.mesh)
         self.reset_state()
 
     def reset_state(self) -> None:
@@ -171,6 +185,7 @@ class ModelRunner:
             self.cfg, self.spec, init_cache(self.cfg, self.num_pages, self.page_size, self.dtype),
             self.num_slots, self.dtype)
         self.state = make() if self.mesh is None else create_sharded(make, self.cfg, self.mesh)
+        self.penalties.reset()
         self.release_all()
 
     # ---- slots ---------------------------------------------------------------------------------
@@ -262,9 +277,12 @@ class ModelRunner:
                 raise ValueError(f"request {seq.seq_id} holds {len(seq.block_table)} blocks, more "
                                  f"than the runner's max_blocks_per_seq={self.max_blocks}")
             tables[i, :len(seq.block_table)] = seq.block_table
+            new_residency = seq.seq_id not in self.slot_of
             slots[i] = self._slot(req)
             hist_from[i] = self.hist_from[seq.seq_id]
             sp = seq.sampling_params or SamplingParams()
+            if new_residency and sp.has_penalties:   # its history, once per residency
+                self.penalties.seed(int(slots[i]), seq.token_ids, seq.num_prompt_tokens)
             row_sps[i] = sp
             temp[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, top_p_array(sp.top_p)
             keys[i] = self.keys[seq.seq_id]
@@ -330,6 +348,8 @@ class ModelRunner:
         extra = {}
         if mode in FEATURE_MODES:
             extra = dict(zip(("min_p", "bias_ids", "bias_vals"), feature_arrays(row_sps)))
+        if mode in PENALTY_MODES:
+            extra.update(zip(PENALTY_FIELDS, penalty_arrays(row_sps)))
         return SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, keys=keys, mode=mode,
                               **extra)
 
@@ -350,6 +370,13 @@ class ModelRunner:
         compiled = None if structured else self.executables.get((shape, F, mode))
         if compiled is not None:                 # warmed up: no tracing, not even a cache lookup
             self.state, result = compiled(self.params, self.state, inputs)
+        elif mode in PENALTY_MODES:              # the step carries the token history too
+            state, result = _step(self.params, self.cfg, self.spec,
+                                  self.state.replace(history=self.penalties.take()), inputs,
+                                  **self._static(F, shape, mode),
+                                  **(dict(structured=True) if structured else {}))
+            self.penalties.put(state.history)
+            self.state = state.replace(history=None)
         else:
             extra = dict(structured=True) if structured else {}
             self.state, result = _step(self.params, self.cfg, self.spec, self.state, inputs,

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from mtpjax.sampling import apply_logit_bias, position_keys, sample_from_probs
+from mtpjax.logit_processors import process_logits
+from mtpjax.sampling import apply_logit_bias, position_keys, sample_from_probs  # noqa: F401
 from mtpjax.speculative.rules.registry import AcceptInputs, acceptance_rule
 
 
@@ -337,10 +338,11 @@ def apply_acceptance(spec, logits, drafts, draft_probs, num_drafts, in_thinking,
     draft_probs (or, by index, add a collective on a vocabulary-split mesh) in every greedy
     step for a condition that cannot fail there. Research callers leave it False.
     Returns (accepted_tokens [B, K+1], num_accepted [B], in_thinking [B]).
-    Every rule sees the logits after the batch's logit_bias (a no-op outside its modes), as
+    Every rule sees the logits after the batch's logit processors (`process_logits`: a no-op
+    outside their modes; penalties count the drafts before each window position), as
     `draw_draft` and plain decoding (`sampling.sample`) do.
     """
-    logits = apply_logit_bias(logits, sp)
+    logits = process_logits(logits, sp, drafts=drafts)
     keys = jax.vmap(jax.random.fold_in)(position_keys(sp.keys, key_positions),
                                         jnp.full(key_positions.shape, 1, jnp.uint32))
     rule = acceptance_rule(spec.acceptance)

@@ -27,11 +27,12 @@ from flax import struct
 
 from mtpjax.cache import KVCache, PagedBatch
 from mtpjax.config import ModelConfig, SpecConfig
+from mtpjax.logit_processors import process_logits
 from mtpjax.model.mtp import mtp_forward_cached
 from mtpjax.speculative.draft_vocab import draft_logits
 from mtpjax.speculative.rules.registry import acceptance_rule
-from mtpjax.sampling import (GREEDY_MODES, SamplingArrays, apply_logit_bias, filtered_probs,
-                             position_keys, sample_from_probs)
+from mtpjax.sampling import (GREEDY_MODES, SamplingArrays, filtered_probs, position_keys,
+                             sample_from_probs)
 
 DRAFT_SOURCES = ("model", "random", "forced")
 
@@ -45,7 +46,8 @@ class DraftOverride:
 
 
 def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=None,
-               coupled: bool = False, vocab_ids=None, vocab_size: int | None = None):
+               coupled: bool = False, vocab_ids=None, vocab_size: int | None = None,
+               drafts=None, num_drafted=None):
     """Draft token for each request at `positions` [B] and the distribution f32[B, V] it was
     drawn from. logits [B, V], or [B, N] over the draft subset `vocab_ids` int32[N] of a
     vocabulary of `vocab_size` (draft_vocab.py): the draft is the subset's token, and its
@@ -57,6 +59,8 @@ def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=Non
     source "model": sampled from the filtered draft distribution (argmax for greedy requests).
     "random" (tests): uniform over the vocabulary. "forced" (tests): forced.tokens[b, position].
     "mixed" (tests): per request, the source forced.modes[b] names.
+    drafts int32[B, K], num_drafted: the row's drafts so far, the first `num_drafted` of which
+    the penalties count as output (`process_logits`), as plain decoding would have.
     """
     B = logits.shape[0]
     V = logits.shape[1] if vocab_ids is None else vocab_size
@@ -64,8 +68,10 @@ def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=Non
     if not coupled:
         keys = jax.vmap(jax.random.fold_in)(keys, jnp.full((B,), 2, jnp.uint32))
     if source == "model":
-        # the target's logit_bias too, so q is the distribution plain decoding would sample
-        logits = apply_logit_bias(logits, sp, vocab_ids)
+        # the target's logit processors too, so q is the distribution plain decoding would
+        # sample after the drafts so far
+        logits = process_logits(logits, sp, drafts=drafts, num_drafted=num_drafted,
+                                vocab_ids=vocab_ids)
         if sp.mode in GREEDY_MODES:  # q is the one-hot argmax: take the token from it once
             tok = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
             tok = tok if vocab_ids is None else vocab_ids[tok]
@@ -85,7 +91,8 @@ def draw_draft(logits, sp: SamplingArrays, positions, *, source: str, forced=Non
         return tok, jax.nn.one_hot(tok, V, dtype=jnp.float32)
     if source == "mixed":
         outs = [draw_draft(logits, sp, positions, source=s, forced=forced, coupled=coupled,
-                           vocab_ids=vocab_ids, vocab_size=vocab_size) for s in DRAFT_SOURCES]
+                           vocab_ids=vocab_ids, vocab_size=vocab_size, drafts=drafts,
+                           num_drafted=num_drafted) for s in DRAFT_SOURCES]
         pick = lambda *xs: jnp.stack(xs)[forced.modes, jnp.arange(B)]
         return jax.tree.map(pick, *outs)
     raise ValueError(f"draft source {source!r} not in {DRAFT_SOURCES}")
@@ -125,10 +132,11 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
     # coupled acceptance: the drafter draws with the target's keys (the rule's entry says)
     shared_keys = acceptance_rule(spec.acceptance).drafts_share_target_keys
 
-    def draw(normed_rows, i):
+    def draw(normed_rows, i, drafts):
         logits, ids = draft_logits(params, normed_rows)
         return draw_draft(logits, sp, seq_len + 1 + i, source=source, forced=forced,
-                          coupled=shared_keys, vocab_ids=ids, vocab_size=V)
+                          coupled=shared_keys, vocab_ids=ids, vocab_size=V, drafts=drafts,
+                          num_drafted=i)
 
     def record(drafts, probs, tok, q, i):
         drafts = jax.lax.dynamic_update_index_in_dim(drafts, tok, i, axis=1)
@@ -143,7 +151,7 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
         for k in range(K):
             h_next, normed, cache = mtp_forward_cached(params, cfg, k, cache, hidden, tokens,
                                                        window, backend=backend)
-            tok, q = draw(normed[last_rows], k)
+            tok, q = draw(normed[last_rows], k, drafts)
             drafts, probs = record(drafts, probs, tok, q, k)
             new = tok if fixed_next is None else jnp.where(fixed_next[:, k] >= 0,
                                                            fixed_next[:, k], tok)
@@ -158,7 +166,7 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
                                                    window, backend=backend)
         if m == 0:
             h_last, normed_last = h_next[last_rows], normed[last_rows]
-    tok, q = draw(normed_last, 0)
+    tok, q = draw(normed_last, 0, drafts)
     drafts, probs = record(drafts, probs, tok, q, 0)
 
     def chain_step(s, carry):
@@ -173,7 +181,7 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
                                                        drafts[:, s - 1], batch, backend=backend)
             outs.append((h_next, normed))
         h_next, normed = jax.tree.map(lambda *xs: jnp.stack(xs)[s % len(outs)], *outs)
-        tok, q = draw(normed, s)
+        tok, q = draw(normed, s, drafts)
         drafts, probs = record(drafts, probs, tok, q, s)
         return cache, h_next.astype(h_prev.dtype), drafts, probs
 

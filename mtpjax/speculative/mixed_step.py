@@ -28,7 +28,8 @@ from flax import struct
 from mtpjax.cache import KVCache, PagedBatch
 from mtpjax.config import ModelConfig, SpecConfig
 from mtpjax.model.transformer import forward_cached, logits_from_hidden
-from mtpjax.sampling import SamplingArrays, apply_logit_bias, processed_logprob_top, sample
+from mtpjax.logit_processors import process_logits
+from mtpjax.sampling import PENALTY_MODES, SamplingArrays, processed_logprob_top, sample
 from mtpjax.speculative.accept import apply_acceptance
 from mtpjax.speculative.draft import draft_shape, run_drafts
 from mtpjax.structured.bitmask import apply_token_bitmask
@@ -50,6 +51,10 @@ class SlotState:
                               #               inside thinking; AcceptanceRule.slot_flag)
     seq_len: jax.Array        # int32[S]      N: positions with committed KV
     pending: jax.Array        # int32[S]      the committed token at position N (no KV yet)
+    # the penalties' token history (logit_processors): output counts | PROMPT_FLAG per token
+    # id, including the pending token. Only the steps of a penalty mode carry it (the engine
+    # attaches it to theirs); every other step has None here and its program is unchanged.
+    history: jax.Array | None = None    # int32[S, V]
 
     @classmethod
     def create(cls, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, num_slots: int,
@@ -103,7 +108,9 @@ def step_logprobs(logits, tokens, sp: SamplingArrays, want, n: int) -> StepLogpr
     do not want them). Computed for every row of an engine built with max_logprobs > 0: a
     device-side branch skipping it would make the GPU dispatch wait for the step
     (docs/architecture.md, "Compiling a step")."""
-    chosen, vals, ids = processed_logprob_top(apply_logit_bias(logits, sp), tokens,
+    # the tokens before position j are committed (the verify window's drafts up to there)
+    chosen, vals, ids = processed_logprob_top(process_logits(logits, sp, drafts=tokens[:, :-1]),
+                                              tokens,
                                               sp.temperature, sp.top_k, sp.top_p, n, sp.mode,
                                               sp.min_p)
     w = want[:, None]
@@ -161,6 +168,20 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
 
     live = batch.kinds != KIND_PAD
     s = batch.slots
+    # penalty modes: each row's token history rides in its SamplingArrays (others: unread)
+    history = state.history if batch.sampling.mode in PENALTY_MODES else None
+    if batch.sampling.mode in PENALTY_MODES and history is None:
+        raise ValueError(f"sampling mode {batch.sampling.mode!r} needs SlotState.history (the "
+                         f"penalties' token history), got None")
+    sp = batch.sampling if history is None else batch.sampling.replace(history=history[s])
+
+    def commit_history(tokens, num):
+        """{"history": after the first num[r] of tokens[r] (int32[R, J]) count as output}, or
+        {} outside the penalty modes."""
+        if history is None:
+            return {}
+        add = (jnp.arange(tokens.shape[1])[None, :] < num[:, None]).astype(jnp.int32)
+        return dict(history=history.at[s[:, None], tokens].add(add, mode="drop"))
 
     def track(new_len, pending):
         """Per-slot N and pending token after the step (the next decode's inputs)."""
@@ -169,13 +190,14 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
 
     if spec is None:
         key_pos = jnp.where(is_dec, start + 1, kv_lens)
-        tok = sample(logits[:, 0], batch.sampling, key_pos)
+        tok = sample(logits[:, 0], sp, key_pos)
         committed = (is_dec | is_last).astype(jnp.int32)
         new_len = jnp.where(is_dec, start + 1, kv_lens)
         pending = jnp.where(is_dec | is_last, tok, batch.next_tokens[:, 0])
-        out = (state.replace(cache=cache, **track(new_len, pending)), tok[:, None], committed)
+        out = (state.replace(cache=cache, **track(new_len, pending),
+                             **commit_history(tok[:, None], committed)), tok[:, None], committed)
         if logprobs:
-            out += (step_logprobs(logits[:, :1], tok[:, None], batch.sampling,
+            out += (step_logprobs(logits[:, :1], tok[:, None], sp,
                                   _want(batch, R), logprobs),)
         return out
 
@@ -185,12 +207,15 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         key_pos = jnp.where(is_dec, start + 1, kv_lens)
         thinking_in = jnp.where(is_dec, state.in_thinking[batch.slots], batch.thinking)
         acc, num_acc, thinking = apply_acceptance(spec, logits, drafts, probs, num_drafts,
-                                                  thinking_in, batch.sampling, key_pos,
+                                                  thinking_in, sp, key_pos,
                                                   own_drafts=True)
         committed = jnp.where(is_dec, num_acc, jnp.where(is_last, 1, 0)).astype(jnp.int32)
         new_len = jnp.where(is_dec, start + num_acc, jnp.where(is_chunk, kv_lens, 0))
         pending = jnp.where(is_dec, jnp.take_along_axis(acc, (num_acc - 1)[:, None], 1)[:, 0],
                             jnp.where(is_last, acc[:, 0], batch.next_tokens[:, 0]))
+        # the drafter proposes after this step's tokens: they count in its penalties
+        new_history = commit_history(acc, committed)
+        draft_sp = sp.replace(history=new_history["history"][s]) if new_history else sp
 
     with jax.named_scope("draft_inputs"):
         # ragged first pass: row r covers positions [new_len - L, new_len - 1]
@@ -233,7 +258,7 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         cache, new_drafts, new_probs = run_drafts(
             params, cfg, spec, cache, window=window, hidden0=h0, tokens0=t0,
             next_same=next_same, last_rows=last_rows, seq_len=new_len,
-            block_tables=batch.block_tables, sp=batch.sampling, backend=backend,
+            block_tables=batch.block_tables, sp=draft_sp, backend=backend,
             drafting=is_dec | is_last | is_resume, fixed_next=fixed, source=draft_source, forced=forced)
 
     state = SlotState(
@@ -245,9 +270,9 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         in_thinking=state.in_thinking.at[s].set(
             jnp.where(is_dec | is_last, thinking,
                       jnp.where(is_resume, batch.thinking, state.in_thinking[s]))),
-        **track(new_len, pending))
+        **track(new_len, pending), **new_history)
     if logprobs:
-        return state, acc, committed, step_logprobs(logits, acc, batch.sampling,
+        return state, acc, committed, step_logprobs(logits, acc, sp,
                                                     _want(batch, R), logprobs)
     return state, acc, committed
 
