@@ -28,7 +28,7 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "
                  "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user",
                  "logprobs", "top_logprobs", "top_k", "stop_token_ids", "num_speculative_tokens",
                  "acceptance", "return_token_ids", "metadata", "store", "service_tier",
-                 "min_p", "response_format"}
+                 "min_p", "repetition_penalty", "response_format"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice",
                                "parallel_tool_calls"}
@@ -114,8 +114,6 @@ def _common(body: dict, ctx: ServeContext, prompt_ids: list[int], prompt_field: 
         raise RequestError(f"model {model!r} does not exist; this server serves "
                            f"{ctx.model_name!r}", "model", status=404, code="model_not_found")
     _get(body, "n", lambda v: v == 1 and _is_int(v), "1 (one choice per request)")
-    _unsupported(body, "presence_penalty", lambda v: v == 0, "no penalties")
-    _unsupported(body, "frequency_penalty", lambda v: v == 0, "no penalties")
     _unsupported(body, "logprobs", lambda v: v is False, "no logprobs over HTTP yet")
     _unsupported(body, "top_logprobs", lambda v: v == 0, "no logprobs over HTTP yet")
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
@@ -140,6 +138,13 @@ def _common(body: dict, ctx: ServeContext, prompt_ids: list[int], prompt_field: 
     # {"token id": bias}: JSON keys are strings; SamplingParams checks ids, biases and count
     logit_bias = _get(body, "logit_bias", lambda v: isinstance(v, dict),
                       "an object {token id: bias}")
+    # vLLM's penalties (repetition_penalty is vLLM's extra_body field)
+    presence = _get(body, "presence_penalty", lambda v: _is_number(v) and -2 <= v <= 2,
+                    "a number in [-2, 2]", 0.0)
+    frequency = _get(body, "frequency_penalty", lambda v: _is_number(v) and -2 <= v <= 2,
+                     "a number in [-2, 2]", 0.0)
+    repetition = _get(body, "repetition_penalty", lambda v: _is_number(v) and v > 0,
+                      "a number > 0", 1.0)
     seed = _get(body, "seed", lambda v: _is_int(v) and -2**63 <= v < 2**64, "an int")
     stops = body.get("stop")
     if stops is None:
@@ -200,7 +205,10 @@ def _common(body: dict, ctx: ServeContext, prompt_ids: list[int], prompt_field: 
                             top_p=float(top_p), max_tokens=max_tokens,
                             stop_token_ids=tuple(stop_ids), seed=seed,
                             num_speculative_tokens=k if K else None, min_p=float(min_p),
-                            logit_bias=logit_bias, structured_output=structured)
+                            logit_bias=logit_bias, presence_penalty=float(presence),
+                            frequency_penalty=float(frequency),
+                            repetition_penalty=float(repetition),
+                            structured_output=structured)
     except ValueError as e:           # SamplingParams' messages start with the field's name
         word = str(e).split(" ", 1)[0]
         raise RequestError(str(e), word if word in body else None) from None
