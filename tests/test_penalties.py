@@ -116,8 +116,8 @@ def model():
 def _requests(seed):
     rng = np.random.default_rng(seed)
     prompts = [[int(t) for t in rng.integers(0, 16, rng.integers(2, 7))] for _ in range(5)]
-    sps = [SamplingParams(max_tokens=10, repetition_penalty=1.8),
-           SamplingParams(max_tokens=10, presence_penalty=1.5, frequency_penalty=0.5),
+    sps = [SamplingParams(max_tokens=10, repetition_penalty=1.8, logprobs=2),
+           SamplingParams(max_tokens=10, presence_penalty=1.5, frequency_penalty=0.5, logprobs=2),
            SamplingParams(max_tokens=10),                                    # none
            SamplingParams(max_tokens=10, frequency_penalty=2.0, logit_bias={4: 1.0}),
            SamplingParams(max_tokens=10, repetition_penalty=0.6, presence_penalty=-1.0)]
@@ -127,7 +127,7 @@ def _requests(seed):
 def _llm(model, spec, **kw):
     cfg, params = model
     kw = dict(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-              warmup=False) | kw
+              max_logprobs=2, warmup=False) | kw
     return mtpjax.LLM(params, cfg, spec, **kw)
 
 
@@ -136,19 +136,26 @@ def plain(model):
     """Plain (non-speculative) greedy decoding of random requests, which the penalties change."""
     llm = _llm(model, None)
     prompts, sps = _requests(0)
-    ref = [o.token_ids for o in llm.generate(prompts, sps)]
+    outs = llm.generate(prompts, sps)
     free = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_tokens=10)] * 5)]
-    assert sum(a != b for a, b in zip(free, ref)) >= 3
-    return ref
+    assert sum(a != b for a, b in zip(free, [o.token_ids for o in outs])) >= 3
+    return outs
 
 
 @pytest.mark.parametrize("method,K", [("chain", 1), ("chain", 3), ("multi_layer", 2)])
 def test_greedy_penalties_equal_plain_decoding_with_preemption(model, plain, method, K):
     """Speculative greedy tokens == plain greedy tokens, with penalties that change the output,
-    in a page pool small enough that requests are preempted and recomputed."""
+    in a page pool small enough that requests are preempted and recomputed; the reported
+    logprobs (the penalized distribution, drafts before each position counted) agree too."""
     llm = _llm(model, SpecConfig(num_speculative_tokens=K, method=method), num_pages=12)
-    assert [o.token_ids for o in llm.generate(*_requests(0))] == plain, (method, K)
+    outs = llm.generate(*_requests(0))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain], (method, K)
     assert llm.num_preemptions > 0
+    for got, want in zip(outs[:2], plain[:2]):
+        assert [sorted(d) for d in got.logprobs] == [sorted(d) for d in want.logprobs]
+        np.testing.assert_allclose([v for d in got.logprobs for _, v in sorted(d.items())],
+                                   [v for d in want.logprobs for _, v in sorted(d.items())],
+                                   atol=1e-4)
 
 
 def test_rows_without_penalties_are_unchanged_by_the_batch(model):
