@@ -20,8 +20,7 @@ jits of 32 and 8 calls (`kernels.timeit`), which also holds host work that grows
 program's calls before its first kernel starts (docs/benchmarks.md has both clocks). Peer: the
 model's plain-jnp paged attention (the MLA route's reference,
 `mtpjax.model.attention_routes.mla_reference`: what the MLA layer runs without the kernel) under
-XLA. `--sweep` also times tuning variants
-(best shown, all in $OUT/mla.json). GPU only. The default variant runs the wrapper's default
+XLA. `--sweep` also times tuning variants (best shown, all in $OUT/mla.json). GPU only. The default variant runs the wrapper's default
 kernel (the Mosaic-GPU one on Hopper); `--variants "kernel=triton"` adds the Triton kernel as
 a same-run peer; `--sweep`'s variants are the Triton kernel's options and name it.
 `--flashmla DIR` builds FlashMLA's SM90 dense decode kernel from a checkout and times it on
