@@ -310,3 +310,30 @@ def test_memory_plan_splits_over_the_model_axis_and_names_bad_arguments():
 def _flat(params):
     from mtpjax.model.params import tree_items
     return list(tree_items(params))
+
+
+def test_fp8_params_on_meshes_match_one_device():
+    """tests/fp8_mesh_case.py on 4 fake CPU devices, meshes (1, 4) and (2, 2): the expert-parallel
+    MoE layer with FP8 routed and shared experts matches one device's; an FP8 checkpoint loaded
+    with mesh= equals shard_params' placement bit for bit, shardings included; scales split with
+    their values only along whole blocks; greedy generate on the mesh equals one device's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from tests.test_parallel import _env
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run([sys.executable, os.path.join(here, "fp8_mesh_case.py")],
+                         capture_output=True, text=True, env=_env(4), timeout=900)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, run.stderr[-4000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    for mesh in ("1x4", "2x2"):
+        r = out[mesh]
+        assert r["layer_err"] <= 1e-5 * out["layer_scale"], mesh
+        assert r["loaded_equal"] and r["fp8"], mesh
+        assert r["specs"]["w_gate"] == ["P('model',)", "P('model',)"]        # experts
+        assert r["specs"]["wq_b"] == ["P(None, 'model')", "P(None, 'model')"]  # whole blocks
+        assert r["specs"]["wkv_b"] == ["P()", "P()"]              # 80 / m: blocks would split
+        assert r["specs"]["shared_gate"] == ["P(None, 'model')", "P()"]      # one scale column
+    assert out["1x4"]["tokens_equal"]
