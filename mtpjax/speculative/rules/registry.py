@@ -8,8 +8,6 @@ never the name. Each built-in rule is one module of this package; adding a rule 
 (`tests/test_acceptance_rules.py` adds one from the test file alone).
 """
 
-from __future__ import annotations
-
 import importlib
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -17,7 +15,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 class AcceptInputs(NamedTuple):
     """What every rule's `accept` receives (traced arrays, one row per request of the batch)."""
 
-    logits: Any          # f32[B, K+1, V] target logits after the batch's logit_bias
+    logits: Any          # f32[B, K+1, V] target logits, processed as plain decoding's are
     drafts: Any          # int32[B, K]
     draft_probs: Any     # f32[B, K, V] the distributions the drafts were drawn from
     num_drafts: Any      # int32[B] drafts each row verifies (0: a final prefill chunk)
