@@ -11,7 +11,7 @@ import numpy as np
 
 import mtpjax
 from mtpjax import Fp8Weight, quantize_fp8
-from mtpjax.checkpoint import export_hf, load_hf
+from mtpjax.checkpoint import export_hf, load_hf, orbax_io
 from mtpjax.model.moe import MOE
 from mtpjax.parallel import shard_params
 from tests.test_deepseek import _ds_params, ds_config
@@ -28,21 +28,28 @@ def main() -> dict:
     out = {"layer_scale": float(np.abs(ref_layer).max())}
     with tempfile.TemporaryDirectory() as tmp:
         export_hf(tmp + "/q", params, cfg)
+        orbax_io.save(tmp + "/o", params, cfg)
         for d, m in ((1, 4), (2, 2)):
             mesh = mtpjax.make_mesh(tensor_parallel=m, data_parallel=d)
             ps = shard_params(params, cfg, mesh)
             f = jax.jit(lambda p, x, v, mesh=mesh: MOE(p, x, cfg, v, mesh))
             layer = np.asarray(f(ps["layers"][1], x, valid))
             loaded = load_hf(tmp + "/q", mesh=mesh, dtype=jnp.float32).params
-            same = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-                       and a.sharding == b.sharding
-                       for a, b in zip(jax.tree.leaves(ps), jax.tree.leaves(loaded)))
+            restored = orbax_io.restore(tmp + "/o", mesh=mesh).params
+
+            def same_as_placed(tree):
+                return jax.tree.structure(tree) == jax.tree.structure(ps) and all(
+                    np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+                    and a.sharding == b.sharding
+                    for a, b in zip(jax.tree.leaves(ps), jax.tree.leaves(tree)))
             specs = {k: [str(w.values.sharding.spec), str(w.scale.sharding.spec)]
                      for k, w in (("w_gate", ps["layers"][1]["w_gate"]),
                                   ("shared_gate", ps["layers"][1]["shared_gate"]),
                                   ("wq_b", ps["layers"][1]["wq_b"]),
                                   ("wkv_b", ps["layers"][1]["wkv_b"]))}
-            r = {"layer_err": float(np.abs(layer - ref_layer).max()), "loaded_equal": same,
+            r = {"layer_err": float(np.abs(layer - ref_layer).max()),
+                 "loaded_equal": same_as_placed(loaded),
+                 "restored_equal": same_as_placed(restored),
                  "specs": specs, "fp8": isinstance(loaded["layers"][1]["w_gate"], Fp8Weight)}
             if (d, m) == (1, 4):
                 r["tokens_equal"] = mtpjax.generate(ps, cfg, prompts, max_new_tokens=6,

@@ -315,7 +315,8 @@ def _flat(params):
 def test_fp8_params_on_meshes_match_one_device():
     """tests/fp8_mesh_case.py on 4 fake CPU devices, meshes (1, 4) and (2, 2): the expert-parallel
     MoE layer with FP8 routed and shared experts matches one device's; an FP8 checkpoint loaded
-    with mesh= equals shard_params' placement bit for bit, shardings included; scales split with
+    with mesh= and an Orbax folder restored with mesh= equal shard_params' placement bit for
+    bit, shardings included; scales split with
     their values only along whole blocks; greedy generate on the mesh equals one device's."""
     import json
     import os
@@ -331,7 +332,7 @@ def test_fp8_params_on_meshes_match_one_device():
     for mesh in ("1x4", "2x2"):
         r = out[mesh]
         assert r["layer_err"] <= 1e-5 * out["layer_scale"], mesh
-        assert r["loaded_equal"] and r["fp8"], mesh
+        assert r["loaded_equal"] and r["restored_equal"] and r["fp8"], mesh
         assert r["specs"]["w_gate"] == ["P('model',)", "P('model',)"]        # experts
         assert r["specs"]["wq_b"] == ["P(None, 'model')", "P(None, 'model')"]  # whole blocks
         assert r["specs"]["wkv_b"] == ["P()", "P()"]              # 80 / m: blocks would split

@@ -14,7 +14,9 @@
 A dimension is split only when the mesh axis divides both its size and the count of the whole
 units it holds (heads for q_heads / kv_heads, experts for experts), and a mesh axis is used at
 most once per leaf (first logical axis wins: expert weights [X, E, I] split X, not I).
-Anything the table does not name is replicated. `docs/parallel.md` has the table with the
+Anything the table does not name is replicated. An FP8 weight (`Fp8Weight`) takes its logical
+weight's spec for its values, and its scale grid splits alike where the blocks allow
+(`model/fp8_weight.py: partition_specs`). `docs/parallel.md` has the table with the
 collectives each step performs.
 """
 
