@@ -201,9 +201,25 @@ def test_fused_projections_keep_fp8_blocks_whole():
     assert "wqkv" not in odd and isinstance(odd["wq"], Fp8Weight)
 
 
+def _loops_carry_fp8_only(hlo: str, params) -> None:
+    """Every while loop of the optimized HLO carries its FP8 weights as f8e4m3fn, never as a
+    dequantized f32 / bf16 copy made before the loop (loop-invariant code motion hoisted the
+    dequantization out of the loop until `dequantize_in_step` tied it to the activations)."""
+    import re
+    from mtpjax.model.params import tree_items
+    fp8 = {",".join(map(str, x.shape)) for _, x in tree_items(params) if isinstance(x, Fp8Weight)}
+    loops = [ln.split(" while(")[0] for ln in hlo.splitlines() if re.search(r" while\(", ln)]
+    assert loops
+    for carried in loops:
+        found = re.findall(r"\b(f32|bf16|f8e4m3fn)\[([\d,]*)\]", carried)
+        carried_fp8 = {d for t, d in found if t == "f8e4m3fn"}
+        assert carried_fp8 and carried_fp8 <= fp8
+        assert not [f"{t}[{d}]" for t, d in found if t != "f8e4m3fn" and d in fp8]
+
+
 def test_fp8_generate_loop_moves_no_weights(monkeypatch):
     """tests/test_no_weight_copies.py's guard on an FP8 model: no weight-shaped copy, slice,
-    transpose or concatenate in the optimized loop."""
+    transpose or concatenate in the optimized loop, and no dequantized copy carried by it."""
     guard = importlib.import_module("tests.test_no_weight_copies")
     gen = importlib.import_module("mtpjax.generate")
     params = quantize_fp8(mtpjax.init_params(guard.CFG, jax.random.PRNGKey(0)), BLOCK)
@@ -213,6 +229,19 @@ def test_fp8_generate_loop_moves_no_weights(monkeypatch):
     hlo = guard.capture_and_compile(monkeypatch, gen, "_loop", lambda: mtpjax.generate(
         params, guard.CFG, [[1, 2, 3], [4, 5]], max_new_tokens=4, spec=spec))
     assert guard.weight_moves(hlo, shapes) == []
+    _loops_carry_fp8_only(hlo, params)
+
+
+def test_fp8_mla_moe_loop_carries_fp8(monkeypatch):
+    """The same for MLA's kv_b absorption and the MoE experts (float32 stand-ins, so a
+    dequantized copy would show as f32 of a weight's shape)."""
+    guard = importlib.import_module("tests.test_no_weight_copies")
+    gen = importlib.import_module("mtpjax.generate")
+    cfg = ds_config(num_mtp_layers=1)
+    params = quantize_fp8(_ds_params(cfg, 4), BLOCK)
+    hlo = guard.capture_and_compile(monkeypatch, gen, "_loop", lambda: mtpjax.generate(
+        params, cfg, [[1, 2, 3], [4, 5]], max_new_tokens=4))
+    _loops_carry_fp8_only(hlo, params)
 
 
 # ---- sharding ------------------------------------------------------------------------------------

@@ -140,10 +140,18 @@ def dequantize_leaf(x, dtype=None):
     return x.dequantize(dtype) if isinstance(x, Fp8Weight) else x
 
 
-def as_array(w, dtype=None):
-    """A weight as a plain array (dequantized inside the step when FP8): for the few places
-    that reshape or slice a weight (MLA's kv_b absorption) rather than multiply by it."""
-    return dequantize_leaf(w, dtype)
+def dequantize_in_step(w, x):
+    """(w as a plain array, x) for a matmul of the activation x by w inside a step: an
+    Fp8Weight is dequantized behind one optimization barrier shared with x. Untied, the
+    dequantization depends on nothing the loop changes, and XLA's loop-invariant code motion
+    hoists it out of `generate`'s while loop: the optimized HLO then carried a dequantized copy
+    of every FP8 weight through the loop and no FP8 at all (tests/test_fp8_weights.py checks the
+    loop's operands). Tied to x, which changes every iteration, it stays where the matmul is.
+    Anything else passes through unchanged."""
+    if not isinstance(w, Fp8Weight):
+        return w, x
+    values, scale, x = jax.lax.optimization_barrier((w.values, w.scale, x))
+    return Fp8Weight(values, scale, w.block, w.out_dtype).dequantize(), x
 
 
 def partition_specs(values_spec, w: Fp8Weight, mesh_shape) -> tuple:

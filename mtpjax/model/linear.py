@@ -11,8 +11,9 @@ engine's batches are padded to >= 8 tokens and never hit this; `generate` at bat
 batch-1 draft pass did.
 
 FP8 weights (`Fp8Weight`) are dequantized inside the dot's operand (convert, times the broadcast
-block scale, dot): on the GPU XLA fuses the dequantization into the GEMM's operand read, and the
-products are exactly those of the dequantized reference model.
+block scale, dot), tied to x so that it stays in the step (`dequantize_in_step`): on the GPU XLA
+fuses the dequantization into the GEMM's operand read, and the products are exactly those of the
+dequantized reference model.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from mtpjax.model.fp8_weight import Fp8Weight
+from mtpjax.model.fp8_weight import dequantize_in_step
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., E] @ w [E, N] -> [..., N]; a single row is computed as two rows (see above).
     w may be an Fp8Weight (dequantized in the step, see above)."""
-    if isinstance(w, Fp8Weight):
-        w = w.dequantize()
+    w, x = dequantize_in_step(w, x)
     if math.prod(x.shape[:-1]) != 1:
         return x @ w
     rows = jnp.pad(x.reshape(1, x.shape[-1]), ((0, 1), (0, 0)))

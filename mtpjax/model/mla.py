@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mtpjax.model.fp8_weight import as_array
+from mtpjax.model.fp8_weight import dequantize_in_step
 from mtpjax.model.kinds import ParamSpec, register_attention_kind
 from mtpjax.model.layers import apply_rope, rms_norm
 from mtpjax.model.linear import linear
@@ -94,12 +94,14 @@ def mla_projections(p: dict, x: jax.Array, positions: jax.Array, cfg):
     return q[..., :dn], q_rope, c, k_rope
 
 
-def _w_uk_uv(p: dict, cfg):
-    """kv_b_proj [R, H * (dn + dv)] -> W_UK [R, H, dn], W_UV [R, H, dv]. An FP8 kv_b is
-    dequantized first (the absorption reshapes and contracts it per head, not as one GEMM)."""
+def _w_uk_uv(p: dict, cfg, c):
+    """kv_b_proj [R, H * (dn + dv)] -> (W_UK [R, H, dn], W_UV [R, H, dv], c). An FP8 kv_b is
+    dequantized first (the absorption reshapes and contracts it per head, not as one GEMM),
+    tied to the latent c so that it stays in the step (`dequantize_in_step`)."""
     dn = cfg.qk_nope_head_dim
-    w = as_array(p["wkv_b"]).reshape(cfg.kv_lora_rank, cfg.num_heads, dn + cfg.v_head_dim)
-    return w[..., :dn], w[..., dn:]
+    w, c = dequantize_in_step(p["wkv_b"], c)
+    w = w.reshape(cfg.kv_lora_rank, cfg.num_heads, dn + cfg.v_head_dim)
+    return w[..., :dn], w[..., dn:], c
 
 
 class MLA:
@@ -141,7 +143,7 @@ class MLA:
         """x [..., T, E] -> (attention output [..., T, E], pages); see the module docstring."""
         from mtpjax.model.attention import dense_causal_attention
         q_nope, q_rope, c, k_rope = mla_projections(p, x, positions, cfg)
-        w_uk, w_uv = _w_uk_uv(p, cfg)
+        w_uk, w_uv, c = _w_uk_uv(p, cfg, c)
         scale = softmax_scale(cfg)
         if paged is None:                                         # expanded form
             H = cfg.num_heads

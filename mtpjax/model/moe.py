@@ -20,7 +20,7 @@ from mtpjax.model.dense_ffn import swiglu
 from mtpjax.model.grouped_matmul import (FUSED_MAX_TOKENS, expert_tile_swiglu, fused_moe_ffn,
                                          grouped_swiglu, matmul_choice, moe_swiglu,
                                          uses_expert_tiles)
-from mtpjax.model.fp8_weight import as_array, is_fp8, leaf_partition_spec
+from mtpjax.model.fp8_weight import dequantize_in_step, is_fp8, leaf_partition_spec
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
 from mtpjax.model.moe_routing import route, routing_rule
 from pallas_kernels.grouped_matmul.row_moves import combine_rows, weighted_sum
@@ -55,7 +55,9 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     if any(is_fp8(p[w]) for w in EXPERT_WEIGHTS):
         # FP8 experts: the XLA grouped path over weights dequantized inside the step (the
         # Pallas kernels take bf16; FP8 kernels are future work, docs/fp8.md)
-        p = {**p, **{w: as_array(p[w]) for w in EXPERT_WEIGHTS}}
+        p = dict(p)
+        for w in EXPERT_WEIGHTS:
+            p[w], x = dequantize_in_step(p[w], x)
         if matmul is None and swiglu is None:
             matmul = jax.lax.ragged_dot
     model_path = matmul is None and swiglu is None
