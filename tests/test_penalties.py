@@ -170,6 +170,19 @@ def test_rows_without_penalties_are_unchanged_by_the_batch(model):
     assert mixed[:2] == alone
 
 
+def test_coupled_acceptance_gives_plain_seeded_tokens_with_penalties(model):
+    """Coupled acceptance commits the target's own seeded sample at every position, so with
+    penalties (drafts counted) a sampled request's tokens equal plain seeded sampling's."""
+    prompts, _ = _requests(3)
+    sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=10, repetition_penalty=1.6,
+                          presence_penalty=0.8, frequency_penalty=0.6) for s in range(5)]
+    ref = [o.token_ids for o in _llm(model, None).generate(prompts, sps)]
+    llm = _llm(model, SpecConfig(num_speculative_tokens=3, acceptance="coupled"))
+    outs = llm.generate(prompts, sps)
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.num_accepted_draft_tokens for o in outs) > 0
+
+
 def test_sampled_penalties_follow_plain_decodings_law_under_speculation():
     """Joint law of the first three tokens of speculative decoding (chain, K = 2: the second
     verify position and the drafter's second step count the first draft) == the exact law of
