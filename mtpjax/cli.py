@@ -62,6 +62,9 @@ def _model_args(p: argparse.ArgumentParser):
                    help="use a small random-weight model instead of --model (for trying things out)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype the weights are loaded / initialized in")
+    g.add_argument("--fp8", choices=["keep", "dequantize"], default="keep",
+                   help="an FP8 checkpoint's weights: kept FP8 (dequantized in each matmul; "
+                        "half the memory) or dequantized to --dtype at load (docs/fp8.md)")
     g.add_argument("--num-mtp-layers", type=int, default=None,
                    help="override the checkpoint's MTP module count (default: the checkpoint's; "
                         "random model: K with multi_layer, else 1)")
@@ -115,7 +118,7 @@ def _build(args):
     if args.model:
         from mtpjax.checkpoint import load_pretrained
         overrides = {} if args.num_mtp_layers is None else {"num_mtp_layers": args.num_mtp_layers}
-        ckpt = load_pretrained(args.model, dtype, **overrides)
+        ckpt = load_pretrained(args.model, dtype, fp8=args.fp8, **overrides)
         cfg, params = ckpt.cfg, ckpt.params
         tokenizer, eos_token_id = ckpt.tokenizer, ckpt.eos_token_id
     elif args.random:

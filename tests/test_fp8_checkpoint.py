@@ -336,3 +336,24 @@ def test_export_of_quantize_fp8_params_loads_back_bit_exact(tmp_path):
 def test_bad_fp8_option(tmp_path):
     with pytest.raises(ValueError, match="fp8='maybe': expected 'keep' or 'dequantize'"):
         load_hf(str(tmp_path), fp8="maybe")
+
+
+def test_load_pretrained_and_the_cli_take_the_fp8_option(tmp_path, capsys):
+    """Hugging Face and Orbax folders: FP8 kept by default, dequantized on request; `convert`
+    keeps FP8 into Orbax; `mtpjax generate` offers --fp8."""
+    from mtpjax import Fp8Weight
+    from mtpjax.checkpoint import convert, load_pretrained
+    from mtpjax.cli import main
+    cfg, _, _, expected = make_fp8(tmp_path, 24)
+    hf = str(tmp_path / "fp8")
+    assert isinstance(load_pretrained(hf).params["layers"][0]["wq"], Fp8Weight)
+    _assert_dequantized(load_pretrained(hf, fp8="dequantize").params, cfg, expected)
+    convert(hf, str(tmp_path / "orbax"))
+    kept = load_pretrained(str(tmp_path / "orbax"))
+    assert isinstance(kept.params["layers"][0]["wq"], Fp8Weight)
+    plain = load_pretrained(str(tmp_path / "orbax"), fp8="dequantize").params
+    assert not any(isinstance(x, Fp8Weight) for x in jax.tree.leaves(
+        plain, is_leaf=lambda x: isinstance(x, Fp8Weight)))
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "--fp8 {keep,dequantize}" in capsys.readouterr().out

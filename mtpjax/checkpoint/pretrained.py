@@ -50,21 +50,29 @@ def _check_spec(path: str, cfg: ModelConfig, spec: SpecConfig | None) -> None:
 
 
 def load_pretrained(path: str, dtype=None, *, spec: SpecConfig | None = None, sharding=None,
-                    mesh=None, **config_overrides) -> Checkpoint:
+                    mesh=None, fp8: str | None = None, **config_overrides) -> Checkpoint:
     """A Hugging Face or Orbax folder -> Checkpoint (cfg, params, tokenizer, eos id).
 
     spec: checked against the checkpoint's MTP modules before any weight is read.
     config_overrides: ModelConfig fields replacing config.json's (Hugging Face folders only).
     mesh: a ("data", "model") Mesh: every leaf goes straight into its table sharding.
+    fp8: FP8 weights "keep" (the default) or "dequantize" (docs/fp8.md); an Orbax folder's FP8
+    weights are dequantized after the restore.
     """
     if folder_kind(path) == "orbax":
         if config_overrides:
             raise CheckpointError(f"{path}: an Orbax folder's config is fixed; config overrides "
                                   f"({sorted(config_overrides)}) apply to Hugging Face folders")
+        if fp8 not in (None, "keep", "dequantize"):
+            raise ValueError(f"fp8={fp8!r}: expected 'keep' or 'dequantize'")
         _check_spec(path, read_meta(path)[1], spec)
-        return restore(path, sharding, dtype=dtype, mesh=mesh)
+        ckpt = restore(path, sharding, dtype=dtype, mesh=mesh)
+        if fp8 == "dequantize":
+            from mtpjax.model.quantize import dequantize_params
+            ckpt = dataclasses.replace(ckpt, params=dequantize_params(ckpt.params))
+        return ckpt
     _check_spec(path, read_hf_config(path, **config_overrides)[1], spec)
-    return load_hf(path, dtype, sharding=sharding, mesh=mesh, **config_overrides)
+    return load_hf(path, dtype, sharding=sharding, mesh=mesh, fp8=fp8, **config_overrides)
 
 
 @dataclasses.dataclass(frozen=True)

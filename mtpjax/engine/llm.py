@@ -926,12 +926,13 @@ class LLM:
 
     @classmethod
     def from_pretrained(cls, path: str, spec: SpecConfig | None = None, *, dtype=None,
-                        mesh=None, **llm_kwargs) -> "LLM":
+                        mesh=None, fp8: str | None = None, **llm_kwargs) -> "LLM":
         """An LLM over a Hugging Face folder or an Orbax folder (`mtpjax convert`), with its
         tokenizer and eos id unless given, and, for `SpecConfig(draft_vocab_size=N)`, the
         folder's draft_vocab.json (ranked ids; the first N) unless `draft_vocab` is given;
-        `llm_kwargs` as for `LLM(...)` (num_pages, ...)."""
-        params, cfg, llm_kwargs = load_for_engine(path, spec, dtype, mesh, llm_kwargs)
+        `llm_kwargs` as for `LLM(...)` (num_pages, ...). fp8: an FP8 checkpoint's weights "keep"
+        (the default) or "dequantize" (docs/fp8.md)."""
+        params, cfg, llm_kwargs = load_for_engine(path, spec, dtype, mesh, llm_kwargs, fp8)
         return cls(params, cfg, spec, mesh=mesh, **llm_kwargs)
 
 
@@ -987,12 +988,12 @@ def collect_outputs(events: Iterator[StreamEvent], num_prompts: int,
     return [o.get(j) for o in outputs for j in (sorted(o) or [0])]
 
 
-def load_for_engine(path: str, spec, dtype, mesh, llm_kwargs: dict):
+def load_for_engine(path: str, spec, dtype, mesh, llm_kwargs: dict, fp8: str | None = None):
     """(params, cfg, llm_kwargs with the folder's tokenizer, eos id and — for
     `SpecConfig(draft_vocab_size=N)` — draft_vocab.json unless given): `from_pretrained`'s load."""
     from mtpjax.checkpoint import load_pretrained
     from mtpjax.speculative.draft_vocab import load_ranked_ids
-    ckpt = load_pretrained(path, dtype, spec=spec, mesh=mesh)
+    ckpt = load_pretrained(path, dtype, spec=spec, mesh=mesh, fp8=fp8)
     llm_kwargs = dict(llm_kwargs)
     llm_kwargs.setdefault("tokenizer", ckpt.tokenizer)
     if "chat_template" not in llm_kwargs and llm_kwargs["tokenizer"] is ckpt.tokenizer \

@@ -43,6 +43,8 @@ def build_parser(prog: str = "mtpjax serve") -> argparse.ArgumentParser:
                    "rules only over HTTP)")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    g.add_argument("--fp8", choices=["keep", "dequantize"], default="keep",
+                   help="an FP8 checkpoint's weights: kept FP8 or dequantized at load")
     g.add_argument("--num-pages", type=int, default=2048)
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=32)
@@ -77,7 +79,9 @@ class Server:
                              "Hugging Face or Orbax model folder)")
         dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
         try:
-            return cls._build(args, load_pretrained(args.model, dtype), llm_overrides)
+            return cls._build(args, load_pretrained(args.model, dtype,
+                                                    fp8=getattr(args, "fp8", None)),
+                              llm_overrides)
         except ValueError as e:     # CheckpointError, SpecConfig / LLM option checks
             raise SystemExit(f"mtpjax serve: {e}") from None
 

@@ -137,7 +137,7 @@ def main(argv=None):
     command = prog + " " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     with waiting(f"loading {args.model}"):
-        ckpt = load_pretrained(args.model, jnp.float32)
+        ckpt = load_pretrained(args.model, jnp.float32, fp8="dequantize")   # trains float32
     cfg, params = ckpt.cfg, ckpt.params
     if "tokenizer.json" not in ckpt.assets.files:
         raise SystemExit(f"{args.model} has no tokenizer.json (needed to encode the corpus)")
