@@ -194,8 +194,8 @@ def test_sampled_penalties_follow_plain_decodings_law_under_speculation():
     sp = SamplingParams(temperature=1.0, presence_penalty=1.2, frequency_penalty=0.8,
                         repetition_penalty=1.5, max_tokens=3)
     n = 900
-    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), num_pages=256,
-                     page_size=4, max_num_seqs=64, max_num_batched_tokens=256, warmup=False,
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), num_pages=1024,
+                     page_size=4, max_num_seqs=300, max_num_batched_tokens=1024, warmup=False,
                      seed=11)
     outs = llm.generate([prompt] * n, sp)
     toks = np.asarray([o.token_ids for o in outs])
