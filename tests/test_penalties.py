@@ -237,13 +237,13 @@ def test_penalties_only_in_their_own_modes():
     pens = dict(zip(("repetition_penalty", "presence_penalty", "frequency_penalty"),
                     map(jnp.asarray, penalty_arrays(rows))), history=jnp.ones((B, V), jnp.int32))
 
-    def programs(sp):
+    def programs(sp, text=True):
         fns = [lambda: sample(logits[:, 0], sp, jnp.zeros((B,), jnp.int32)),
                lambda: apply_acceptance(spec, logits, drafts, q, jnp.full((B,), K, jnp.int32),
                                         jnp.zeros((B,), bool), sp, jnp.zeros((B,), jnp.int32)),
                lambda: draw_draft(logits[:, 0], sp, jnp.zeros((B,), jnp.int32),
                                   source="model", drafts=drafts, num_drafted=1)]
-        return [str(jax.make_jaxpr(f)()) for f in fns]
+        return [str(jax.make_jaxpr(f)()) if text else jax.make_jaxpr(f)().jaxpr for f in fns]
 
     base = SamplingArrays(temperature=jnp.ones((B,)), top_k=jnp.zeros((B,), jnp.int32),
                           top_p=jnp.ones((B,)), keys=jnp.zeros((B, 2), jnp.uint32))
@@ -256,6 +256,10 @@ def test_penalties_only_in_their_own_modes():
     for mode in PENALTY_MODES:
         text = "".join(programs(base.replace(mode=mode, **feats, **pens)))
         assert "scatter" in text and "cond[" not in text, mode
+    # an all-greedy penalty batch stays argmax-only: no sort, softmax or draw
+    from tests.test_sampling_fast_path import _primitives
+    for jaxpr in programs(base.replace(mode="greedy_penalty", **feats, **pens), text=False):
+        assert not _primitives(jaxpr) & {"sort", "exp", "random_bits", "log", "cond"}
 
 
 def test_engine_step_carries_the_history_only_in_penalty_modes(model):
