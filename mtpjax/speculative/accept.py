@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from mtpjax.logit_processors import process_logits
-from mtpjax.sampling import apply_logit_bias, position_keys, sample_from_probs  # noqa: F401
+from mtpjax.sampling import position_keys, sample_from_probs
 from mtpjax.speculative.rules.registry import AcceptInputs, acceptance_rule
 
 
