@@ -3,6 +3,7 @@
     python -m mtpjax.bench.spec_features logprobs  [--batch 32] [--k 3] [--steps 50]
     python -m mtpjax.bench.spec_features adaptive  [--batches 1 64] [--rates 0.9 0.6 0.3]
     python -m mtpjax.bench.spec_features acceptance [--k 1 2 3] [--temperatures 0.6 1.0]
+    python -m mtpjax.bench.spec_features sampling  [--batch 32] [--k 3] [--layers 4 --hidden 4096 --vocab 128256]
     python -m mtpjax.bench.spec_features all --tiny        # CPU smoke shapes (the test runs this)
 
 logprobs: engine ms/step at `batch` decoding requests, K drafts, `LLM(max_logprobs=0)` against
@@ -13,7 +14,14 @@ adaptive: tokens/s of fixed K against `AdaptiveK()` at each batch size, syntheti
   conditional per-position rates decay (`--rates`, P(draft i kept | drafts < i kept)).
 acceptance: the shipped trained model (`tiny_code_mimo`), seeded sampled requests, coupled vs
   rejection: acceptance rate and tokens per verify step (real acceptance; no synthetic rule).
-Model for logprobs/adaptive: random weights, bf16, hidden 2048, 8 layers, vocab 32000 (GPU).
+sampling: engine ms/step at `batch` sampled requests (temperature 1, rejection sampling), K
+  drafts, every row using one feature: none, min_p, logit_bias, penalties, stop strings, a
+  regex grammar — one engine per feature, their timed windows interleaved, plus a second
+  "none" engine whose spread bounds the noise. A feature's cost is the step after the last
+  layer plus its host work, so `--layers` can be cut without changing it (the table says the
+  depth). Stop strings and the grammar need a tokenizer: the shipped tiny model's (its
+  vocabulary is smaller than the model's; ids past it are never allowed by the grammar).
+Model for logprobs/adaptive/sampling: random weights, bf16, hidden 2048, 8 layers, vocab 32000 (GPU).
 """
 
 from __future__ import annotations
@@ -26,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _model(args):
+def _model(args, tiny_vocab: int = 64):
     import mtpjax
     if args.tiny:
-        cfg = mtpjax.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        cfg = mtpjax.ModelConfig(vocab_size=tiny_vocab, hidden_size=32, intermediate_size=64,
                                  num_layers=2, num_heads=4, num_kv_heads=2, num_mtp_layers=1)
         return cfg, mtpjax.init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
     h = args.hidden
@@ -228,9 +236,60 @@ def bench_acceptance(args):
     return rows
 
 
+SAMPLING_FEATURES = {   # row name -> SamplingParams fields every request of that row sets
+    "none": {},
+    "none (again)": {},
+    "min_p 0.05": {"min_p": 0.05},
+    "logit_bias (32 ids)": {"logit_bias": {i * 97: (-1.0) ** i * 2.0 for i in range(32)}},
+    "penalties (rep 1.1, pres 0.5, freq 0.5)": {"repetition_penalty": 1.1,
+                                                "presence_penalty": 0.5,
+                                                "frequency_penalty": 0.5},
+    "stop strings (2)": {"stop": ["zzzz", "qqqq"]},
+    "regex grammar": {"structured_output": "regex"},
+}
+
+
+def bench_sampling(args):
+    import mtpjax
+    from mtpjax.assets import tiny_model_path
+    from mtpjax.checkpoint import load_pretrained
+    tokenizer = load_pretrained(tiny_model_path(), jnp.float32).tokenizer
+    # the tokenizer's ids must be the model's (a smoke model gets its vocabulary's size)
+    cfg, params = _model(args, tiny_vocab=1024)
+    spec = mtpjax.SpecConfig(num_speculative_tokens=args.k)
+    runs = {}
+    for name, fields in SAMPLING_FEATURES.items():
+        fields = dict(fields)
+        if fields.get("structured_output") == "regex":
+            # fixed length: eos is allowed only at the end, so no request ends early
+            fields["structured_output"] = mtpjax.StructuredOutput(regex="[a-z ]{4096}")
+        if args.tiny and "logit_bias" in fields:
+            fields["logit_bias"] = {i: 1.0 for i in range(4)}
+        # eos only where a grammar needs one (random weights would otherwise end requests)
+        eos = 0 if "structured_output" in fields else None
+        llm, mt = _engine(cfg, params, spec, args.batch, args.steps * args.windows,
+                          args.prompt_len, tokenizer=tokenizer, eos_token_id=eos)
+        seqs = _fill(llm, cfg, args.batch, args.prompt_len, mt,
+                     {"temperature": 1.0, **fields})
+        runs[name] = (llm, seqs, lambda: None)
+    res = _compare(runs, args.steps, args.windows)
+    base = res["none"][0]
+    print(f"sampling features: batch {args.batch}, K={args.k}, temperature 1 (rejection), "
+          f"hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}, "
+          f"{jax.devices()[0].device_kind}")
+    print("| every row uses | ms/step | cost vs none (ms/step) | tokens/s |")
+    print("| --- | --- | --- | --- |")
+    rows = []
+    for name, (s, tps) in res.items():
+        rows.append((name, s, tps))
+        print(f"| {name} | {1e3 * s:.3f} | {1e3 * (s - base):+.3f} "
+              f"({100 * (s / base - 1):+.1f}%) | {tps:.0f} |")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["logprobs", "adaptive", "acceptance", "all"])
+    ap.add_argument("what", choices=["logprobs", "adaptive", "acceptance", "sampling", "all"])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke shapes")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -249,8 +308,8 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args(argv)
-    if args.what in ("logprobs", "adaptive") and len(args.k) != 1:
-        ap.error("logprobs/adaptive take one --k")
+    if args.what in ("logprobs", "adaptive", "sampling") and len(args.k) != 1:
+        ap.error("logprobs/adaptive/sampling take one --k")
     args.k = args.k if args.what == "acceptance" else args.k
     out = {}
     if args.what in ("logprobs", "all"):
@@ -260,6 +319,8 @@ def main(argv=None):
         out["adaptive"] = bench_adaptive(args)
     if args.what in ("acceptance", "all"):
         out["acceptance"] = bench_acceptance(args)
+    if args.what in ("sampling", "all"):
+        out["sampling"] = bench_sampling(argparse.Namespace(**{**vars(args), "k": args.k[0]}))
     return out
 
 

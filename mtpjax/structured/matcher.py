@@ -66,7 +66,10 @@ class RequestGrammar:
         n_valid = 0
         try:
             for j, d in enumerate(list(drafts)[:num_positions - 1]):
-                if self.broken_at is not None or not self._accept(int(d)):
+                # the mask already says whether the grammar takes d: asking the matcher about a
+                # refused token costs more and makes xgrammar log a warning per draft
+                if (self.broken_at is not None or not 0 <= int(d) < self.vocab_size
+                        or not _allowed(out[j], int(d)) or not self._accept(int(d))):
                     break
                 n_valid += 1
                 self._fill(out, j + 1)
@@ -74,3 +77,8 @@ class RequestGrammar:
             if n_valid:
                 self.matcher.rollback(n_valid)
         return out, n_valid
+
+
+def _allowed(mask_row: np.ndarray, token: int) -> bool:
+    """Bit `token % 32` of word `token // 32` of an int32[W] bitmask row."""
+    return bool((int(mask_row[token // 32]) >> (token % 32)) & 1)
