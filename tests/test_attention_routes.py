@@ -218,12 +218,6 @@ def _imports(path: pathlib.Path):
             yield from (f"relative:{node.module or a.name}" for a in node.names)
 
 
-# The expert-parallel MoE layer still reads the sharding table and shard_map helper from
-# parallel/ (inside `expert_parallel`, at call time): a separate dependency from attention's.
-MOE_EXPERT_PARALLEL = {"mtpjax.parallel.kernels", "mtpjax.parallel.kernels.shard_map_compat",
-                       "mtpjax.parallel.sharding", "mtpjax.parallel.sharding.partition_spec"}
-
-
 def test_model_never_imports_parallel():
     root = pathlib.Path(mtpjax.__file__).parent
     found = {}
@@ -231,8 +225,6 @@ def test_model_never_imports_parallel():
         names = {n for n in _imports(path)
                  if n == "mtpjax.parallel" or n.startswith("mtpjax.parallel.")
                  or n.startswith("relative:parallel")}
-        if path.name == "moe.py":
-            names -= MOE_EXPERT_PARALLEL
         if names:
             found[path.name] = sorted(names)
     assert found == {}

@@ -20,7 +20,7 @@ from mtpjax.model.dense_ffn import swiglu
 from mtpjax.model.grouped_matmul import (FUSED_MAX_TOKENS, expert_tile_swiglu, fused_moe_ffn,
                                          grouped_swiglu, matmul_choice, moe_swiglu,
                                          uses_expert_tiles)
-from mtpjax.model.fp8_weight import dequantize_in_step, is_fp8, leaf_partition_spec
+from mtpjax.model.fp8_weight import dequantize_in_step, is_fp8
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
 from mtpjax.model.moe_routing import route, routing_rule
 from pallas_kernels.grouped_matmul.row_moves import combine_rows, weighted_sum
@@ -95,52 +95,23 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     return combine_rows(y, rows, weights, out_dtype or x.dtype)
 
 
-def expert_parallel(p: dict, x: jax.Array, cfg, valid: jax.Array, mesh, activation):
-    """The MoE layer with its routed experts split over the mesh's "model" axis, by hand: every
-    device routes every token (the router is replicated), runs the (token, expert) pairs of
-    *its own* experts through its own weights, adds its slice of the shared experts (their
-    columns split like a dense MLP's), and one all-reduce of f32[N, E] sums the partial
-    outputs. XLA's partition of the same layer (a sharded router and `ragged_dot`) performed
-    three all-gathers for routing, four for group sizes and two all-reduces of f32[N*k, I]
-    (docs/parallel.md). The "data" axis replicates the call. x [N, E], valid bool[N] -> [N, E].
-    """
-    from jax.sharding import PartitionSpec as P
+# The expert-parallel form of this layer lives in parallel/ (it needs the sharding table and
+# shard_map), which registers it on import: parallel/ imports model/, never the reverse.
+_expert_parallel: list = []
 
-    from mtpjax.parallel.kernels import shard_map_compat
-    from mtpjax.parallel.sharding import partition_spec
 
-    specs = MOE.param_specs(cfg)
-    names = [k for k in ("router", "router_bias", "w_gate", "w_up", "w_down", "shared_gate",
-                         "shared_up", "shared_down") if k in p]
-    leaf_specs = [leaf_partition_spec(partition_spec(specs[k].axes, p[k].shape, cfg, mesh), p[k],
-                                      mesh.shape) for k in names]
-    # the shared experts run split inside only when all three are split (an FP8 one whose
-    # blocks do not divide stays whole: then all three stay whole)
-    shared = [i for i, k in enumerate(names) if k.startswith("shared_")]
-    shared_split = bool(shared) and all(
-        (s.values if is_fp8(s) else s) != P() for s in (leaf_specs[i] for i in shared))
-    if shared and not shared_split:
-        for i in shared:
-            leaf_specs[i] = leaf_partition_spec(P(), p[names[i]], mesh.shape)
-    X_local = p["w_gate"].shape[0] // int(mesh.shape["model"])
+def register_expert_parallel(fn):
+    """fn(p, x [N, E], cfg, valid bool[N], mesh, activation) -> [N, E]: the layer with its
+    routed experts split over the mesh's "model" axis (`mtpjax.parallel.expert_parallel`)."""
+    _expert_parallel[:] = [fn]
+    return fn
 
-    def local(x, valid, *leaves):
-        q = dict(zip(names, leaves))
-        ids, weights = route(q, x, cfg)
-        first = jax.lax.axis_index("model") * X_local
-        mine = (ids >= first) & (ids < first + X_local)
-        out = routed_experts(q, x, jnp.where(mine, ids - first, X_local), weights, valid,
-                             activation, out_dtype=jnp.float32, per_device=True)
-        if shared_split:                       # this device's columns of the shared experts
-            out = out + swiglu(x, q["shared_gate"], q["shared_up"], q["shared_down"],
-                               activation).astype(jnp.float32)
-        return jax.lax.psum(out, "model")
 
-    out = shard_map_compat(local, mesh=mesh, in_specs=(P(), P(), *leaf_specs),
-                           out_specs=P())(x, valid, *[p[k] for k in names])
-    if "shared_gate" in p and not shared_split:   # replicated shared experts: once, outside
-        out = out + swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"], activation)
-    return out.astype(x.dtype)
+def _registered_expert_parallel(mesh):
+    if not _expert_parallel:
+        raise RuntimeError(f"the MoE layer on a mesh of {mesh.size} devices needs the "
+                           "expert-parallel layer: import mtpjax.parallel (`import mtpjax` does)")
+    return _expert_parallel[0]
 
 
 def uses_expert_parallel(cfg, mesh) -> bool:
@@ -195,7 +166,8 @@ class MoEFFN:
         valid = jnp.broadcast_to(valid, shape[:-1]).reshape(-1)
         if uses_expert_parallel(cfg, mesh):
             with jax.named_scope("expert_parallel"):
-                return expert_parallel(p, x, cfg, valid, mesh, self.activation).reshape(shape)
+                return _registered_expert_parallel(mesh)(p, x, cfg, valid, mesh,
+                                                         self.activation).reshape(shape)
         with jax.named_scope("router"):
             ids, weights = route(p, x, cfg)
         with jax.named_scope("experts"):

@@ -8,6 +8,7 @@ from mtpjax.parallel.sharding import (RULES, param_shardings, partition_spec, pi
 from mtpjax.parallel.placement import create_sharded, replicate, shard_params, sharded_inputs
 from mtpjax.parallel.distributed import initialize, to_host
 from mtpjax.parallel import kernels  # noqa: F401,E402  registers the attention mesh layer
+from mtpjax.parallel import expert_parallel  # noqa: F401,E402  registers the expert-parallel MoE
 
 __all__ = ["AXES", "RULES", "check_mesh", "create_sharded", "initialize", "make_mesh",
            "param_shardings", "partition_spec", "pin", "replicate", "replicated", "shard_params",
