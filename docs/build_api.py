@@ -1,5 +1,5 @@
 """Builds the API reference from the docstrings: `python docs/build_api.py OUT_DIR` (pdoc, in the
-`test` extra), then open OUT_DIR/index.html. tests/test_api_docs.py builds it and fails on any
+`test` extra), then open OUT_DIR/index.html. tests/project/test_api_docs.py builds it and fails on any
 warning.
 
 `pdoc mtpjax` alone documents only what `mtpjax.__all__` names, so every public module is

@@ -27,7 +27,7 @@ import mtpjax
 
 # docs/benchmarks.md, "Plain and MTP, batch 1 and 32" (commit 0819bea; H100, Llama-3-8B shape,
 # random bf16 weights, K=3 chain drafts at synthetic acceptance 0.8): the engine rows at batch 1.
-# tests/test_demo.py checks these against the docs file.
+# tests/project/test_demo.py checks these against the docs file.
 GPU_8B_BATCH1 = {"commit": "0819bea", "plain_ms": 6.16, "plain_tok_s": 162, "mtp_ms": 7.87,
                  "mtp_tokens_per_step": 3.02, "mtp_tok_s": 375}
 # docs/benchmarks.md, "Batch 1 over four seeds" (commit 8fa0a18): engine batch 1, mean of four

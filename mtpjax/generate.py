@@ -337,7 +337,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
         # [1, E] x [E, N] dot, which model/linear.py must pad to two rows (a small pad kernel
         # before each of the step's ~7 projections per layer); two rows need none. The engine
         # pads its batches the same way (>= 8 tokens). Row 0's pages, key and tokens are
-        # unchanged (tests/test_generate_padding_row.py).
+        # unchanged (tests/speculative/test_generate_padding_row.py).
         if num_pages is not None:   # checked for the real request first (its own error)
             plan_pages([len(prompts[0]) + max_new[0] + lookahead], page_size, num_pages, seed)
             num_pages += math.ceil((2 + lookahead) / page_size)

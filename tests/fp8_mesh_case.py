@@ -1,4 +1,4 @@
-"""FP8 params on meshes of fake CPU devices (run by tests/test_fp8_weights.py in a subprocess:
+"""FP8 params on meshes of fake CPU devices (run by tests/model/test_fp8_weights.py in a subprocess:
 XLA_FLAGS sets the device count at jax import). Prints RESULT <json>."""
 
 import json
@@ -14,7 +14,7 @@ from mtpjax import Fp8Weight, quantize_fp8
 from mtpjax.checkpoint import export_hf, load_hf, orbax_io
 from mtpjax.model.moe import MOE
 from mtpjax.parallel import shard_params
-from tests.test_deepseek import _ds_params, ds_config
+from tests.model.test_deepseek import _ds_params, ds_config
 
 
 def main() -> dict:

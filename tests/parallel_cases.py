@@ -1,4 +1,4 @@
-"""Subprocess side of tests/test_parallel.py: runs with 8 (or N) fake CPU devices and prints one
+"""Subprocess side of tests/parallel/test_parallel.py: runs with 8 (or N) fake CPU devices and prints one
 JSON line of results. `python tests/parallel_cases.py CASE [args]`; XLA_FLAGS must be set by the
 caller before this starts (jax reads them at import)."""
 

@@ -1,4 +1,4 @@
-"""Child process of tests/test_executable_store.py: one engine start in a fresh process.
+"""Child process of tests/engine/test_executable_store.py: one engine start in a fresh process.
 
     python -m tests.store_child FOLDER SEED  ->  one JSON line: store hits / misses / refused /
                                                 unstored, traces of the engine step, warnings,

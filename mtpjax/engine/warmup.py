@@ -15,7 +15,7 @@ speculation; a decode's K + 1 <= W), so for S tokens in m rows
 and every value in between is reachable up to gaps smaller than a bucket. Each T bucket covers
 S in (T/2, T] (S in 1..8 for T = 8); its F buckets run from bucket(max(W, S_min)) to
 bucket((m - 1) W + max(W, S_max - m + 1)) with m = min(max_num_seqs, S_max).
-`tests/test_warmup.py` checks this against brute force over all row mixes.
+`tests/engine/test_warmup.py` checks this against brute force over all row mixes.
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ def dequantize_in_step(w, x):
     Fp8Weight is dequantized behind one optimization barrier shared with x. Untied, the
     dequantization depends on nothing the loop changes, and XLA's loop-invariant code motion
     hoists it out of `generate`'s while loop: the optimized HLO then carried a dequantized copy
-    of every FP8 weight through the loop and no FP8 at all (tests/test_fp8_weights.py checks the
+    of every FP8 weight through the loop and no FP8 at all (tests/model/test_fp8_weights.py checks the
     loop's operands). Tied to x, which changes every iteration, it stays where the matmul is.
     Anything else passes through unchanged."""
     if not isinstance(w, Fp8Weight):

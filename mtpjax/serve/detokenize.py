@@ -10,7 +10,7 @@ push decodes a few tokens, not the whole completion.
 
 `finish()` decodes the whole completion once and emits whatever the window held back, so the
 concatenated deltas equal `decode(completion)` whenever the window's text is a prefix of it
-(always, for the shipped byte-level tokenizers; tests/test_text_stream.py checks it).
+(always, for the shipped byte-level tokenizers; tests/engine/test_text_stream.py checks it).
 """
 
 from __future__ import annotations

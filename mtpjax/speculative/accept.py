@@ -275,7 +275,7 @@ def accept_relaxed(target_logits: jax.Array, draft_tokens: jax.Array, num_drafts
         return phase_after(phase, d), ok
 
     # unrolled: K is small and a rolled scan is an XLA while loop (a host round trip per
-    # iteration on the GPU; tests/test_no_host_round_trips.py)
+    # iteration on the GPU; tests/speculative/test_no_host_round_trips.py)
     if K:
         _, ok = jax.lax.scan(per_position, in_thinking, jnp.arange(K), unroll=True)
         ok = ok.T

@@ -20,7 +20,7 @@ chain        (MTP used as EAGLE; what `SpecConfig(method="chain")` drafts)
     over the T target-derived keys plus a diagonal block of the root's own s chain keys.
     Implemented for the "gqa" attention kind.
 
-Both are written from the module formula (docs/models.md); `tests/test_train.py` checks them
+Both are written from the module formula (docs/models.md); `tests/train/test_train.py` checks them
 against a per-root loop over `mtpjax.mtp_forward`.
 """
 

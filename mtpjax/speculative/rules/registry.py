@@ -5,7 +5,7 @@
 the host code that carries a rule's per-slot flag (engine runner, `generate`) all ask the entry,
 never the name. Each built-in rule is one module of this package; adding a rule is one class
 (subclass `AcceptanceRule`) and one `register_acceptance_rule` line, from any module
-(`tests/test_acceptance_rules.py` adds one from the test file alone).
+(`tests/speculative/test_acceptance_rules.py` adds one from the test file alone).
 """
 
 import importlib

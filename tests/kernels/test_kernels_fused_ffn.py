@@ -1,0 +1,173 @@
+"""`fused_expert_ffn` / `fused_moe_ffn` (one or two tokens' routed experts, the whole SwiGLU
+FFN in one kernel; interpret mode here, compiled on a GPU with MTPJAX_KERNELS_ON_DEVICE=1)
+against a per-pair float64 reference, their errors, their one launch, and the MoE layer and
+`generate` on them."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.grouped_matmul.fused_ffn import (default_blocks, fused_expert_ffn,
+                                                     fused_moe_ffn)
+from tests.kernel_oracle import interpret_mode
+from tests.kernels.test_kernels_expert_tiles import case, reference
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("N,k,G,E,I,blocks", [
+    (1, 2, 8, 64, 32, {}),                                          # default blocks
+    (1, 3, 8, 64, 64, dict(block_n=16, block_k=16, block_e=32)),    # many steps in both loops
+    (1, 4, 4, 128, 64, dict(block_n=32, block_k=64, block_e=128)),  # every expert touched
+    (2, 3, 4, 64, 32, {}),                # two tokens, some expert chosen by both
+])
+def test_equals_per_pair_reference(seed, N, k, G, E, I, blocks):
+    x, ids, wg, wu, wd = case(seed, N, k, G, E, I, none_frac=0.3)
+    got = fused_expert_ffn(x, jnp.asarray(ids), wg, wu, wd, interpret=interpret_mode(),
+                           **blocks)
+    assert got.shape == (N, k, E) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), reference(x, ids, wg, wu, wd), rtol=1e-4,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bf16_and_gelu(seed):
+    x, ids, wg, wu, wd = case(seed, 1, 3, 8, 64, 32, jnp.bfloat16)
+    got = fused_expert_ffn(x, jnp.asarray(ids), wg, wu, wd, activation=jax.nn.gelu,
+                           interpret=interpret_mode())
+    np.testing.assert_allclose(np.asarray(got), reference(x, ids, wg, wu, wd, jax.nn.gelu),
+                               rtol=4e-2, atol=4e-2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("N", [1, 2])
+def test_weighted_sum_equals_the_reference(seed, N):
+    """fused_moe_ffn: each token's routing-weighted sum of its pairs' outputs, pairs routed
+    nowhere adding nothing (they write zero partials: interpret mode fills unwritten outputs
+    with NaN, which would leak)."""
+    x, ids, wg, wu, wd = case(seed, N, 4, 8, 64, 64, none_frac=0.3)
+    w = jax.random.uniform(jax.random.PRNGKey(seed + 10), (N, 4))
+    got = fused_moe_ffn(x, jnp.asarray(ids), w, wg, wu, wd, block_n=16,
+                        interpret=interpret_mode())
+    want = np.einsum("nk,nke->ne", np.asarray(w, np.float64), reference(x, ids, wg, wu, wd))
+    assert got.shape == (N, 64) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_unrouted_token_is_zero():
+    x, ids, wg, wu, wd = case(0, 1, 3, 8, 64, 32)
+    ids = np.asarray([[-1, 8, 100]], np.int32)                   # every pair routed nowhere
+    got = fused_expert_ffn(x, jnp.asarray(ids), wg, wu, wd, interpret=interpret_mode())
+    np.testing.assert_array_equal(np.asarray(got), 0.0)
+
+
+def test_default_blocks_fill_the_gpu():
+    """V2-Lite (6 of 64 experts, E 2048, I 1408): 64 columns, 132 programs, 256-row steps;
+    the V3 slice (8, E 7168, I 2048): 128 columns, 128 programs, 128-row steps (64 KB of
+    gate and up weights per step either way); fewer experts: narrower columns."""
+    assert default_blocks(6, 2048, 1408) == (64, 256, 256)
+    assert default_blocks(8, 7168, 2048) == (128, 128, 256)
+    assert default_blocks(2, 2048, 1408)[0] == 16          # 2 x 22 / 2 x 44: too few
+    assert default_blocks(2, 64, 32) == (16, 64, 64)        # blocks capped by the dims
+
+
+def test_bad_inputs_name_the_value():
+    x, ids, wg, wu, wd = case(0, 2, 2, 8, 64, 32)
+    with pytest.raises(ValueError, match=r"x must be \[N, E=64\] with 1 <= N <= 2 tokens, "
+                                         r"got \(3, 64\)"):
+        fused_expert_ffn(jnp.concatenate([x, x[:1]]), jnp.asarray(ids[:1]), wg, wu, wd,
+                         interpret=True)
+    with pytest.raises(ValueError, match=r"ids must be integers \[N=2, k\], got int32\[1, 2\]"):
+        fused_expert_ffn(x, jnp.asarray(ids[:1]), wg, wu, wd, interpret=True)
+    with pytest.raises(ValueError, match="ids must be integers"):
+        fused_expert_ffn(x[:1], jnp.asarray(ids[:1], jnp.float32), wg, wu, wd,
+                         interpret=True)
+    with pytest.raises(ValueError, match="block_n=24 must be a power of two"):
+        fused_expert_ffn(x[:1], jnp.asarray(ids[:1]), wg, wu, wd, block_n=24,
+                         interpret=True)
+    with pytest.raises(ValueError, match="block_e=128 .* dividing E=64"):
+        fused_expert_ffn(x[:1], jnp.asarray(ids[:1]), wg, wu, wd, block_e=128,
+                         interpret=True)
+    with pytest.raises(ValueError, match=r"weights must be \[N=1, k=2\] like ids, got \(2,\)"):
+        fused_moe_ffn(x[:1], jnp.asarray(ids[:1]), jnp.ones(2), wg, wu, wd, interpret=True)
+    with pytest.raises(ValueError, match="must all be bfloat16 or all float32, got x float32, "
+                                         "weights float32 / float32 / bfloat16"):
+        fused_expert_ffn(x[:1], jnp.asarray(ids[:1]), wg, wu, wd.astype(jnp.bfloat16),
+                         interpret=True)
+
+
+def test_one_launch_and_no_layout_ops():
+    """The point of the kernel: one Triton launch for the routed FFN, and nothing around it
+    but the pad, the partials' sum and the mask (no gather, sort or scatter)."""
+    from jax import export
+    args = (jax.ShapeDtypeStruct((1, 256), jnp.bfloat16), jax.ShapeDtypeStruct((1, 6), jnp.int32),
+            jax.ShapeDtypeStruct((16, 256, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((16, 256, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((16, 128, 256), jnp.bfloat16))
+    weights = jax.ShapeDtypeStruct((1, 6), jnp.float32)
+    for f, a in ((fused_expert_ffn, args),
+                 (fused_moe_ffn, args[:2] + (weights,) + args[2:])):
+        text = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*a).mlir_module()
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        assert 'name = "fused_expert_ffn' in text
+        for op in ("gather", "sort", "scatter"):
+            assert f"stablehlo.{op}" not in text, op
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("N", [1, 2, 3])
+def test_moe_layer_takes_the_fused_kernel_up_to_two_tokens(seed, N):
+    """The MoE layer (forced onto the Pallas path, interpreted) runs the fused kernel for one
+    or two tokens and the expert tiles for three, equal to the sorted layout's output either
+    way; a padding token (valid False, as `generate`'s second row at batch 1) gives 0."""
+    from mtpjax.model.grouped_matmul import forced_path
+    from mtpjax.model.moe import routed_experts
+    x, ids, wg, wu, wd = case(seed, N, 3, 8, 64, 32, none_frac=0.0)
+    p = {"w_gate": wg, "w_up": wu, "w_down": wd}
+    w = jax.random.uniform(jax.random.PRNGKey(seed), (N, 3))
+    for valid in (jnp.ones(N, bool), jnp.arange(N) != N - 1):
+        with forced_path("pallas"):
+            fused = routed_experts(p, x, jnp.asarray(ids), w, valid, jax.nn.silu)
+            text = str(jax.make_jaxpr(lambda x: routed_experts(p, x, jnp.asarray(ids), w, valid,
+                                                               jax.nn.silu))(x))
+            sorted_ = routed_experts(p, x, jnp.asarray(ids), w, valid, jax.nn.silu,
+                                     expert_tiles=False)
+        assert ("fused_expert_ffn" in text) == (N <= 2)
+        assert ("expert_tiles_gate_up" in text) == (N > 2)
+        np.testing.assert_allclose(np.asarray(fused), np.asarray(sorted_), rtol=1e-4,
+                                   atol=1e-4)
+        np.testing.assert_array_equal(np.asarray(fused)[~np.asarray(valid)], 0.0)
+
+
+def test_generate_at_batch_one_decodes_through_the_fused_kernel(monkeypatch):
+    """`generate` runs a batch of one as two rows (a padding row), so its decode steps' MoE
+    layers see two tokens: they must take the fused kernel (what made it take two tokens; a
+    change to generate's padding would silently lose it). The kernels are replaced by a
+    jnp stand-in that records the token counts (interpreting them here adds nothing)."""
+    import mtpjax
+    import mtpjax.model.moe as moe
+    from mtpjax.model.grouped_matmul import forced_path
+    from tests.model.test_deepseek import _ds_params, ds_config
+
+    seen = []
+
+    def stand_in(kind):
+        def ffn(x, ids, *rest):
+            seen.append((kind, x.shape[0]))
+            weights = rest[0] if kind == "fused" else None
+            wg, wu, wd, activation = rest[-4:]
+            real = (ids >= 0) & (ids < wg.shape[0])
+            e = jnp.where(real, ids, 0)
+            h = activation(jnp.einsum("ne,nkei->nki", x, wg[e])) * jnp.einsum(
+                "ne,nkei->nki", x, wu[e])
+            y = jnp.where(real[..., None], jnp.einsum("nki,nkie->nke", h, wd[e]), 0.0)
+            return y if weights is None else jnp.einsum("nk,nke->ne", weights, y)
+        return ffn
+
+    monkeypatch.setattr(moe, "fused_moe_ffn", stand_in("fused"))
+    monkeypatch.setattr(moe, "expert_tile_swiglu", stand_in("tiles"))
+    cfg = ds_config(num_mtp_layers=0)
+    with forced_path("pallas"):
+        mtpjax.generate(_ds_params(cfg, 0), cfg, [[5, 6, 7, 8, 9]], max_new_tokens=3)
+    assert any(kind == "fused" for kind, _ in seen), seen     # the decode steps
+    assert all(n <= 2 for kind, n in seen if kind == "fused"), seen
