@@ -137,7 +137,7 @@ def default_kernel(x, w_gate, interpret: bool) -> str:
 def _mgpu():
     """The Mosaic-GPU kernel module (`kernel_mgpu.py`), imported on first use: importing
     Mosaic GPU takes ~15 MB of host memory, which a checkpoint load (that never runs it)
-    should not pay (tests/test_checkpoint_memory.py: 107 -> 121 MB with the import at the
+    should not pay (tests/checkpoint/test_checkpoint_memory.py: 107 -> 121 MB with the import at the
     top)."""
     from pallas_kernels.grouped_matmul import kernel_mgpu
     return kernel_mgpu
