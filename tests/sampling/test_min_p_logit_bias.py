@@ -299,3 +299,31 @@ def test_packed_features_round_trip_and_the_engine_honours_them(model, biased):
                                       getattr(batch.sampling, name), err_msg=name)
     prompts, sps, want, _ = biased
     assert [o.token_ids for o in llm.generate(prompts, sps)] == want
+
+
+@pytest.mark.parametrize("method,K", [("chain", 3), ("multi_layer", 2)])
+def test_engine_features_equal_plain_decoding_through_preemption(model, method, K):
+    """In the engine, with a page pool small enough that requests are preempted and recomputed:
+    greedy logit_bias rows give plain decoding's tokens, and seeded min_p / logit_bias rows under
+    coupled acceptance (which commits the target's own seeded sample) give plain seeded
+    sampling's tokens, over random prompts."""
+    cfg, params = model
+    rng = np.random.default_rng(K)
+    prompts = [[int(t) for t in rng.integers(0, 16, rng.integers(2, 7))] for _ in range(5)]
+    sps = [SamplingParams(max_tokens=12, logit_bias={int(rng.integers(16)): 3.0}),
+           SamplingParams(max_tokens=12, logit_bias={int(rng.integers(16)): -100.0}),
+           SamplingParams(max_tokens=12),
+           SamplingParams(max_tokens=12, temperature=1.0, min_p=0.2, seed=11),
+           SamplingParams(max_tokens=12, temperature=0.7, min_p=0.1, seed=12,
+                          logit_bias={int(rng.integers(16)): 2.0})]
+
+    def run(spec, num_pages):
+        llm = mtpjax.LLM(params, cfg, spec, num_pages=num_pages, page_size=4, max_num_seqs=4,
+                         max_num_batched_tokens=16, warmup=False)
+        return [o.token_ids for o in llm.generate(prompts, sps)], llm.num_preemptions
+
+    ref, _ = run(None, 64)
+    got, preemptions = run(SpecConfig(num_speculative_tokens=K, method=method,
+                                      acceptance="coupled"), 12)
+    assert preemptions > 0
+    assert got == ref, (method, K)
