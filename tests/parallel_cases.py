@@ -37,7 +37,7 @@ def model(name: str):
         cfg = tiny_config(num_layers=1, num_heads=8, num_kv_heads=4, head_dim=8,
                           num_mtp_layers=2)
         return cfg, random_params(cfg, 0)
-    from test_deepseek import _ds_params, ds_config
+    from tests.model.test_deepseek import _ds_params, ds_config
     # one target layer, MLA + MoE (the dense FFN is covered by the GQA model)
     cfg = ds_config(num_heads=8, num_kv_heads=8, num_layers=1, first_k_dense_replace=0)
     return cfg, _ds_params(cfg, 0)
@@ -251,7 +251,7 @@ def case_data_parallel() -> dict:
 
 
 def _ds_params_seed(cfg, seed):
-    from test_deepseek import _ds_params
+    from tests.model.test_deepseek import _ds_params
     return _ds_params(cfg, seed)
 
 
