@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtpjax.structured.bitmask import bitmask_width
+from mtpjax.structured.bitmask import allow_token, bitmask_width, token_allowed
 
 
 class RequestGrammar:
@@ -52,7 +52,7 @@ class RequestGrammar:
                 return
         out[j] = 0                      # nothing the grammar allows: end the request
         for t in self.stop_token_ids:
-            out[j, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+            allow_token(out[j], t)
 
     def step_masks(self, completion: list[int], drafts, num_positions: int):
         """Bitmasks of one step: (int32[num_positions, W], n_valid). Position j's mask is the
@@ -69,7 +69,7 @@ class RequestGrammar:
                 # the mask already says whether the grammar takes d: asking the matcher about a
                 # refused token costs more and makes xgrammar log a warning per draft
                 if (self.broken_at is not None or not 0 <= int(d) < self.vocab_size
-                        or not _allowed(out[j], int(d)) or not self._accept(int(d))):
+                        or not token_allowed(out[j], int(d)) or not self._accept(int(d))):
                     break
                 n_valid += 1
                 self._fill(out, j + 1)
@@ -77,8 +77,3 @@ class RequestGrammar:
             if n_valid:
                 self.matcher.rollback(n_valid)
         return out, n_valid
-
-
-def _allowed(mask_row: np.ndarray, token: int) -> bool:
-    """Bit `token % 32` of word `token // 32` of an int32[W] bitmask row."""
-    return bool((int(mask_row[token // 32]) >> (token % 32)) & 1)
