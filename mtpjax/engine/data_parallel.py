@@ -33,8 +33,8 @@ import jax
 import numpy as np
 
 from mtpjax.config import SamplingParams
-from mtpjax.engine.llm import (LLM, RequestOutput, StreamEvent, _prompt_list,
-                               collect_outputs, load_for_engine)
+from mtpjax.engine.intake import prompt_list
+from mtpjax.engine.llm import LLM, RequestOutput, StreamEvent, collect_outputs, load_for_engine
 from mtpjax.parallel.mesh import make_mesh
 from mtpjax.engine.sequence import Sequence
 from mtpjax.sampling import as_sampling_list
@@ -175,7 +175,7 @@ class DataParallelLLM:
         `prompts`, `request_id` (also the output's) is a DataParallelLLM-wide id that `abort`
         takes: `replica id * d + replica`. Closing the generator early closes
         every replica's stream (their unfinished requests are aborted)."""
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         with self.replicas[0]._engine():      # validates every prompt; queues nothing
             self.replicas[0]._new_requests(prompts, sampling_params)
         sampling = as_sampling_list(sampling_params, len(prompts))
@@ -203,6 +203,6 @@ class DataParallelLLM:
     def generate(self, prompts, sampling_params=None, *, progress: bool = False
                  ) -> list[RequestOutput]:
         """Outputs in prompt order (as `LLM.generate`)."""
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         return collect_outputs(self.generate_stream(prompts, sampling_params), len(prompts),
                                progress)

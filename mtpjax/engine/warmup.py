@@ -1,5 +1,5 @@
-"""Engine warm-up: the step buckets an engine can reach, and a progress display for compiling
-them at start-up (`LLM(..., warmup=True)`, `ModelRunner.warmup`).
+"""Engine warm-up: the step buckets an engine can reach, and compiling them at start-up with a
+progress display (`LLM(..., warmup=True)`, `warm_up`, `ModelRunner.warmup`).
 
 A step is compiled once per (T, F): T = bucketed query tokens, F = bucketed MTP first-pass
 length (both `bucket_size`, powers of two >= the engine's min_token_bucket, 8 by default;
@@ -20,6 +20,7 @@ bucket((m - 1) W + max(W, S_max - m + 1)) with m = min(max_num_seqs, S_max).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -44,6 +45,27 @@ def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, window: int,
             out.append((T, F))
             F *= 2
         T *= 2
+
+
+def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int,
+            times: list[tuple[int, int, float]]) -> None:
+    """Compiles (or loads from the runner's executable store) the step of every bucket an engine
+    with these limits can reach; appends (T, F, seconds) to `times` as each is done."""
+    buckets = step_buckets(max_num_batched_tokens, max_num_seqs, runner.W, runner.min_bucket)
+    threads = int(os.environ.get("MTPJAX_WARMUP_THREADS", min(4, os.cpu_count() or 1)))
+    # loading a stored executable is file reading and GPU module loading, not compiling:
+    # more of them at once (measured at the 8B shape: 44 programs, 4 threads -> 14.6 s)
+    load_threads = max(threads, min(16, os.cpu_count() or 1))
+    with WarmupProgress(len(buckets)) as bar:
+        def done(T, F, seconds):
+            times.append((T, F, seconds))
+            bar.update(T, F, seconds)
+        runner.warmup(buckets, on_compiled=done, threads=threads, load_threads=load_threads)
+    store = runner.store
+    if store is not None and store.hits:
+        print(f"warm-up: {store.hits} step programs loaded from the executable store "
+              f"{store.folder} ({runner.load_seconds:.1f} s, {load_threads} threads), "
+              f"{store.misses} compiled", file=sys.stderr, flush=True)
 
 
 class WarmupProgress:

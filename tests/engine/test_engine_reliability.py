@@ -211,7 +211,7 @@ def test_3_a_recovery_that_is_itself_interrupted_completes_at_the_next_call(monk
         _install(m, llm, ("block_manager", "reset", "before"), 1)
         with pytest.raises(KeyboardInterrupt):
             llm.step()
-    assert llm._needs_recovery
+    assert llm._loop.needs_recovery
     got, done = drain(llm, seqs, got=got)
     assert [got[i] for i in sorted(got)] == reference(PROMPTS, MAX_TOKENS)
     assert_clean(llm)
