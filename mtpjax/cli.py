@@ -16,6 +16,7 @@
     mtpjax bench registers [options]    the kernels' registers and spills for sm_90, offline
                                         (python -m mtpjax.bench.register_report)
     mtpjax bench gpu-check [options]    Pallas vs reference tokens on the GPU (smoke check)
+    mtpjax bench fp8-linear [options]   FP8 weight-only projections (kernel, XLA) against bf16
     mtpjax --version
 
 Every option's help ends with its default (`_HelpFormatter`); the supported model families come
@@ -246,7 +247,7 @@ BENCHES = {            # `mtpjax bench NAME` -> the module whose main(argv) it r
     "profile": "mtpjax.bench.step_profile", "moe": "mtpjax.bench.moe", "mla": "mtpjax.bench.mla",
     "registers": "mtpjax.bench.register_report", "gpu-check": "mtpjax.bench.gpu_check",
     "gemv-peer": "mtpjax.bench.gemv_peer", "mla-profile": "mtpjax.bench.mla_profile",
-    "spec-features": "mtpjax.bench.spec_features",
+    "spec-features": "mtpjax.bench.spec_features", "fp8-linear": "mtpjax.bench.fp8_linear",
 }
 # Commands whose module parses its own options. Run through here rather than `python -m`,
 # because their packages import them, which makes runpy warn on every `python -m` run.

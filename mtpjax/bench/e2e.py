@@ -148,10 +148,12 @@ def model_config(shape: str):
     return mtpjax.ModelConfig(model_type=fields.pop("model_type", "llama"), **fields)
 
 
-def weight_bytes(cfg, itemsize: int = 2) -> dict:
-    """Bytes of the weights a decode step reads, from the config (bf16: 2 bytes)."""
-    if cfg.attention_kind == "mla" or cfg.ffn_kind == "moe":
-        return _spec_weight_bytes(cfg, itemsize)
+def weight_bytes(cfg, itemsize: int = 2, fp8=None) -> dict:
+    """Bytes of the weights a decode step reads, from the config (bf16: 2 bytes). fp8: the
+    quantize_fp8 block ((bE, bN) or "channel") when the projections are FP8: 1 byte each plus
+    their float32 scales."""
+    if cfg.attention_kind == "mla" or cfg.ffn_kind == "moe" or fp8:
+        return _spec_weight_bytes(cfg, itemsize, fp8)
     E, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layer = 2 * E * H * D + 2 * E * KVH * D + 3 * E * I + 2 * E      # q, o, k, v, MLP, 2 norms
@@ -161,14 +163,23 @@ def weight_bytes(cfg, itemsize: int = 2) -> dict:
             "embed_table_not_counted": V * E * itemsize}
 
 
-def _spec_weight_bytes(cfg, itemsize: int) -> dict:
+def _spec_weight_bytes(cfg, itemsize: int, fp8=None) -> dict:
     """weight_bytes from the parameter table, for any layer kinds: routed-expert matrices apart
     (a step reads only the experts its tokens choose: `touched_experts`)."""
     from mtpjax.model.params import param_specs, tree_items
+    from mtpjax.model.quantize import CHANNEL, PROJECTIONS
+
+    def nbytes(path, shape):
+        n = math.prod(shape)
+        if not fp8 or path[-1] not in PROJECTIONS:
+            return n * itemsize
+        bE, bN = (shape[-2], 1) if fp8 == CHANNEL else fp8
+        scales = math.prod(shape[:-2]) * -(-shape[-2] // bE) * -(-shape[-1] // bN)
+        return n + 4 * scales
     out = dict(target_layers=0, final_norm=0, lm_head=0, mtp_module=0, embed_table_not_counted=0,
                expert=0, target_moe_layers=0, mtp_moe_layers=0)
     for path, spec in tree_items(param_specs(cfg)):
-        n = math.prod(spec.shape) * itemsize
+        n = nbytes(path, spec.shape)
         routed = spec.axes[:1] == ("experts",) and len(spec.shape) == 3   # [X, in, out]
         where = {"embed": "embed_table_not_counted", "final_norm": "final_norm",
                  "lm_head": "lm_head", "layers": "target_layers", "mtp": "mtp_module"}[path[0]]
@@ -501,6 +512,8 @@ def run_child(args, role: str, batch: int, env_extra: dict | None = None) -> dic
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.fuse_projections:
         cmd += ["--fuse-projections", args.fuse_projections]
+    if args.fp8:
+        cmd += ["--fp8", args.fp8]
     if args.min_token_bucket is not None:
         cmd += ["--min-token-bucket", str(args.min_token_bucket)]
     t0 = time.perf_counter()
@@ -568,6 +581,9 @@ def parse_args(argv):
                     choices=sorted(FUSION_MODES),
                     help="generate and engine rows with q/k/v and gate/up fused at load "
                          "(model/fused.py; one device); 'qkv': only q/k/v")
+    ap.add_argument("--fp8", nargs="?", const="block", default=None, choices=["block", "channel"],
+                    help="projection weights quantized to FP8 (quantize_fp8: 128x128 block scales, "
+                         "or per output channel); the floor counts their FP8 bytes")
     ap.add_argument("--steps-per-check", type=int, default=4,
                     help="generate rows: steps between two 'all done' checks of the device loop")
     ap.add_argument("--rows", default=",".join(ROWS),
@@ -618,11 +634,20 @@ def _init_params(cfg, seed):
 def _placed_params(cfg, args):
     """Random params, in their table shardings when a mesh is asked for."""
     params = _init_params(cfg, args.seed)
+    if args.fp8:
+        import jax
+        from mtpjax.model.quantize import quantize_fp8
+        params = jax.block_until_ready(quantize_fp8(params, fp8_block(args)))
     mesh = mesh_of(args)
     if mesh is not None:
         from mtpjax.parallel import shard_params
         params = jax_ready(shard_params(params, cfg, mesh))
     return params
+
+
+def fp8_block(args):
+    """--fp8's quantize_fp8 block: (128, 128) blocks or "channel"; None without --fp8."""
+    return None if not args.fp8 else ("channel" if args.fp8 == "channel" else (128, 128))
 
 
 def jax_ready(x):
@@ -682,8 +707,8 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
     t0 = time.perf_counter()
     params = _placed_params(cfg, args)
     tree_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    log(f"random bf16 params: {tree_bytes / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
-    w = weight_bytes(cfg)
+    log(f"random {'FP8 (' + args.fp8 + ') + ' if args.fp8 else ''}bf16 params: {tree_bytes / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
+    w = weight_bytes(cfg, fp8=fp8_block(args))
     counted = w["target_layers"] + w["final_norm"] + w["lm_head"] + w["mtp_module"] \
         + w["embed_table_not_counted"] + w.get("expert", 0) * cfg.n_routed_experts * (
             w.get("target_moe_layers", 0) + w.get("mtp_moe_layers", 0))

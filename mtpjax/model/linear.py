@@ -10,9 +10,10 @@ second zero, dropped) keeps every projection a GEMM fusion that reads each weigh
 engine's batches are padded to >= 8 tokens and never hit this; `generate` at batch 1 and every
 batch-1 draft pass did.
 
-FP8 weights (`Fp8Weight`) are dequantized inside the dot's operand (convert, times the broadcast
-block scale, dot), tied to x so that it stays in the step (`dequantize_in_step`): on the GPU XLA
-fuses the dequantization into the GEMM's operand read, and the products are exactly those of the
+FP8 weights (`Fp8Weight`) take the FP8 kernel for decode-sized batches on one GPU
+(model/fp8_matmul.py: it reads each FP8 byte once). Otherwise they are dequantized in the
+step (convert, times the broadcast block scale, dot), tied to x so that XLA cannot hoist the
+widened weight out of a loop (`dequantize_in_step`); those products are exactly those of the
 dequantized reference model.
 """
 
@@ -23,12 +24,17 @@ import math
 import jax
 import jax.numpy as jnp
 
-from mtpjax.model.fp8_weight import dequantize_in_step
+from mtpjax.model.fp8_matmul import fp8_kernel_matmul
+from mtpjax.model.fp8_weight import dequantize_in_step, is_fp8
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., E] @ w [E, N] -> [..., N]; a single row is computed as two rows (see above).
-    w may be an Fp8Weight (dequantized in the step, see above)."""
+    w may be an Fp8Weight (the FP8 kernel, or dequantized in the step: see above)."""
+    if is_fp8(w):
+        y = fp8_kernel_matmul(x, w)
+        if y is not None:
+            return y
     w, x = dequantize_in_step(w, x)
     if math.prod(x.shape[:-1]) != 1:
         return x @ w

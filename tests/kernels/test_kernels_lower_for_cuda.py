@@ -16,6 +16,7 @@ import pytest
 from jax import export
 
 from pallas_kernels.draft_roll import draft_roll
+from pallas_kernels.fp8_matmul import fp8_weight_matmul
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_swiglu
 from pallas_kernels.mla_paged_attention import mla_paged_attention
 from pallas_kernels.paged_attention import paged_attention
@@ -93,6 +94,13 @@ CASES = {
     "grouped_swiglu_split_k": (grouped_swiglu, (
         S((6, 2048), bf16), S((64, 2048, 1408), bf16), S((64, 2048, 1408), bf16),
         S((64, 1408, 2048), bf16), S((64,), i32))),
+    # FP8 weight-only projections: DeepSeek's 128 x 128 blocks (one token, split K) and
+    # per-output-channel scales (a batch-32 verify's 128 rows), widened to f16 and to bf16
+    "fp8_matmul_block": (functools.partial(fp8_weight_matmul, block=(128, 128)), (
+        S((1, 4096), bf16), S((4096, 14336), jnp.float8_e4m3fn), S((32, 112), jnp.float32))),
+    "fp8_matmul_channel_bf16": (functools.partial(fp8_weight_matmul, block=(14336, 1),
+                                                  compute="bfloat16"), (
+        S((128, 14336), bf16), S((14336, 4096), jnp.float8_e4m3fn), S((1, 4096), jnp.float32))),
 }
 
 

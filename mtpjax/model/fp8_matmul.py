@@ -1,0 +1,66 @@
+"""Which matmul reads an FP8 projection weight: the Pallas kernel or XLA's dequantize-then-GEMM.
+
+XLA:GPU does not fuse the dequantization (convert, times the broadcast block scale) into its
+GEMM: the widened weight is written back to memory and read again, about three times a bf16
+weight's traffic, so an FP8 model decoded slower than the bf16 one (docs/benchmarks.md, FP8).
+The kernel (`pallas_kernels.fp8_matmul`) reads each FP8 byte once. It takes decode-sized batches
+(<= 128 rows) on one GPU: larger batches are compute-bound and XLA's path costs them little,
+and under a mesh the projections are sharded, which a pallas_call would not be.
+
+`MTPJAX_FP8_MATMUL=kernel|xla` forces a path (read when the step is traced; `kernel` is
+interpreted off the GPU, for tests); `auto` (the default) picks as above.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import jax
+
+from mtpjax.model.fp8_weight import Fp8Weight
+
+ENV = "MTPJAX_FP8_MATMUL"
+CHOICES = ("auto", "kernel", "xla")
+
+
+def fp8_matmul_choice(rows: int, w: Fp8Weight) -> str:
+    """"kernel" or "xla" for `rows` rows of x times the 2-D FP8 weight w (static)."""
+    from pallas_kernels.fp8_matmul import kernel_takes
+    forced = os.environ.get(ENV, "auto").strip().lower()
+    if forced not in CHOICES:
+        raise ValueError(f"{ENV}={forced!r}: expected one of {CHOICES}")
+    if len(w.shape) != 2 or not kernel_takes(rows, *w.shape, w.block):
+        return "xla"
+    if forced != "auto":
+        return forced
+    return "kernel" if jax.default_backend() == "gpu" and jax.device_count() == 1 else "xla"
+
+
+def fp8_kernel_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array | None:
+    """x [..., E] @ w by the kernel when `fp8_matmul_choice` picks it, else None (the caller
+    dequantizes)."""
+    rows = math.prod(x.shape[:-1])
+    if fp8_matmul_choice(rows, w) != "kernel":
+        return None
+    from pallas_kernels.fp8_matmul import fp8_weight_matmul
+    y = fp8_weight_matmul(x.reshape(rows, x.shape[-1]), w.values, w.scale, block=w.block,
+                          interpret=jax.default_backend() != "gpu")
+    return y.reshape(*x.shape[:-1], w.shape[-1])
+
+
+@contextlib.contextmanager
+def forced_fp8_matmul(path: str | None):
+    """`MTPJAX_FP8_MATMUL=path` inside the block (None: left as it is)."""
+    if path is None:
+        yield
+        return
+    before = os.environ.get(ENV)
+    os.environ[ENV] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before

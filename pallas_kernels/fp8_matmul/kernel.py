@@ -1,0 +1,174 @@
+"""y = x @ W for an FP8 weight W = values * scale, reading each FP8 byte once:
+
+    x       [M, K]  bf16 (or float32)
+    values  [K, N]  float8_e4m3fn
+    scale   [ceil(K / bK), ceil(N / bN)] float32, block (bK, bN): 128 x 128 (DeepSeek-V3), or
+            (K, 1): one scale per output column
+    y       [M, N]  x.dtype
+
+XLA does not fuse the dequantization into its GEMM: it writes the widened weight back to memory
+and the GEMM reads it again, so an FP8 model ran slower than bf16 (docs/benchmarks.md, FP8).
+Here program (n, s) owns output columns [n * block_n, (n + 1) * block_n) and the s-th of
+`splits` equal ranges of K. It walks its range in block_k-row steps: loads x's rows [Mp, bk] and
+the FP8 tile [bk, bn], widens the tile in registers (e4m3 -> bf16 is exact), one dot with float32
+accumulation, times the tile's scale (a K step lies inside one scale row: block_k divides bK).
+Partials [splits, Mp, N] float32 are summed by the caller's XLA reduction, which also drops the
+padding rows and casts. Split-K exists because a decode batch's matmul has few column blocks
+(4096 / 128 = 32 programs for an 8B o_proj): the splits fill the SMs.
+
+Rows: Triton's dot takes >= 16 rows, so x is padded to Mp = a multiple of 16 (at most MAX_ROWS;
+larger batches are compute-bound and take XLA's dequantize-then-GEMM, `kernel_takes`).
+
+Numerics: products are x * float(values) summed in float32, then scaled per tile; the
+dequantize-first reference rounds values * scale to bf16 before the dot, so the two differ by
+that rounding (relative ~2^-9 per weight, averaging out over K).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._device import num_sms
+
+MAX_ROWS = 128                   # decode batches: a verify of 32 requests x (K + 1) tokens
+FP8_DTYPE = jnp.float8_e4m3fn
+
+
+def _rows(M: int) -> int:
+    return max(16, -(-M // 16) * 16) if M <= 16 else 1 << (M - 1).bit_length()
+
+
+def kernel_takes(M: int, K: int, N: int, block: tuple[int, int]) -> bool:
+    """Whether the kernel runs x [M, K] @ W [K, N] with scale block `block` (else XLA)."""
+    bK, bN = block
+    return (1 <= M <= MAX_ROWS and _block_k(K, bK) is not None and _block_n(N, bN) is not None)
+
+
+def _block_k(K: int, bK: int) -> int | None:
+    """Rows per step: the largest of 128 / 64 / 32 / 16 dividing K and the scale block bK."""
+    for b in (128, 64, 32, 16):
+        if K % b == 0 and bK % b == 0:
+            return b
+    return None
+
+
+def _block_n(N: int, bN: int) -> int | None:
+    """Columns per program: 128 or 64 dividing N, inside one scale column block (bN a multiple
+    of it) or per-column scales (bN == 1)."""
+    for b in (128, 64):
+        if N % b == 0 and (bN == 1 or bN % b == 0):
+            return b
+    return None
+
+
+def _splits(n_cols: int, k_steps: int, Mp: int) -> int:
+    """K splits: the fewest with n_cols x splits programs >= ~90% of the SMs (one wave), each
+    split >= 4 steps, and the float32 partials (splits x Mp x N) small against the weight
+    bytes. An H200 sweep at 1 and 32 tokens (`bench fp8_linear --sweep`) put the best split of
+    the 8B MLP's up projection (112 column blocks) at 2 and of its down projection (32) at 4."""
+    target = num_sms() - num_sms() // 10
+    s = 1
+    while (n_cols * s < target and k_steps % (s * 2) == 0 and k_steps // (s * 2) >= 4
+           and s * 2 * Mp <= 256):
+        s *= 2
+    return s
+
+
+def fp8_matmul_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k: int, block_n: int, sub_k: int,
+                      k_steps: int, scale_block: tuple[int, int]):
+    """Program (n, s): o_ref [Mp, block_n] = float32 partial over the s-th K range, in steps of
+    block_k rows, each step sub_k-row dots (a dot lies inside one scale row)."""
+    n, s = pl.program_id(0), pl.program_id(1)
+    bK, bN = scale_block
+    cols = pl.ds(n * block_n, block_n)
+    precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+    first = s * k_steps
+
+    def step(i, acc):
+        for j in range(block_k // sub_k):
+            k0 = (first + i) * block_k + j * sub_k
+            x = x_ref[:, pl.ds(k0, sub_k)]                              # [Mp, sub_k]
+            w = w_ref[pl.ds(k0, sub_k), cols].astype(x.dtype)           # [sub_k, bn], exact
+            part = plgpu.dot(x, w, precision=precision)                 # float32 [Mp, bn]
+            if bN == 1:
+                scale = s_ref[k0 // bK, cols][None, :]                   # per column
+            else:
+                scale = s_ref[k0 // bK, (n * block_n) // bN]             # one per tile
+            acc = acc + part * scale
+        return acc
+
+    acc = jnp.zeros((x_ref.shape[0], block_n), jnp.float32)
+    o_ref[...] = lax.fori_loop(jnp.int32(0), jnp.int32(k_steps), step, acc)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "block_n", "block_k", "splits",
+                                             "num_warps", "num_stages", "compute", "interpret"))
+def fp8_weight_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *,
+                      block: tuple[int, int], block_n: int | None = None,
+                      block_k: int | None = None, splits: int | None = None,
+                      num_warps: int = 4, num_stages: int = 4, compute: str = "float16",
+                      interpret: bool = False) -> jax.Array:
+    """x [M, K] @ (values [K, N] * scale) -> [M, N] in x.dtype (see the module docstring).
+    block_n / block_k (a multiple of the dot's rows) / splits override the defaults.
+    ValueError for operands the kernel cannot take (`kernel_takes` says which it can)."""
+    if x.ndim != 2 or values.ndim != 2 or x.shape[1] != values.shape[0]:
+        raise ValueError(f"x must be [M, K] and values [K, N], got {tuple(x.shape)} and "
+                         f"{tuple(values.shape)}")
+    if values.dtype != FP8_DTYPE:
+        raise ValueError(f"values must be float8_e4m3fn, got {values.dtype}")
+    M, K = x.shape
+    N = values.shape[1]
+    bK, bN = block
+    if scale.shape != (-(-K // bK), -(-N // bN)):
+        raise ValueError(f"scale must be [{-(-K // bK)}, {-(-N // bN)}] for block {block}, got "
+                         f"{tuple(scale.shape)}")
+    if not kernel_takes(M, K, N, block):
+        raise ValueError(f"fp8_weight_matmul takes 1..{MAX_ROWS} rows and K, N in whole tiles "
+                         f"of the scale block; got M={M}, K={K}, N={N}, block {block}")
+    Mp = _rows(M)
+    sub = _block_k(K, bK)
+    bk, bn = block_k or sub, block_n or _block_n(N, bN)
+    if bk % sub or K % bk or N % bn or (bN != 1 and bN % bn):
+        raise ValueError(f"block_k={bk} must be a multiple of {sub} dividing K={K}, block_n={bn} "
+                         f"must divide N={N} and the scale block {bN}")
+    n_cols = N // bn
+    splits = splits or _splits(n_cols, K // bk, Mp)
+    if (K // bk) % splits:
+        raise ValueError(f"splits={splits} must divide the {K // bk} K steps")
+    k_steps = K // bk // splits
+    if compute not in ("float16", "bfloat16"):
+        raise ValueError(f"compute must be 'float16' or 'bfloat16', got {compute!r}")
+    row_scale = None
+    if compute == "float16" and x.dtype != jnp.float32:
+        # e4m3 -> f16 is one conversion per two values, -> bf16 three (via f16 and f32): the
+        # widening bounds the kernel's rate. x goes to f16 scaled per row by a power of two
+        # that puts its largest |x| in [2^14, 2^15): exact for every bf16 value down to
+        # 2^-10 of the row's largest, and no overflow; the output is scaled back per row.
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)
+        exponent = jnp.where(amax > 0, jnp.floor(jnp.log2(jnp.maximum(amax, 1e-30))), 0.0)
+        row_scale = jnp.exp2(14.0 - exponent)                                  # [M, 1]
+        x_in = (x.astype(jnp.float32) * row_scale).astype(jnp.float16)
+    else:
+        x_in = x
+    xp = jnp.pad(x_in, ((0, Mp - M), (0, 0))) if Mp != M else x_in
+    kernel = functools.partial(fp8_matmul_kernel, block_k=bk, block_n=bn, sub_k=sub,
+                               k_steps=k_steps,
+                               scale_block=(bK, bN))
+    partials = pl.pallas_call(
+        kernel,
+        grid=(n_cols, splits),
+        in_specs=[pl.BlockSpec((Mp, K), lambda n, s: (0, 0)),
+                  pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((None, Mp, bn), lambda n, s: (s, 0, n)),
+        out_shape=jax.ShapeDtypeStruct((splits, Mp, N), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="fp8_weight_matmul",
+    )(xp, values, scale.astype(jnp.float32))
+    y = partials.sum(0)[:M]
+    return (y / row_scale if row_scale is not None else y).astype(x.dtype)
