@@ -1,7 +1,7 @@
 """DeepSeek-V3 family (MLA + MoE + DeepSeek MTP layout) against transformers' DeepseekV3ForCausalLM.
 
-Tiny float32 checkpoints are written by transformers' save_pretrained (on-disk layout: one tensor
-per expert), plus random MTP modules named as DeepSeek stores them (`model.layers.{L + k}`).
+The checkpoints and the parity checks are tests/model/hf_parity.py's; here are the family's
+config and its own checks (MLA cache, MoE lowering, V2 routing, speculative == plain).
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import pytest
 
 import mtpjax
 from mtpjax import ModelConfig, SamplingParams, SpecConfig
-from mtpjax.checkpoint import export_hf, key_table, load_hf
+from mtpjax.checkpoint import load_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+from tests.model import hf_parity  # noqa: E402  (needs torch and transformers)
 
 DS_BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
@@ -35,70 +37,16 @@ VARIANTS = {
     "no_q_lora": dict(q_lora_rank=None),
     "yarn": dict(rope_parameters=YARN),
 }
-
-
-def _hf_model(variant: str, seed: int):
-    torch.manual_seed(seed)
-    hf_cfg = transformers.DeepseekV3Config(**{**DS_BASE, **VARIANTS[variant]})
-    hf_cfg._attn_implementation = "eager"
-    model = transformers.DeepseekV3ForCausalLM(hf_cfg).eval().float()
-    with torch.no_grad():                 # off the init: sharper logits, biased routing
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.3 * torch.randn_like(p))
-            else:
-                p.mul_(4.0)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn_like(b))
-    return model
-
-
-def write_deepseek(path, variant: str, seed: int, num_mtp_layers: int = 1):
-    """save_pretrained + random DeepSeek-named MTP modules (names from our key table, which is
-    what is tested elsewhere: here it only spares listing ~30 names). Returns the torch model."""
-    from safetensors.torch import load_file, save_file
-    model = _hf_model(variant, seed)
-    model.save_pretrained(str(path))
-    cfg_json = json.loads((path / "config.json").read_text())
-    cfg_json["num_nextn_predict_layers"] = num_mtp_layers
-    (path / "config.json").write_text(json.dumps(cfg_json))
-    if num_mtp_layers:
-        table = key_table(ModelConfig.from_hf(cfg_json))
-        g = torch.Generator().manual_seed(500 + seed)
-        tensors = load_file(str(path / "model.safetensors"))
-        for name, slot in table.slots.items():
-            if slot.path[0] != "mtp":
-                continue
-            shape = table.hf_shape(name)
-            if name.endswith("norm.weight"):
-                tensors[name] = 1.0 + 0.3 * torch.randn(shape, generator=g)
-            elif name.endswith("e_score_correction_bias"):
-                tensors[name] = 0.2 * torch.randn(shape, generator=g)
-            else:
-                tensors[name] = 0.3 * torch.randn(shape, generator=g)
-        for k in range(num_mtp_layers):
-            pre = f"model.layers.{DS_BASE['num_hidden_layers'] + k}"
-            tensors[f"{pre}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-            tensors[f"{pre}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
-                  metadata={"format": "pt"})
-    return model
+DEEPSEEK = hf_parity.HFFamily("DeepseekV3", "deepseek_v3", DS_BASE, VARIANTS)
 
 
 def _prompts(seed: int, n: int = 3):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(2, DS_BASE["vocab_size"], int(t)).tolist() for t in rng.integers(4, 14, n)]
+    return hf_parity.prompts(DEEPSEEK, seed, n)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for variant in VARIANTS:
-        for seed in (0, 1):
-            path = tmp_path_factory.mktemp(f"ds_{variant}_{seed}")
-            out[variant, seed] = (path, write_deepseek(path, variant, seed))
-    return out
+    return hf_parity.Checkpoints(DEEPSEEK, tmp_path_factory, "ds")
 
 
 # ---------------------------------------------------------------- config
@@ -136,118 +84,33 @@ def test_from_hf_names_an_unsupported_field(field, value, match):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", hf_parity.SEEDS)
 def test_logits_match_transformers(checkpoints, variant, seed):
-    path, model = checkpoints[variant, seed]
-    ck = load_hf(str(path), jnp.float32)
-    ids = np.asarray([p + [3] * (14 - len(p)) for p in _prompts(seed, 2)])
-    with torch.no_grad():
-        want = model(torch.as_tensor(ids)).logits.numpy()
-    got = np.asarray(mtpjax.forward(ck.params, ck.cfg, jnp.asarray(ids)))
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    hf_parity.check_logits(DEEPSEEK, *checkpoints[variant, seed], seed)
 
 
 def test_correction_bias_and_group_limit_change_the_experts(checkpoints):
     """The routing under test is not the trivial one: the bias and the group limit each change
     which experts tokens get (so parity above covers both)."""
-    from mtpjax.model.moe import route
     path, _ = checkpoints["v3", 0]
-    ck = load_hf(str(path), jnp.float32)
-    p = ck.params["layers"][1]
     x = jax.random.normal(jax.random.PRNGKey(0), (256, DS_BASE["hidden_size"]))
-    ids, _ = route(p, x, ck.cfg)
-    no_bias, _ = route({**p, "router_bias": jnp.zeros_like(p["router_bias"])}, x, ck.cfg)
-    no_limit, _ = route(p, x, dataclasses.replace(ck.cfg, topk_group=ck.cfg.n_group))
-    as_sets = lambda a: {tuple(sorted(r)) for r in np.asarray(a).tolist()}  # noqa: E731
-    differs = lambda a, b: any(set(r) != set(s) for r, s in zip(np.asarray(a).tolist(),  # noqa: E731
-                                                                   np.asarray(b).tolist()))
-    assert differs(ids, no_bias) and differs(ids, no_limit)
-    assert len(as_sets(ids)) > 4
+    by_bias, by_limit, ids = hf_parity.routing_differs(path, x)
+    assert by_bias and by_limit
+    assert len({tuple(sorted(r)) for r in ids.tolist()}) > 4
 
 
 def test_greedy_generate_and_engine_match_transformers(checkpoints):
-    path, model = checkpoints["yarn", 0]
-    ck = load_hf(str(path), jnp.float32)
-    prompts = _prompts(7, 3)
-    want = []
-    for p in prompts:
-        with torch.no_grad():
-            out = model.generate(torch.as_tensor([p]), max_new_tokens=10, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        want.append(out[0, len(p):].tolist())
-    got = mtpjax.generate(ck.params, ck.cfg, prompts, max_new_tokens=10).tokens
-    assert got == want
-    llm = mtpjax.LLM(ck.params, ck.cfg, SpecConfig(num_speculative_tokens=2), num_pages=64,
-                     page_size=4, max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
-    eng = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10))]
-    assert eng == want
-
-
-def _torch_rmsnorm(x, w, eps=1e-6):
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
+    hf_parity.check_greedy_generate_and_engine(DEEPSEEK, *checkpoints["yarn", 0])
 
 
 def test_mtp_module_matches_an_independent_implementation(checkpoints):
     """DeepSeek's MTP formula written out in torch with transformers' own decoder layer (MLA +
-    MoE): e = enorm(embed(x)) (zero at position 0), u = eh_proj([e, hnorm(h)]), y = layer(u),
-    logits = head(shared_head.norm(y)), and y handed on."""
-    from safetensors.torch import load_file
-    path, model = checkpoints["v3", 1]
-    ck = load_hf(str(path), jnp.float32)
-    cfg, L = ck.cfg, DS_BASE["num_hidden_layers"]
-    sd = load_file(str(path / "model.safetensors"))
-    pre = f"model.layers.{L}."
-    mod = {k[len(pre):]: v for k, v in sd.items() if k.startswith(pre)}
-    layer = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer(
-        model.config, layer_idx=L).eval()
-    X = DS_BASE["n_routed_experts"]
-    block = {k: v for k, v in mod.items() if not k.startswith(("enorm", "hnorm", "eh_proj",
-                                                                "shared_head", "embed_tokens"))
-             and ".experts." not in k}
-    block["mlp.experts.gate_up_proj"] = torch.stack(
-        [torch.cat([mod[f"mlp.experts.{e}.gate_proj.weight"], mod[f"mlp.experts.{e}.up_proj.weight"]])
-         for e in range(X)])
-    block["mlp.experts.down_proj"] = torch.stack(
-        [mod[f"mlp.experts.{e}.down_proj.weight"] for e in range(X)])
-    missing, unexpected = layer.load_state_dict(block, strict=False)
-    assert not unexpected and set(missing) <= set(), (missing, unexpected)
-
-    rng = np.random.default_rng(3)
-    B, T = 2, 9
-    tokens = rng.integers(0, DS_BASE["vocab_size"], (B, T))
-    hidden = rng.normal(size=(B, T, DS_BASE["hidden_size"])).astype(np.float32)
-    h_next, logits = mtpjax.mtp_forward(ck.params, cfg, 0, jnp.asarray(hidden), jnp.asarray(tokens))
-
-    with torch.no_grad():
-        tok = torch.as_tensor(tokens)
-        pos = torch.arange(T)[None].expand(B, T)
-        emb = sd["model.embed_tokens.weight"][tok]
-        emb = torch.where((pos == 0)[..., None], torch.zeros_like(emb), emb)
-        e = _torch_rmsnorm(emb, mod["enorm.weight"])
-        h = _torch_rmsnorm(torch.as_tensor(hidden), mod["hnorm.weight"])
-        u = torch.cat([e, h], -1) @ mod["eh_proj.weight"].T
-        rotary = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding(
-            model.config)
-        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
-        y = layer(u, attention_mask=mask, position_ids=pos, position_embeddings=rotary(u, pos))
-        want_logits = _torch_rmsnorm(y, mod["shared_head.norm.weight"]) @ mod["shared_head.head.weight"].T
-    np.testing.assert_allclose(np.asarray(h_next), y.numpy(), atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(logits), want_logits.numpy(), atol=1e-4, rtol=1e-4)
+    MoE); hf_parity.check_mtp_module."""
+    hf_parity.check_mtp_module(DEEPSEEK, *checkpoints["v3", 1])
 
 
 def test_export_round_trip_and_transformers_reads_it(checkpoints, tmp_path):
-    path, model = checkpoints["no_q_lora", 0]
-    ck = load_hf(str(path), jnp.float32)
-    export_hf(str(tmp_path / "out"), ck.params, ck.cfg, assets=ck.assets)
-    back = load_hf(str(tmp_path / "out"), jnp.float32)
-    assert back.cfg == ck.cfg
-    for a, b in zip(jax.tree.leaves(ck.params), jax.tree.leaves(back.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / "out")).eval().float()
-    ids = torch.as_tensor([_prompts(2, 1)[0]])
-    with torch.no_grad():
-        np.testing.assert_allclose(hf(ids).logits.numpy(), model(ids).logits.numpy(), atol=1e-5)
+    hf_parity.check_export_round_trip(DEEPSEEK, *checkpoints["no_q_lora", 0], tmp_path / "out")
 
 
 # ---------------------------------------------------------------- speculative == plain (random MLA + MoE)
