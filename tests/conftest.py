@@ -17,6 +17,9 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from mtpjax import ModelConfig  # noqa: E402
+from tests import gpu_interpreter  # noqa: E402
+
+gpu_interpreter.install()
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -33,6 +36,7 @@ def _free_compiled_programs():
     (segfault / abort) once they ran out. Programs are rarely shared across modules."""
     yield
     jax.clear_caches()
+    gpu_interpreter.clear()
 
 
 @pytest.fixture
