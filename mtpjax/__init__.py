@@ -6,6 +6,11 @@ from mtpjax.generate import GenerateOutput, NonFiniteParamsWarning, generate
 
 __all__ = ["ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig", "forward", "init_params",
            "mtp_forward", "generate", "GenerateOutput", "NonFiniteParamsWarning"]
+# the layer kinds' sub-configs (ModelConfig.mla, ModelConfig.moe)
+from mtpjax.model.mla_config import MLAConfig  # noqa: E402
+from mtpjax.model.moe_config import MoEConfig  # noqa: E402
+
+__all__ += ["MLAConfig", "MoEConfig"]
 __version__ = "0.1.0"
 
 from mtpjax.engine import BlockManager, Sequence  # noqa: E402

@@ -10,14 +10,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
+if TYPE_CHECKING:      # imported on use below: they import this module's validators
+    from mtpjax.model.mla_config import MLAConfig
+    from mtpjax.model.moe_config import MoEConfig
+
 # SUPPORTED_MODEL_TYPES (the model_types of the registered families, mtpjax/models/) is looked
 # up on use by the module __getattr__ below: the families import this module.
-MOE_SCORING_FUNCS = ("sigmoid", "softmax")
-MOE_TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MTP_CONCAT_ORDERS = ("embed_hidden", "hidden_embed")
 SPEC_METHODS = ("chain", "multi_layer")
@@ -131,30 +133,15 @@ class ModelConfig:
     mtp_concat_order: str = "embed_hidden"
     mtp_normed_hidden_to_next: bool = False
     # layer kinds (mtpjax/model/kinds.py): every target layer and every MTP block; with
-    # ffn_kind "moe" the first `first_k_dense_replace` target layers are "dense"
+    # ffn_kind "moe" the first `moe.first_k_dense_replace` target layers are "dense"
     attention_kind: str = "gqa"
     ffn_kind: str = "dense"
-    # MLA (attention_kind "mla": DeepSeek-V2/V3, Kimi-K2). head_dim is qk_rope_head_dim there
-    # (the rotated part), and num_kv_heads == num_heads (MLA has one latent, no KV heads).
-    q_lora_rank: int | None = None        # None: one q_proj; else q_a_proj -> norm -> q_b_proj
-    kv_lora_rank: int = 0                 # width of the cached latent c_kv
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    rope_interleave: bool = False         # rotary pairs (x0, x1), (x2, x3), ... (DeepSeek)
-    # MoE (ffn_kind "moe"; DeepSeek routing, see mtpjax/model/moe.py)
-    n_routed_experts: int = 0
-    num_experts_per_tok: int = 0
-    n_shared_experts: int = 0
-    moe_intermediate_size: int = 0
-    first_k_dense_replace: int = 0
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = False
-    scoring_func: str = "sigmoid"         # "sigmoid" (V3) | "softmax" (V2)
-    topk_method: str = "noaux_tc"         # "noaux_tc" (V3: bias-corrected, top-2 group score)
-                                          # | "greedy" | "group_limited_greedy" (V2: group max)
+    # the kinds' own sub-configs (a dict is read as one), set exactly when the kind is used:
+    # MLA's shapes (attention_kind "mla", model/mla_config.py). head_dim is qk_rope_head_dim
+    # there (the rotated part), and num_kv_heads == num_heads (MLA has one latent, no KV heads).
+    mla: MLAConfig | None = None
+    # the experts and routing kind (ffn_kind "moe", model/moe_config.py)
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         from mtpjax.models.registry import family_for     # the registry (lazy: cycle)
@@ -162,6 +149,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "max_position_embeddings"):
             _positive_int(name, getattr(self, name))
+        self._read_sub_configs()
         if self.attention_kind == "mla":
             self._check_mla()
         if self.head_dim is None:
@@ -183,8 +171,7 @@ class ModelConfig:
                 f"mtp_concat_order {self.mtp_concat_order!r} not in {MTP_CONCAT_ORDERS}")
         _finite("rms_norm_eps", self.rms_norm_eps, positive=True)
         _finite("rope_theta", self.rope_theta, positive=True)
-        for name in ("qkv_bias", "qk_norm", "tie_word_embeddings", "mtp_normed_hidden_to_next",
-                     "rope_interleave", "norm_topk_prob"):
+        for name in ("qkv_bias", "qk_norm", "tie_word_embeddings", "mtp_normed_hidden_to_next"):
             _flag(name, getattr(self, name))
             object.__setattr__(self, name, bool(getattr(self, name)))
         if isinstance(self.rope_scaling, Mapping):
@@ -213,59 +200,53 @@ class ModelConfig:
             raise ValueError(f"an MLA model rotates its whole qk_rope_head_dim; got "
                              f"partial_rotary_factor={f}")
 
+    def _read_sub_configs(self) -> None:
+        """`mla` / `moe` as their classes (from a dict too), present exactly when the layer
+        kind that owns them is used: a missing one has no shapes to build, and a stray one
+        would be silently ignored."""
+        from mtpjax.model.mla_config import MLAConfig       # (lazy: cycle)
+        from mtpjax.model.moe_config import MoEConfig
+        for name, cls, kind_field, kind in (("mla", MLAConfig, "attention_kind", "mla"),
+                                            ("moe", MoEConfig, "ffn_kind", "moe")):
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                known = {f.name for f in dataclasses.fields(cls)}
+                unknown = sorted(set(value) - known)
+                if unknown:
+                    raise ValueError(f"unknown {name} keys: {unknown}; known: {sorted(known)}")
+                value = cls(**value)
+                object.__setattr__(self, name, value)
+            used = getattr(self, kind_field) == kind
+            if used and value is None:
+                raise ValueError(f"{kind_field} {kind!r} needs {name}= (a {cls.__name__} or a "
+                                 f"dict of its fields), got None")
+            if not used and value is not None:
+                raise ValueError(f"{name} is set but {kind_field} is "
+                                 f"{getattr(self, kind_field)!r}; a {cls.__name__} belongs to "
+                                 f"{kind_field} {kind!r} (set {name}=None)")
+            if value is not None and not isinstance(value, cls):
+                raise ValueError(f"{name} must be a {cls.__name__}, a dict of its fields or "
+                                 f"None, got {value!r}")
+
     def _check_mla(self) -> None:
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            _positive_int(name, getattr(self, name))
-        if self.q_lora_rank is not None:
-            _positive_int("q_lora_rank", self.q_lora_rank)
-        if self.head_dim not in (None, self.qk_rope_head_dim):
+        rope_dim = self.mla.qk_rope_head_dim
+        if self.head_dim not in (None, rope_dim):
             raise ValueError(f"an MLA model's head_dim is its qk_rope_head_dim "
-                             f"({self.qk_rope_head_dim}), got head_dim={self.head_dim}")
-        object.__setattr__(self, "head_dim", self.qk_rope_head_dim)
+                             f"({rope_dim}), got head_dim={self.head_dim}")
+        object.__setattr__(self, "head_dim", rope_dim)
         if self.num_kv_heads != self.num_heads:
             raise ValueError(f"an MLA model has num_kv_heads == num_heads ({self.num_heads}), "
                              f"got num_kv_heads={self.num_kv_heads}")
 
     def _check_moe(self) -> None:
-        for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "n_group", "topk_group"):
-            _positive_int(name, getattr(self, name))
-        X, k, G = self.n_routed_experts, self.num_experts_per_tok, self.n_group
-        if k > X:
-            raise ValueError(f"num_experts_per_tok {k} > n_routed_experts {X}")
-        if X % G:
-            raise ValueError(f"n_group {G} does not divide n_routed_experts {X}")
-        if self.topk_group > G:
-            raise ValueError(f"topk_group {self.topk_group} > n_group {G}")
-        if self.topk_method != "greedy" and self.topk_group * (X // G) < k:
-            raise ValueError(f"topk_group {self.topk_group} groups of {X // G} experts cannot "
-                             f"hold num_experts_per_tok {k} experts")
-        if not isinstance(self.n_shared_experts, int) or self.n_shared_experts < 0:
-            raise ValueError(f"n_shared_experts must be an int >= 0, got {self.n_shared_experts!r}")
-        if not isinstance(self.first_k_dense_replace, int) or not \
-                0 <= self.first_k_dense_replace <= self.num_layers:
+        dense = self.moe.first_k_dense_replace
+        if dense > self.num_layers:
             raise ValueError(f"first_k_dense_replace must be an int in [0, num_layers="
-                             f"{self.num_layers}], got {self.first_k_dense_replace!r}")
-        if self.scoring_func not in MOE_SCORING_FUNCS:
-            raise ValueError(f"scoring_func {self.scoring_func!r} is not supported; supported: "
-                             f"{MOE_SCORING_FUNCS}")
-        if self.topk_method not in MOE_TOPK_METHODS:
-            raise ValueError(f"topk_method {self.topk_method!r} is not supported; supported: "
-                             f"{MOE_TOPK_METHODS}")
-        from mtpjax.model.moe_routing import routing_for_deepseek   # (lazy: cycle)
-        if routing_for_deepseek(self.scoring_func, self.topk_method) is None:
-            raise ValueError(f"topk_method {self.topk_method!r} with scoring_func "
-                             f"{self.scoring_func!r}: DeepSeek pairs noaux_tc with sigmoid (V3) "
-                             "and greedy / group_limited_greedy with softmax (V2)")
-        if self.scoring_func == "softmax" and self.norm_topk_prob:
-            raise ValueError("norm_topk_prob=True with scoring_func 'softmax' is not supported "
-                             "(DeepSeek-V2's code and transformers disagree on it; released V2 "
-                             "checkpoints set it False)")
-        _finite("routed_scaling_factor", self.routed_scaling_factor, positive=True)
+                             f"{self.num_layers}], got {dense!r}")
 
     def layer_kinds(self) -> tuple[tuple[str, str], ...]:
         """(attention kind, FFN kind) of each target layer (MoE models: dense first layers)."""
-        dense = self.first_k_dense_replace if self.ffn_kind == "moe" else 0
+        dense = self.moe.first_k_dense_replace if self.ffn_kind == "moe" else 0
         return tuple((self.attention_kind, "dense" if i < dense else self.ffn_kind)
                      for i in range(self.num_layers))
 
@@ -279,26 +260,20 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
-    def moe_routing(self) -> str:
-        """The MoE routing rule's name (model/moe_routing.py), from the stored DeepSeek pair
-        (scoring_func, topk_method)."""
-        from mtpjax.model.moe_routing import routing_for_deepseek   # (lazy: cycle)
-        rule = routing_for_deepseek(self.scoring_func, self.topk_method)
-        if rule is None:
-            raise ValueError(f"no MoE routing rule has scoring_func {self.scoring_func!r} with "
-                             f"topk_method {self.topk_method!r}")
-        return rule.name
-
-    @property
     def num_query_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict (`from_dict` inverts it exactly)."""
+        """Plain JSON-able dict, the sub-configs nested (`from_dict` inverts it exactly)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        """Inverts `to_dict`; also reads the older flat format (MLA / MoE fields at top level,
+        see flat_config.py)."""
+        from mtpjax.flat_config import is_flat, nest_flat_fields
+        if is_flat(d):
+            d = nest_flat_fields(d)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

@@ -127,7 +127,7 @@ def _weight_bytes(cfg: ModelConfig, weight_dtype: str, block, dp: int, tp: int):
 def _cache_bytes(cfg: ModelConfig, tokens: int, tp: int, cache_bytes_per_value: int) -> int:
     layers = cfg.num_layers + cfg.num_mtp_layers
     if cfg.attention_kind == "mla":
-        per_token = cfg.kv_lora_rank + cfg.qk_rope_head_dim         # replicated over "model"
+        per_token = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim   # replicated over "model"
     else:
         kv = cfg.num_kv_heads // tp if tp > 1 and cfg.num_kv_heads % tp == 0 else cfg.num_kv_heads
         per_token = 2 * kv * cfg.head_dim
@@ -137,7 +137,7 @@ def _cache_bytes(cfg: ModelConfig, tokens: int, tp: int, cache_bytes_per_value: 
 def _activation_bytes(cfg: ModelConfig, step_tokens: int, tp: int) -> int:
     E, act = cfg.hidden_size, 2
     if cfg.ffn_kind == "moe":
-        ffn = max(cfg.num_experts_per_tok * cfg.moe_intermediate_size,
+        ffn = max(cfg.moe.num_experts_per_tok * cfg.moe.moe_intermediate_size,
                   cfg.intermediate_size // tp)
     else:
         ffn = cfg.intermediate_size // tp

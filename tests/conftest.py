@@ -22,6 +22,19 @@ from tests import gpu_interpreter  # noqa: E402
 gpu_interpreter.install()
 
 
+def replace_fields(cfg: ModelConfig, **fields) -> ModelConfig:
+    """dataclasses.replace, where a field of the MLA / MoE sub-config (kv_lora_rank=,
+    n_group=, routing=, ...) replaces it in `cfg.mla` / `cfg.moe`: the tests' shrinking helpers
+    take every field by its own name."""
+    subs = {}
+    for name in ("mla", "moe"):
+        sub = fields.pop(name, getattr(cfg, name))
+        own = {f.name for f in dataclasses.fields(sub)} if dataclasses.is_dataclass(sub) else set()
+        mine = {k: fields.pop(k) for k in list(fields) if k in own}
+        subs[name] = dataclasses.replace(sub, **mine) if mine else sub
+    return dataclasses.replace(cfg, **subs, **fields)
+
+
 def tiny_config(**overrides) -> ModelConfig:
     base = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
                        num_layers=2, num_heads=4, num_kv_heads=2, num_mtp_layers=1)

@@ -94,24 +94,29 @@ SHAPES = {
     # of which the first is dense
     "deepseek-v2-lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
                              intermediate_size=10944, num_layers=27, num_heads=16,
-                             num_kv_heads=16, attention_kind="mla", q_lora_rank=None,
-                             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                             v_head_dim=128, ffn_kind="moe", n_routed_experts=64,
-                             num_experts_per_tok=6, n_shared_experts=2,
-                             moe_intermediate_size=1408, first_k_dense_replace=1,
-                             scoring_func="softmax", topk_method="greedy", n_group=1,
-                             topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+                             num_kv_heads=16, attention_kind="mla",
+                             mla=dict(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                                      qk_rope_head_dim=64, v_head_dim=128),
+                             ffn_kind="moe",
+                             moe=dict(n_routed_experts=64, num_experts_per_tok=6,
+                                      n_shared_experts=2, moe_intermediate_size=1408,
+                                      first_k_dense_replace=1, routing="softmax_greedy",
+                                      n_group=1, topk_group=1, norm_topk_prob=False,
+                                      routed_scaling_factor=1.0),
                              rope_theta=10000.0, rms_norm_eps=1e-6,
                              max_position_embeddings=4096, tie_word_embeddings=False,
                              num_mtp_layers=1),
     "tiny-mla-moe": dict(model_type="deepseek_v2", vocab_size=128, hidden_size=64,
                          intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=4,
-                         attention_kind="mla", q_lora_rank=None, kv_lora_rank=32,
-                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                         ffn_kind="moe", n_routed_experts=8, num_experts_per_tok=2,
-                         n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
-                         scoring_func="softmax", topk_method="greedy", n_group=1, topk_group=1,
-                         norm_topk_prob=False, routed_scaling_factor=1.0, rope_theta=10000.0,
+                         attention_kind="mla",
+                         mla=dict(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+                                  qk_rope_head_dim=8, v_head_dim=16),
+                         ffn_kind="moe",
+                         moe=dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                  moe_intermediate_size=32, first_k_dense_replace=1,
+                                  routing="softmax_greedy", n_group=1, topk_group=1,
+                                  norm_topk_prob=False, routed_scaling_factor=1.0),
+                         rope_theta=10000.0,
                          rms_norm_eps=1e-6, max_position_embeddings=1024,
                          tie_word_embeddings=False, num_mtp_layers=1),
 }
@@ -184,7 +189,7 @@ def _spec_weight_bytes(cfg, itemsize: int, fp8=None) -> dict:
         where = {"embed": "embed_table_not_counted", "final_norm": "final_norm",
                  "lm_head": "lm_head", "layers": "target_layers", "mtp": "mtp_module"}[path[0]]
         if routed:
-            if where == "target_layers" and path[1] == cfg.first_k_dense_replace:
+            if where == "target_layers" and path[1] == cfg.moe.first_k_dense_replace:
                 out["expert"] += n // spec.shape[0]        # one expert's three matrices
             if path[-1] == "w_gate":
                 out["target_moe_layers" if where == "target_layers" else "mtp_moe_layers"] += 1
@@ -198,7 +203,7 @@ def _spec_weight_bytes(cfg, itemsize: int, fp8=None) -> dict:
 def touched_experts(cfg, tokens: int) -> float:
     """Expected distinct routed experts chosen by `tokens` tokens routing uniformly at random
     (random weights): X (1 - (1 - k/X)^tokens)."""
-    X, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    X, k = cfg.moe.n_routed_experts, cfg.moe.num_experts_per_tok
     return X * (1 - (1 - k / X) ** tokens)
 
 
@@ -207,7 +212,8 @@ def step_bytes(w: dict, cfg, batch: int, ctx: float, K: int, draft_vocab: int = 
     target pass reads the experts touched by batch x (K + 1) tokens per MoE layer, each draft
     pass those of `batch` tokens (a lower bound: the first draft pass covers a window)."""
     if cfg.attention_kind == "mla":
-        kv = batch * ctx * cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+        latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+        kv = batch * ctx * cfg.num_layers * latent * 2
     else:
         kv = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     target = w["target_layers"] + w["final_norm"] + w["lm_head"]
@@ -710,7 +716,7 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
     log(f"random {'FP8 (' + args.fp8 + ') + ' if args.fp8 else ''}bf16 params: {tree_bytes / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
     w = weight_bytes(cfg, fp8=fp8_block(args))
     counted = w["target_layers"] + w["final_norm"] + w["lm_head"] + w["mtp_module"] \
-        + w["embed_table_not_counted"] + w.get("expert", 0) * cfg.n_routed_experts * (
+        + w["embed_table_not_counted"] + w.get("expert", 0) * cfg.moe.n_routed_experts * (
             w.get("target_moe_layers", 0) + w.get("mtp_moe_layers", 0))
     log("weights per step: target layers {:.3f} GB + lm_head {:.3f} GB; MTP module {:.3f} GB "
         "(config count {:.3f} GB incl. embedding vs param tree {:.3f} GB)".format(

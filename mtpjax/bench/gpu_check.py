@@ -60,12 +60,16 @@ def main(argv=None):
                              num_mtp_layers=2)
     mla = mtpjax.ModelConfig(model_type="deepseek_v3", vocab_size=4096, hidden_size=512,
                              intermediate_size=1024, num_layers=3, num_heads=16, num_kv_heads=16,
-                             attention_kind="mla", q_lora_rank=128, kv_lora_rank=128,
-                             qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
-                             rope_interleave=True, ffn_kind="moe", n_routed_experts=8,
-                             num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
-                             first_k_dense_replace=1, n_group=4, topk_group=2,
-                             routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=1)
+                             attention_kind="mla",
+                             mla=mtpjax.MLAConfig(
+                                 q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32,
+                                 qk_rope_head_dim=32, v_head_dim=32, rope_interleave=True),
+                             ffn_kind="moe",
+                             moe=mtpjax.MoEConfig(
+                                 n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                 moe_intermediate_size=128, first_k_dense_replace=1, n_group=4,
+                                 topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
+                             num_mtp_layers=1)
     # Rows are printed as each finishes (flushed), so a failure later keeps the earlier rows.
     if "kernels" in tables:
         print("| model | method | K | generate pallas == reference | engine pallas == reference "
@@ -76,7 +80,8 @@ def main(argv=None):
     if "mla-bf16" in tables:
         # bf16 (what the Mosaic-GPU MLA kernel takes) with width 128 + 64: near-tie flips are
         # possible in bf16, so the table reports how long the token streams agree.
-        mla16 = dataclasses.replace(mla, qk_rope_head_dim=64, head_dim=64)
+        mla16 = dataclasses.replace(mla, mla=dataclasses.replace(mla.mla, qk_rope_head_dim=64),
+                                    head_dim=64)
         print("\n| bf16 MLA model | kernel | generate: tokens agreeing with the reference "
               "(of) | engine: agreeing (of) |", flush=True)
         for r in check_mla_kernels_bf16(mla16, kernels=mla_kernels):

@@ -66,12 +66,25 @@ def hf_config_dict(cfg: ModelConfig, base: dict | None = None, torch_dtype: str 
     if torch_dtype is not None:       # transformers 5 writes "dtype", older versions "torch_dtype"
         for key in {"torch_dtype"} | ({"dtype"} & d.keys()):
             d[key] = torch_dtype
-    if ModelConfig.from_hf(d) != cfg:
-        back = ModelConfig.from_hf(d)
-        diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(back, f.name)]
+    back = ModelConfig.from_hf(d)
+    if back != cfg:
         raise CheckpointError(f"this ModelConfig cannot be written as a {cfg.model_type} config.json "
-                              f"(it would read back with different {diff})")
+                              f"(it would read back with different {_differing_fields(cfg, back)})")
     return d
+
+
+def _differing_fields(a, b, prefix: str = "") -> list[str]:
+    """Names of the fields where dataclasses a and b differ, into sub-configs ("moe.n_group")."""
+    out = []
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x == y:
+            continue
+        if dataclasses.is_dataclass(x) and type(x) is type(y):
+            out += _differing_fields(x, y, f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
 
 
 def parse_size(size) -> int | None:

@@ -63,7 +63,7 @@ class LatentPages:
 def softmax_scale(cfg) -> float:
     """(qk_nope + qk_rope)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when set
     (DeepSeek-V3's long-context correction; transformers' `yarn_apply_mscale`)."""
-    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    scale = (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim) ** -0.5
     rs = cfg.rope_scaling
     if rs.rope_type != "default" and rs.mscale_all_dim:
         m = 1.0 if rs.factor <= 1 else 0.1 * rs.mscale_all_dim * math.log(rs.factor) + 1.0
@@ -73,7 +73,7 @@ def softmax_scale(cfg) -> float:
 
 def _rope(x: jax.Array, positions: jax.Array, cfg) -> jax.Array:
     """x [..., T, H, dr] -> rotated (interleaved pairs de-interleaved first)."""
-    if cfg.rope_interleave:
+    if cfg.mla.rope_interleave:
         x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
     return apply_rope(x, positions, cfg)
 
@@ -81,7 +81,8 @@ def _rope(x: jax.Array, positions: jax.Array, cfg) -> jax.Array:
 def mla_projections(p: dict, x: jax.Array, positions: jax.Array, cfg):
     """x [..., T, E] -> q_nope [..., T, H, dn], q_rope [..., T, H, dr] (rotated),
     c [..., T, R] (normed latent), k_rope [..., T, dr] (rotated)."""
-    H, dn, dr, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    m = cfg.mla
+    H, dn, dr, R = cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
     if "wq" in p:
         q = linear(x, p["wq"])
     else:
@@ -98,9 +99,9 @@ def _w_uk_uv(p: dict, cfg, c):
     """kv_b_proj [R, H * (dn + dv)] -> (W_UK [R, H, dn], W_UV [R, H, dv], c). An FP8 kv_b is
     dequantized first (the absorption reshapes and contracts it per head, not as one GEMM),
     tied to the latent c so that it stays in the step (`dequantize_in_step`)."""
-    dn = cfg.qk_nope_head_dim
+    dn = cfg.mla.qk_nope_head_dim
     w, c = dequantize_in_step(p["wkv_b"], c)
-    w = w.reshape(cfg.kv_lora_rank, cfg.num_heads, dn + cfg.v_head_dim)
+    w = w.reshape(cfg.mla.kv_lora_rank, cfg.num_heads, dn + cfg.mla.v_head_dim)
     return w[..., :dn], w[..., dn:], c
 
 
@@ -120,12 +121,13 @@ class MLA:
 
     def param_specs(self, cfg) -> dict[str, ParamSpec]:
         E, H = cfg.hidden_size, cfg.num_heads
-        dn, dr, dv, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        m = cfg.mla
+        dn, dr, dv, R = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         specs = {}
-        if cfg.q_lora_rank is None:
+        if cfg.mla.q_lora_rank is None:
             specs["wq"] = ParamSpec((E, H * (dn + dr)), ("embed", "q_heads"), "normal")
         else:
-            Q = cfg.q_lora_rank
+            Q = cfg.mla.q_lora_rank
             specs["wq_a"] = ParamSpec((E, Q), ("embed", "q_lora"), "normal")
             specs["q_a_norm"] = ParamSpec((Q,), ("q_lora",), "ones")
             specs["wq_b"] = ParamSpec((Q, H * (dn + dr)), ("q_lora", "q_heads"), "normal")
@@ -136,8 +138,8 @@ class MLA:
         return specs
 
     def init_pages(self, cfg, num_pages: int, page_size: int, dtype) -> LatentPages:
-        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        return LatentPages(jnp.zeros((num_pages, page_size, width), dtype), cfg.kv_lora_rank)
+        width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+        return LatentPages(jnp.zeros((num_pages, page_size, width), dtype), cfg.mla.kv_lora_rank)
 
     def __call__(self, p: dict, x, positions, cfg, pages=None, paged=None):
         """x [..., T, E] -> (attention output [..., T, E], pages); see the module docstring."""

@@ -1,7 +1,7 @@
 """FFN kind "moe": a DeepSeek-style mixture of experts (routed SwiGLU experts + always-on shared ones).
 
 Routing (which experts each token gets, with which weights) is a rule of its own, named by
-`cfg.moe_routing` (`model/moe_routing.py`: softmax greedy, softmax group-limited, sigmoid +
+`cfg.moe.routing` (`model/moe_routing.py`: softmax greedy, softmax group-limited, sigmoid +
 correction bias group-limited); `route` here is that module's.
 
 Experts run as grouped matmuls (`grouped_swiglu`: Pallas kernels on one GPU, gate and up in one
@@ -121,7 +121,7 @@ def uses_expert_parallel(cfg, mesh) -> bool:
     if mesh is None:
         return False
     m = int(mesh.shape["model"])
-    return m > 1 and cfg.n_routed_experts % m == 0
+    return m > 1 and cfg.moe.n_routed_experts % m == 0
 
 
 class MoEFFN:
@@ -143,16 +143,16 @@ class MoEFFN:
     activation = staticmethod(jax.nn.silu)
 
     def param_specs(self, cfg) -> dict[str, ParamSpec]:
-        E, X, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        E, X, I = cfg.hidden_size, cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size
         # the router is replicated (not split by expert): every device routes every token
         specs = {"router": ParamSpec((E, X), ("embed", None), "normal")}
-        if routing_rule(cfg.moe_routing).biased:
+        if routing_rule(cfg.moe.routing).biased:
             specs["router_bias"] = ParamSpec((X,), (None,), "zeros")
         specs["w_gate"] = ParamSpec((X, E, I), ("experts", "embed", "mlp"), "normal")
         specs["w_up"] = ParamSpec((X, E, I), ("experts", "embed", "mlp"), "normal")
         specs["w_down"] = ParamSpec((X, I, E), ("experts", "mlp", "embed"), "normal")
-        if cfg.n_shared_experts:
-            S = I * cfg.n_shared_experts
+        if cfg.moe.n_shared_experts:
+            S = I * cfg.moe.n_shared_experts
             specs["shared_gate"] = ParamSpec((E, S), ("embed", "mlp"), "normal")
             specs["shared_up"] = ParamSpec((E, S), ("embed", "mlp"), "normal")
             specs["shared_down"] = ParamSpec((S, E), ("mlp", "embed"), "normal")
@@ -169,7 +169,7 @@ class MoEFFN:
                 return _registered_expert_parallel(mesh)(p, x, cfg, valid, mesh,
                                                          self.activation).reshape(shape)
         with jax.named_scope("router"):
-            ids, weights = route(p, x, cfg)
+            ids, weights = route(p, x, cfg.moe)
         with jax.named_scope("experts"):
             out = routed_experts(p, x, ids, weights, valid, self.activation)
         if "shared_gate" in p:

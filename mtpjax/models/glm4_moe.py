@@ -5,7 +5,8 @@ GQA attention with q/k/v biases (`attention_bias`), optional per-head q/k RMSNor
 head_dim * `partial_rotary_factor` dims of each head (rotate_half within them). The FFN is
 DeepSeek-V3's MoE: sigmoid scores + `e_score_correction_bias` steering a group-limited choice
 (`n_group` / `topk_group`), a shared expert, dense first `first_k_dense_replace` layers; the
-config.json keys are DeepSeek's, without `scoring_func` / `topk_method` (GLM has one rule).
+config.json keys are DeepSeek's, without `scoring_func` / `topk_method` (GLM has one routing
+kind, ROUTING).
 MTP modules (`num_nextn_predict_layers`) sit at `model.layers.{num_layers + k}` in DeepSeek's
 layout (enorm, hnorm, eh_proj, shared_head.norm, copies of embed_tokens and shared_head.head),
 as vLLM's `glm4_moe_mtp.py` reads them; transformers' model loads none of them.
@@ -37,9 +38,9 @@ def _read(config: Mapping[str, Any], model_type: str) -> dict[str, Any]:
                            "rope_parameters.partial_rotary_factor")
     fields = dict(partial_rotary_factor=float(factor), qk_norm=get("use_qk_norm", FLAG, False))
     moe = read_moe_keys(config, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True)
-    if moe:
-        moe.update(scoring_func="sigmoid", topk_method="noaux_tc")   # = ROUTING
-    return {**fields, **moe}
+    if moe is not None:
+        fields.update(ffn_kind="moe", moe={**moe, "routing": ROUTING})
+    return fields
 
 
 def _write(cfg, d: dict[str, Any]) -> None:
@@ -50,9 +51,9 @@ def _write(cfg, d: dict[str, Any]) -> None:
 def _check(cfg) -> None:
     if cfg.attention_kind != "gqa":
         raise ValueError(f"a glm4_moe model has attention_kind 'gqa', got {cfg.attention_kind!r}")
-    if cfg.ffn_kind == "moe" and cfg.moe_routing != ROUTING:
-        raise ValueError(f"a glm4_moe model routes by {ROUTING!r} (scoring_func 'sigmoid', "
-                         f"topk_method 'noaux_tc'), got {cfg.moe_routing!r}")
+    if cfg.ffn_kind == "moe" and cfg.moe.routing != ROUTING:
+        raise ValueError(f"a glm4_moe model routes by {ROUTING!r}, got moe.routing "
+                         f"{cfg.moe.routing!r}")
 
 
 GLM4_MOE = register_family(Family("glm4_moe", {"glm4_moe": "Glm4MoeForCausalLM"}, "deepseek",

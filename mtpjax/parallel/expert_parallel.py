@@ -46,7 +46,7 @@ def expert_parallel(p: dict, x: jax.Array, cfg, valid: jax.Array, mesh, activati
 
     def local(x, valid, *leaves):
         q = dict(zip(names, leaves))
-        ids, weights = route(q, x, cfg)
+        ids, weights = route(q, x, cfg.moe)
         first = jax.lax.axis_index("model") * X_local
         mine = (ids >= first) & (ids < first + X_local)
         out = routed_experts(q, x, jnp.where(mine, ids - first, X_local), weights, valid,

@@ -62,7 +62,7 @@ STATE_AXES: dict[str, tuple] = {
 def _units(cfg, logical: str, dim: int) -> int:
     """How many indivisible units a dimension of this logical axis holds."""
     return {"q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
-            "experts": cfg.n_routed_experts or dim}.get(logical, dim)
+            "experts": cfg.moe.n_routed_experts if cfg.moe is not None else dim}.get(logical, dim)
 
 
 def partition_spec(axes, shape, cfg, mesh: Mesh, rules: dict | None = None) -> P:

@@ -21,21 +21,24 @@ from mtpjax.checkpoint.orbax_io import FORMAT, FORMAT_FILE, read_meta
 from mtpjax.checkpoint.safetensors_io import read_header, read_tensor
 from mtpjax.config import RopeScaling
 from mtpjax.model.params import param_specs
-from tests.conftest import random_params, tiny_config
+from tests.conftest import random_params, replace_fields, tiny_config
 
 INDEX = "model.safetensors.index.json"
 
 
 def ds_config(**overrides) -> ModelConfig:
     """A tiny DeepSeek-V3 (MLA + MoE), as in test_deepseek.py."""
-    return ModelConfig(**{**dict(
+    base = ModelConfig(
         model_type="deepseek_v3", vocab_size=96, hidden_size=32, intermediate_size=48,
-        num_layers=2, num_heads=4, num_kv_heads=4, attention_kind="mla", q_lora_rank=24,
-        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
-        rope_interleave=True, ffn_kind="moe", n_routed_experts=8, num_experts_per_tok=2,
-        n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, n_group=4,
-        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=1),
-        **overrides})
+        num_layers=2, num_heads=4, num_kv_heads=4, attention_kind="mla",
+        mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                 v_head_dim=12, rope_interleave=True),
+        ffn_kind="moe",
+        moe=dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                 moe_intermediate_size=16, first_k_dense_replace=1, n_group=4, topk_group=2,
+                 routed_scaling_factor=2.5, norm_topk_prob=True),
+        num_mtp_layers=1)
+    return replace_fields(base, **overrides)
 
 
 def _library_rejects(file) -> bool:
@@ -362,6 +365,9 @@ META_DAMAGE = {
                     r"model_config: unknown ModelConfig keys: \['hiden_size'\]"),
     "unknown_rope_key": (_edited("model_config.rope_scaling", {"rope_type": "yarn", "factr": 2}),
                          r"model_config: unknown rope_scaling keys: \['factr'\]"),
+    "stray_moe": (_edited("model_config.moe", {"n_routed_experts": 8, "num_experts_per_tok": 2,
+                                               "moe_intermediate_size": 16}),
+                  r"model_config: moe is set but ffn_kind is 'dense'"),
     "no_dtypes": (_edited("dtypes", KeyError), r"dtypes must be an object \{param path: dtype "
                                                r"name\}, got null"),
     "dtype_missing": (lambda m: json.dumps({**m, "dtypes": {}}),
@@ -386,6 +392,57 @@ def test_valid_orbax_meta_reads(tmp_path):
     cfg = ds_config()
     (tmp_path / FORMAT_FILE).write_text(json.dumps(_meta(cfg)))
     assert read_meta(str(tmp_path))[1] == cfg
+
+
+# The MLA / MoE fields of a model_config as mtpjax wrote them before the sub-configs: flat, at
+# top level, every one of them whatever the layer kinds, the routing as DeepSeek's pair.
+FLAT_DENSE_FIELDS = dict(
+    q_lora_rank=None, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
+    rope_interleave=False, n_routed_experts=0, num_experts_per_tok=0, n_shared_experts=0,
+    moe_intermediate_size=0, first_k_dense_replace=0, n_group=1, topk_group=1,
+    routed_scaling_factor=1.0, norm_topk_prob=False, scoring_func="sigmoid",
+    topk_method="noaux_tc")
+
+
+def _flat(cfg, **fields):
+    core = {k: v for k, v in cfg.to_dict().items() if k not in ("mla", "moe")}
+    return {**core, **FLAT_DENSE_FIELDS, **fields}
+
+
+@pytest.mark.parametrize("pair, routing", [
+    (("sigmoid", "noaux_tc"), "sigmoid_group_limited_bias"),
+    (("softmax", "greedy"), "softmax_greedy"),
+    (("softmax", "group_limited_greedy"), "softmax_group_limited"),
+])
+def test_orbax_meta_in_the_flat_format_reads(tmp_path, pair, routing):
+    """A checkpoint saved with the flat ModelConfig still loads: its fields go to the
+    sub-configs, DeepSeek's (scoring_func, topk_method) to the routing kind it names."""
+    want = ds_config(routing=routing, norm_topk_prob=pair[0] == "sigmoid")
+    flat = _flat(want, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                 v_head_dim=12, rope_interleave=True, n_routed_experts=8, num_experts_per_tok=2,
+                 n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1,
+                 n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                 norm_topk_prob=pair[0] == "sigmoid", scoring_func=pair[0], topk_method=pair[1])
+    (tmp_path / FORMAT_FILE).write_text(json.dumps({**_meta(want), "model_config": flat}))
+    assert read_meta(str(tmp_path))[1] == want
+    # a dense GQA model's flat dict held the defaults of every MLA / MoE field: they are dropped
+    dense = tiny_config(num_mtp_layers=0)
+    assert ModelConfig.from_dict(_flat(dense)) == dense
+    # an MLA model with a dense FFN keeps only its MLA fields
+    mla_dense = ds_config(ffn_kind="dense", moe=None)
+    assert ModelConfig.from_dict(_flat(mla_dense, q_lora_rank=24, kv_lora_rank=16,
+                                       qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                                       rope_interleave=True)) == mla_dense
+
+
+def test_flat_format_with_an_unknown_routing_pair_names_it(tmp_path):
+    flat = _flat(ds_config(), kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                 v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=16, scoring_func="softmax", topk_method="noaux_tc")
+    (tmp_path / FORMAT_FILE).write_text(json.dumps({**_meta(ds_config()), "model_config": flat}))
+    with pytest.raises(CheckpointError, match=r"model_config: scoring_func 'softmax' with "
+                                              r"topk_method 'noaux_tc' names no MoE routing"):
+        read_meta(str(tmp_path))
 
 
 # ---- generation_config.json ----------------------------------------------------------------------

@@ -125,14 +125,17 @@ def test_default_min_token_bucket_is_one_for_moe_models_and_eight_for_dense_ones
     dense = tiny_config(vocab_size=48)
     moe = ModelConfig(model_type="deepseek_v3", vocab_size=48, hidden_size=32,
                       intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=4,
-                      attention_kind="mla", q_lora_rank=24, kv_lora_rank=16,
-                      qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, ffn_kind="moe",
-                      n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                      moe_intermediate_size=16, first_k_dense_replace=1, n_group=4,
-                      topk_group=2, num_mtp_layers=1)
+                      attention_kind="mla",
+                      mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                               qk_rope_head_dim=8, v_head_dim=12),
+                      ffn_kind="moe",
+                      moe=dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                               moe_intermediate_size=16, first_k_dense_replace=1, n_group=4,
+                               topk_group=2),
+                      num_mtp_layers=1)
     assert default_min_token_bucket(dense) == 8
     assert default_min_token_bucket(moe) == 1
-    assert default_min_token_bucket(dataclasses.replace(moe, ffn_kind="dense")) == 8
+    assert default_min_token_bucket(dataclasses.replace(moe, ffn_kind="dense", moe=None)) == 8
     kw = dict(num_pages=40, page_size=4, max_num_seqs=2, max_num_batched_tokens=8,
               warmup=False)
     for cfg, want in ((dense, 8), (moe, 1)):

@@ -30,8 +30,9 @@ GQA_CFG = mtpjax.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64
                              num_heads=4, num_kv_heads=2, head_dim=8)
 MLA_CFG = mtpjax.ModelConfig(model_type="deepseek_v3", vocab_size=64, hidden_size=32,
                              intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=4,
-                             attention_kind="mla", q_lora_rank=24, kv_lora_rank=16,
-                             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
+                             attention_kind="mla",
+                             mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                                      qk_rope_head_dim=8, v_head_dim=12))
 NUM_PAGES, TABLES = 6, np.asarray([[3, 1, 0], [5, 2, 4]], np.int32)
 
 

@@ -206,11 +206,11 @@ def test_the_moe_layer_runs_the_mosaic_kernels_at_prefill_sizes(monkeypatch):
     assert calls == [2, 1]                 # gate/up, then down
     f = {k: v.astype(jnp.float32) for k, v in p.items()}
     xf = x.astype(jnp.float32)
-    ids, w = route(p, x, cfg)
+    ids, w = route(p, x, cfg.moe)
     act = jax.nn.silu(jnp.einsum("ne,xei->nxi", xf, f["w_gate"])) * jnp.einsum(
         "ne,xei->nxi", xf, f["w_up"])
     each = jnp.einsum("nxi,xie->nxe", act, f["w_down"])                    # [N, X, E]
-    gate = jnp.zeros((N, cfg.n_routed_experts)).at[jnp.arange(N)[:, None], ids].add(w)
+    gate = jnp.zeros((N, cfg.moe.n_routed_experts)).at[jnp.arange(N)[:, None], ids].add(w)
     shared = (jax.nn.silu(xf @ f["shared_gate"]) * (xf @ f["shared_up"])) @ f["shared_down"]
     want = jnp.einsum("nx,nxe->ne", gate, each) + shared
     assert got.dtype == jnp.bfloat16

@@ -14,8 +14,9 @@ from mtpjax import ModelConfig, SamplingParams, SpecConfig
 # dominate these tests. Rope 8 is fine interpreted (the compiled kernel needs >= 16).
 CFG = ModelConfig(model_type="deepseek_v3", vocab_size=96, hidden_size=32, intermediate_size=48,
                   num_layers=1, num_heads=4, num_kv_heads=4, attention_kind="mla",
-                  q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                  v_head_dim=12, rope_interleave=True, num_mtp_layers=1)
+                  mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                           qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True),
+                  num_mtp_layers=1)
 
 
 def _ds_params(cfg, seed):

@@ -158,9 +158,10 @@ def routing_differs(path, x) -> tuple[bool, bool, np.ndarray]:
     from mtpjax.model.moe import route
     ck = load_hf(str(path), jnp.float32)
     p = ck.params["layers"][1]
-    ids, _ = route(p, x, ck.cfg)
-    no_bias, _ = route({**p, "router_bias": jnp.zeros_like(p["router_bias"])}, x, ck.cfg)
-    no_limit, _ = route(p, x, dataclasses.replace(ck.cfg, topk_group=ck.cfg.n_group))
+    moe = ck.cfg.moe
+    ids, _ = route(p, x, moe)
+    no_bias, _ = route({**p, "router_bias": jnp.zeros_like(p["router_bias"])}, x, moe)
+    no_limit, _ = route(p, x, dataclasses.replace(moe, topk_group=moe.n_group))
 
     def differs(a, b):
         return any(set(r) != set(s) for r, s in zip(np.asarray(a).tolist(), np.asarray(b).tolist()))

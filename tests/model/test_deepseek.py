@@ -6,7 +6,6 @@ config and its own checks (MLA cache, MoE lowering, V2 routing, speculative == p
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jax
@@ -15,8 +14,9 @@ import numpy as np
 import pytest
 
 import mtpjax
-from mtpjax import ModelConfig, SamplingParams, SpecConfig
+from mtpjax import MLAConfig, ModelConfig, MoEConfig, SamplingParams, SpecConfig
 from mtpjax.checkpoint import load_hf
+from tests.conftest import replace_fields
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -58,8 +58,10 @@ def test_from_hf_reads_the_deepseek_fields(checkpoints):
     assert (cfg.attention_kind, cfg.ffn_kind, cfg.num_mtp_layers) == ("mla", "moe", 1)
     assert cfg.layer_kinds() == (("mla", "dense"), ("mla", "moe"), ("mla", "moe"))
     assert cfg.mtp_layer_kind() == ("mla", "moe")
-    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.head_dim, cfg.rope_interleave) == (16, 8, 8, True)
-    assert (cfg.topk_method, cfg.scoring_func, cfg.n_group, cfg.topk_group) == ("noaux_tc", "sigmoid", 4, 2)
+    assert (cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim, cfg.head_dim,
+            cfg.mla.rope_interleave) == (16, 8, 8, True)
+    assert (cfg.moe.routing, cfg.moe.n_group, cfg.moe.topk_group) == \
+        ("sigmoid_group_limited_bias", 4, 2)
     assert cfg.rope_scaling.rope_type == "yarn" and cfg.rope_scaling.mscale_all_dim == 0.8
 
 
@@ -117,15 +119,19 @@ def test_export_round_trip_and_transformers_reads_it(checkpoints, tmp_path):
 
 
 def ds_config(**overrides) -> ModelConfig:
+    """A tiny DeepSeek-V3 (MLA + MoE); overrides may name sub-config fields (replace_fields)."""
     base = ModelConfig(model_type="deepseek_v3", vocab_size=96, hidden_size=32,
                        intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=4,
-                       attention_kind="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-                       qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True, ffn_kind="moe",
-                       n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                       moe_intermediate_size=16, first_k_dense_replace=1, n_group=4,
-                       topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                       attention_kind="mla",
+                       mla=MLAConfig(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                                     qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True),
+                       ffn_kind="moe",
+                       moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2,
+                                     n_shared_experts=1, moe_intermediate_size=16,
+                                     first_k_dense_replace=1, n_group=4, topk_group=2,
+                                     routed_scaling_factor=2.5, norm_topk_prob=True),
                        num_mtp_layers=2)
-    return dataclasses.replace(base, **overrides)
+    return replace_fields(base, **overrides)
 
 
 def _ds_params(cfg, seed):
@@ -192,7 +198,7 @@ def test_rejection_sampling_is_lossless_on_mla():
 def test_latent_cache_holds_one_vector_per_token_per_layer():
     cfg = ds_config()
     cache = mtpjax.cache.init_cache(cfg, num_pages=5, page_size=4)
-    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
     for pages in (*cache.target, *cache.mtp):
         leaves = jax.tree.leaves(pages)
         assert sum(a.size for a in leaves) == 5 * 4 * width     # no per-head copies, no V
@@ -217,14 +223,14 @@ def test_moe_never_materializes_tokens_by_experts_activations():
     cfg = ds_config(n_routed_experts=32, num_experts_per_tok=2, n_group=4, topk_group=2,
                     moe_intermediate_size=24)
     p = _ds_params(cfg, 0)["layers"][1]
-    N, X = 64, cfg.n_routed_experts
+    N, X = 64, cfg.moe.n_routed_experts
     x = jax.random.normal(jax.random.PRNGKey(1), (N, cfg.hidden_size))
     jaxpr = jax.make_jaxpr(lambda p, x: ffn_kind("moe")(p, x, cfg, jnp.ones(N, bool)))(p, x)
-    limit = N * X * min(cfg.hidden_size, cfg.moe_intermediate_size)
+    limit = N * X * min(cfg.hidden_size, cfg.moe.moe_intermediate_size)
     assert _max_intermediate_size(jaxpr.jaxpr) < limit
     # and it computes the same as the dense every-expert formula
     from mtpjax.model.moe import route
-    ids, w = route(p, x, cfg)
+    ids, w = route(p, x, cfg.moe)
     full = jnp.einsum("ne,xei->nxi", x, p["w_gate"])
     act = jax.nn.silu(full) * jnp.einsum("ne,xei->nxi", x, p["w_up"])
     each = jnp.einsum("nxi,xie->nxe", act, p["w_down"])                  # [N, X, E]
@@ -283,8 +289,8 @@ def test_deepseek_v2_logits_match_transformers(tmp_path, topk_method):
             p.add_(0.3 * torch.randn_like(p)) if "norm" in name else p.mul_(4.0)
     model.save_pretrained(str(tmp_path))
     ck = load_hf(str(tmp_path), jnp.float32)
-    assert (ck.cfg.scoring_func, ck.cfg.topk_method, ck.cfg.num_mtp_layers) == \
-        ("softmax", topk_method, 0)
+    routing = {"greedy": "softmax_greedy", "group_limited_greedy": "softmax_group_limited"}
+    assert (ck.cfg.moe.routing, ck.cfg.num_mtp_layers) == (routing[topk_method], 0)
     ids = np.asarray([p + [3] * (14 - len(p)) for p in _prompts(9, 2)])
     with torch.no_grad():
         want = model(torch.as_tensor(ids)).logits.numpy()

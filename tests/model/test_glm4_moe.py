@@ -56,7 +56,7 @@ def test_from_hf_reads_the_glm_fields(checkpoints, variant):
     assert cfg.mtp_layer_kind() == ("gqa", "moe") and cfg.num_mtp_layers == 1
     assert (cfg.head_dim, cfg.rotary_dim, cfg.qkv_bias) == (16, 8, True)
     assert cfg.qk_norm == (variant == "qk_norm")
-    assert (cfg.moe_routing, cfg.n_group, cfg.topk_group, cfg.n_shared_experts) == \
+    assert (cfg.moe.routing, cfg.moe.n_group, cfg.moe.topk_group, cfg.moe.n_shared_experts) == \
         ("sigmoid_group_limited_bias", 2, 1, 1)
 
 
@@ -75,11 +75,12 @@ def test_from_hf_names_a_bad_field(field, value, match):
 def test_the_family_refuses_what_glm_cannot_hold():
     cfg = ModelConfig.from_hf({**GLM_BASE, "model_type": "glm4_moe"})
     with pytest.raises(ValueError, match="routes by 'sigmoid_group_limited_bias'"):
-        dataclasses.replace(cfg, scoring_func="softmax", topk_method="greedy",
-                            norm_topk_prob=False)
+        dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, routing="softmax_greedy",
+                                                         norm_topk_prob=False))
     with pytest.raises(ValueError, match="attention_kind 'gqa'"):
         ModelConfig(model_type="glm4_moe", attention_kind="mla", num_heads=4, num_kv_heads=4,
-                    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+                    mla=dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                             v_head_dim=8))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

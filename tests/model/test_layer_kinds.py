@@ -33,8 +33,8 @@ def test_unknown_kind_is_a_clear_error():
         dataclasses.replace(BASE, ffn_kind="nope")
     with pytest.raises(ValueError, match=r"attention kind 'linear' is not registered; known: .*mla"):
         dataclasses.replace(BASE, attention_kind="linear")
-    # a registered kind whose config fields are missing names the field
-    with pytest.raises(ValueError, match=r"kv_lora_rank must be a positive int"):
+    # a registered kind whose sub-config is missing names it
+    with pytest.raises(ValueError, match=r"attention_kind 'mla' needs mla= \(a MLAConfig"):
         dataclasses.replace(BASE, attention_kind="mla")
 
 
