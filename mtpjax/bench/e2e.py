@@ -716,8 +716,10 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
     log(f"random {'FP8 (' + args.fp8 + ') + ' if args.fp8 else ''}bf16 params: {tree_bytes / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
     w = weight_bytes(cfg, fp8=fp8_block(args))
     counted = w["target_layers"] + w["final_norm"] + w["lm_head"] + w["mtp_module"] \
-        + w["embed_table_not_counted"] + w.get("expert", 0) * cfg.moe.n_routed_experts * (
-            w.get("target_moe_layers", 0) + w.get("mtp_moe_layers", 0))
+        + w["embed_table_not_counted"]
+    if cfg.moe is not None:
+        counted += w["expert"] * cfg.moe.n_routed_experts * (
+            w["target_moe_layers"] + w["mtp_moe_layers"])
     log("weights per step: target layers {:.3f} GB + lm_head {:.3f} GB; MTP module {:.3f} GB "
         "(config count {:.3f} GB incl. embedding vs param tree {:.3f} GB)".format(
             w["target_layers"] / 1e9, w["lm_head"] / 1e9, w["mtp_module"] / 1e9,
