@@ -4,6 +4,8 @@ skipped, the table last and e2e.json written."""
 import json
 import math
 
+import pytest
+
 from mtpjax.cli import main
 
 
@@ -86,3 +88,34 @@ def test_engine_timing_skips_passes_that_compiled():
     assert best["ms_per_step"] == 6.0 and best["passes_that_compiled"] == 2
     always = compile_free_median(lambda: dict(ms_per_step=100.0, compiled=1), repeats=2)
     assert always["ms_per_step"] == 100.0 and "every timed pass compiled (4" in always["note"]
+
+
+def test_v3_slice_shape_is_v3_layers_at_one_gpu_depth():
+    """The DeepSeek-V3 slice has V3's real layer dimensions (its experts, routing, MLA) at a
+    depth one H200 holds: every parameter counted once, about 100 GB in bf16."""
+    from mtpjax.bench import e2e
+    from mtpjax.model.params import param_specs, tree_items
+    cfg = e2e.model_config("deepseek-v3-slice")
+    assert (cfg.num_heads, cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank) == (128, 1536, 512)
+    assert (cfg.moe.n_routed_experts, cfg.moe.num_experts_per_tok, cfg.moe.n_group,
+            cfg.moe.topk_group, cfg.moe.routing) == (256, 8, 8, 4, "sigmoid_group_limited_bias")
+    w = e2e.weight_bytes(cfg)
+    total = sum(int(math.prod(s.shape)) for _, s in tree_items(param_specs(cfg))) * 2
+    counted = (w["target_layers"] + w["final_norm"] + w["lm_head"] + w["mtp_module"]
+               + w["embed_table_not_counted"]
+               + w["expert"] * 256 * (w["target_moe_layers"] + w["mtp_moe_layers"]))
+    assert counted == total and 90e9 < total < 110e9
+    assert (w["target_moe_layers"], w["mtp_moe_layers"]) == (3, 1)
+
+
+@pytest.mark.parametrize("shape", ["llama3-8b", "deepseek-v2-lite"])
+def test_fp8_floor_counts_projections_at_one_byte(shape):
+    """--fp8's floor: quantized projections at one byte plus float32 block scales, everything
+    else (embedding, lm_head, norms, router) as in bf16."""
+    from mtpjax.bench import e2e
+    cfg = e2e.model_config(shape)
+    bf16, fp8 = e2e.weight_bytes(cfg), e2e.weight_bytes(cfg, fp8=(128, 128))
+    assert fp8["lm_head"] == bf16["lm_head"] and fp8["final_norm"] == bf16["final_norm"]
+    assert 0.5 < fp8["target_layers"] / bf16["target_layers"] < 0.52
+    if "expert" in bf16:
+        assert 0.5 <= fp8["expert"] / bf16["expert"] < 0.51
