@@ -2,7 +2,8 @@
 
 The engine compiles its step for K drafts; a request's effective k (0..K) only masks drafts past
 k (never accepted), so changing k never recompiles and never changes outputs (acceptance stays
-lossless for every k). The policy (docs/spec_decoding.md, "Adaptive K"):
+lossless for every k). A masked draft is a padding token in the verify pass (no KV write, no
+expert routed), which on MoE models saves the experts it would have touched. The policy (docs/spec_decoding.md, "Adaptive K"):
 
     alpha_i  = (hits_i + prior * prior_weight) / (trials_i + prior_weight)
                estimated P(draft i accepted | drafts 1..i-1 accepted), from the request's own

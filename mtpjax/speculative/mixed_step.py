@@ -150,6 +150,12 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         j = jnp.arange(T) - cu[batch.seq_ids]
         dec_tok = is_dec[batch.seq_ids] & (jnp.arange(T) < cu[R])
         positions = jnp.where(dec_tok, start[batch.seq_ids] + j, batch.positions)
+        if K and batch.num_drafts is not None:
+            # a draft past its row's k is never verified: as a padding token (position -1) it
+            # writes no KV and routes to no expert, so a masked draft costs an MoE layer
+            # nothing (at batch 1 each routed token touches up to top-k more experts)
+            row_k_tok = jnp.clip(batch.num_drafts, 0, K)[batch.seq_ids]
+            positions = jnp.where(dec_tok & (j > row_k_tok), -1, positions)
         tokens = jnp.where(dec_tok & (j == 0), state.pending[batch.slots][batch.seq_ids],
                            batch.tokens)
         if K:
