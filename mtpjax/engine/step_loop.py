@@ -101,10 +101,18 @@ class StepLoop:
             if pick:
                 chosen = self.acceptance.choose(self.adaptive_k,
                                                 [out.requests[i].seq_id for i in pick],
-                                                [ks[i] for i in pick], batch)
+                                                [ks[i] for i in pick], batch,
+                                                self._expert_cost())
                 for i, k in zip(pick, chosen.tolist()):
                     ks[i] = k
         return ks
+
+    def _expert_cost(self):
+        """The model's ExpertStepCost (MoE models; None otherwise), built once."""
+        if not hasattr(self, "_expert_cost_cache"):
+            from mtpjax.speculative.expert_cost import ExpertStepCost
+            self._expert_cost_cache = ExpertStepCost.from_config(self.runner.cfg, self.K)
+        return self._expert_cost_cache
 
     def _complete(self, out, result, ks=None) -> None:
         """Reads a dispatched step back, applies it and reports the news."""

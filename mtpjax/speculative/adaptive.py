@@ -19,13 +19,22 @@ expert routed), which on MoE models saves the experts it would have touched. The
                first position whose expected gain is below its cost), at least min_k;
                every `probe_interval`-th verify step of a request uses k + 1 (capped at k_max) so
                positions past k keep being measured.
+
+On an MoE model (`expert_aware`, the default) the rule is the step's expected tokens per byte
+instead: each request takes the k in 0..k_max that maximises (tokens the batch expects) /
+(bytes the step reads), the bytes counting the experts its verify tokens route to
+(`expert_cost.ExpertStepCost`) and the other requests held at their k_max.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from mtpjax.speculative.expert_cost import ExpertStepCost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +49,9 @@ class AdaptiveK:
     prior_weight: float = 2.0
     probe_interval: int = 8
     min_k: int = 0
+    # MoE models: choose k by expected tokens per byte read, counting the experts each
+    # verified draft routes to (`expert_cost.py`); off, or on a dense model, the threshold rule
+    expert_aware: bool = True
 
     def __post_init__(self):
         checks = (("draft_cost", self.draft_cost, 0.0, None, "a number >= 0"),
@@ -50,6 +62,9 @@ class AdaptiveK:
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
                     or not (v >= lo and (hi is None or v <= hi)):
                 raise ValueError(f"AdaptiveK {name} must be {what}, got {name}={v!r}")
+        if not isinstance(self.expert_aware, (bool, np.bool_)):
+            raise ValueError(f"AdaptiveK expert_aware must be True or False, got "
+                             f"expert_aware={self.expert_aware!r}")
         for name, v, lo in (("batch_knee", self.batch_knee, 1),
                             ("probe_interval", self.probe_interval, 0),
                             ("min_k", self.min_k, 0)):
@@ -62,26 +77,54 @@ class AdaptiveK:
     def cost(self, batch_size: int) -> float:
         return self.draft_cost * max(1.0, batch_size / self.batch_knee)
 
-    def choose(self, stats: "RequestAcceptance", k_max: int, batch_size: int) -> int:
+    def choose(self, stats: "RequestAcceptance", k_max: int, batch_size: int,
+               step_cost=None) -> int:
         """Effective k for the request's next verify step (0 <= k <= k_max)."""
         return int(self.choose_many(stats.trials[None], stats.hits[None],
                                     np.asarray([stats.steps]), np.asarray([k_max]),
-                                    batch_size)[0])
+                                    batch_size, step_cost)[0])
 
-    def choose_many(self, trials, hits, steps, k_max, batch_size: int) -> np.ndarray:
+    def choose_many(self, trials, hits, steps, k_max, batch_size: int,
+                    step_cost: "ExpertStepCost | None" = None) -> np.ndarray:
         """`choose` for n requests at once (the engine calls it once per step: a Python loop
         over a batch of 64 cost ~1.5 ms of host time per step, enough to leave the device
-        waiting). trials, hits float[n, K]; steps int[n]; k_max int[n] -> int[n]."""
+        waiting). trials, hits float[n, K]; steps int[n]; k_max int[n] -> int[n].
+        step_cost: an MoE model's bytes per step (`expert_cost.ExpertStepCost`); with it each
+        request takes the k that maximises the batch's expected tokens per byte."""
         K = trials.shape[1]
         alphas = (hits + self.prior * self.prior_weight) / (trials + self.prior_weight)
         gain = np.cumprod(alphas, axis=1)                                   # float[n, K]
-        stop = (gain < self.cost(batch_size)) | (np.arange(K)[None, :] >= k_max[:, None])
-        k = np.where(stop.any(1), stop.argmax(1), K)          # first position not worth it
+        if step_cost is not None and self.expert_aware:
+            k = _tokens_per_byte_k(gain, k_max, batch_size, step_cost)
+        else:
+            stop = (gain < self.cost(batch_size)) | (np.arange(K)[None, :] >= k_max[:, None])
+            k = np.where(stop.any(1), stop.argmax(1), K)      # first position not worth it
         k = np.maximum(k, np.minimum(self.min_k, k_max))
         if self.probe_interval:
             probe = steps % self.probe_interval == self.probe_interval - 1
             k = np.where(probe, np.minimum(k + 1, k_max), k)
         return k.astype(np.int64)
+
+
+def _tokens_per_byte_k(gain, k_max, batch_size: int, step_cost) -> np.ndarray:
+    """Per request, the k (0..k_max) that maximises (expected tokens of the step) / (bytes it
+    reads), the other requests held at their k_max: on an MoE model each verified draft adds
+    the experts it routes to (`ExpertStepCost`), so a draft whose chance of being kept is low
+    costs more than it brings. gain float[n, K] (cumulative acceptance); -> int[n]."""
+    n, K = gain.shape
+    k_max = np.asarray(k_max, np.int64)
+    cols = np.arange(K + 1)[None, :]
+    tokens = 1.0 + np.concatenate([np.zeros((n, 1)), np.cumsum(gain, axis=1)], axis=1)
+    mine = np.take_along_axis(tokens, k_max[:, None], axis=1)[:, 0]     # each at its k_max
+    B = max(int(batch_size), n)
+    others_tokens = mine.sum() - mine + (B - n) * 1.0       # rows not choosing: plain, 1 each
+    others_routed = (k_max + 1).sum() - (k_max + 1) + (B - n)
+    score = ((others_tokens[:, None] + tokens)
+             / step_cost.step_bytes(B, others_routed[:, None] + 1 + cols))
+    score = np.where(cols <= k_max[:, None], score, -np.inf)
+    # the largest k within 1e-9 of the best (ties, e.g. a dense-like cost, keep drafting)
+    best = score.max(axis=1, keepdims=True)
+    return np.where(score >= best * (1 - 1e-9), cols, -1).max(axis=1)
 
 
 def observe_steps(trials, hits, k_used, accepted, decay: float):
@@ -147,10 +190,11 @@ class AcceptanceTable:
         if r is not None:
             self.free.append(r)
 
-    def choose(self, policy: AdaptiveK, seq_ids, k_max, batch_size: int) -> np.ndarray:
+    def choose(self, policy: AdaptiveK, seq_ids, k_max, batch_size: int,
+               step_cost=None) -> np.ndarray:
         r = self.rows(seq_ids)
         return policy.choose_many(self.trials[r], self.hits[r], self.steps[r],
-                                  np.asarray(k_max, np.int64), batch_size)
+                                  np.asarray(k_max, np.int64), batch_size, step_cost)
 
     def observe(self, seq_ids, k_used, accepted, decay: float) -> None:
         r = self.rows(seq_ids)

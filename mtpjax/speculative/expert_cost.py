@@ -1,0 +1,74 @@
+"""The bytes a speculative step reads on an MoE model, as a function of the tokens it routes:
+the cost model of expert-aware adaptive K.
+
+On a dense model a decode step reads every weight once whatever its tokens, so a draft is
+nearly free while the batch is memory bound. On an MoE model each routed token reads the
+experts it picks: with X experts and top-k routing, n tokens routing uniformly touch
+X (1 - (1 - k/X)^n) experts per layer. At batch 1 a K=3 verify (4 tokens) touches ~21 of
+DeepSeek-V2-Lite's 64 experts per layer where one token touches 6, and the step's floor is
+~2.7x plain's; a draft is worth verifying only if its chance of being kept pays for the
+experts it adds. Drafts masked off by k route to no expert (speculative/mixed_step.py), so a
+lower k does read fewer bytes.
+
+    step_bytes(B, n) = fixed + draft_experts(B) + expert_bytes * touched(n)
+        fixed         every non-expert weight the verify pass and the K draft passes read
+                      (attention, dense layers, shared experts, norms, lm_head per pass)
+        draft_experts the MTP modules' routed experts: each of the K draft passes routes B
+                      tokens (all K passes run whatever k: their cost does not depend on k)
+        expert_bytes  one routed expert's matrices x the target's MoE layers
+        n             verify tokens routed: sum over decode rows of 1 + k
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertStepCost:
+    fixed_bytes: float                  # non-expert weights of the verify pass + K draft passes
+    target_expert_bytes: float          # one expert's matrices x target MoE layers
+    draft_expert_bytes: float           # one expert's matrices x MTP MoE layers x K passes
+    num_experts: int                    # X routed experts per layer
+    top_k: int                          # experts per token
+
+    def touched(self, tokens) -> np.ndarray:
+        """Expected distinct experts per layer that `tokens` uniformly routed tokens pick."""
+        X, k = self.num_experts, self.top_k
+        return X * (1.0 - (1.0 - k / X) ** np.asarray(tokens, np.float64))
+
+    def step_bytes(self, batch: int, tokens) -> np.ndarray:
+        """Bytes of a step with `batch` decode rows routing `tokens` verify tokens in all."""
+        return (self.fixed_bytes + self.draft_expert_bytes * self.touched(batch)
+                + self.target_expert_bytes * self.touched(tokens))
+
+    @classmethod
+    def from_config(cls, cfg, K: int, itemsize: int = 2) -> "ExpertStepCost | None":
+        """The model's cost from its parameter table (bf16 bytes by default); None for a model
+        without routed experts (the dense rule applies)."""
+        if cfg.ffn_kind != "moe" or cfg.moe is None:
+            return None
+        from mtpjax.model.params import param_specs, tree_items
+        fixed = target_moe = mtp_moe = expert = 0
+        for path, spec in tree_items(param_specs(cfg)):
+            n = math.prod(spec.shape) * itemsize
+            routed = spec.axes[:1] == ("experts",) and len(spec.shape) == 3
+            if path[0] == "embed":
+                continue                               # a row gather, not a weight read
+            if routed:
+                if path[-1] == "w_gate":
+                    if path[0] == "layers":
+                        target_moe += 1
+                    else:
+                        mtp_moe += 1
+                expert = max(expert, n // spec.shape[0])       # per matrix; 3 per expert
+                continue
+            per_pass = path[0] in ("mtp", "lm_head")
+            fixed += n * (1 + K if path[0] == "lm_head" else K if per_pass else 1)
+        one_expert = 3 * expert
+        mtp_moe //= max(cfg.num_mtp_layers, 1)      # the passes of a chain share one module
+        return cls(fixed_bytes=float(fixed), target_expert_bytes=float(one_expert * target_moe),
+                   draft_expert_bytes=float(one_expert * mtp_moe * K),
+                   num_experts=cfg.moe.n_routed_experts, top_k=cfg.moe.num_experts_per_tok)

@@ -1,0 +1,89 @@
+"""Expert-aware adaptive K: the MoE step-cost model and the tokens-per-byte choice of k."""
+
+import jax
+import numpy as np
+import pytest
+
+import mtpjax
+from mtpjax import SamplingParams, SpecConfig
+from mtpjax.bench import e2e
+from mtpjax.speculative import adaptive
+from mtpjax.speculative.adaptive import AdaptiveK
+from mtpjax.speculative.expert_cost import ExpertStepCost
+
+
+@pytest.mark.parametrize("shape", ["deepseek-v2-lite", "deepseek-v3-slice"])
+def test_step_bytes_match_the_benchmark_floor_at_full_k(shape):
+    """Two independent counts of a K=3 step's bytes agree: the cost model's (all K draft passes,
+    1 + K verify tokens) and the e2e bench's floor; one verified token reads fewer experts."""
+    cfg = e2e.model_config(shape)
+    cost = ExpertStepCost.from_config(cfg, 3)
+    floor = e2e.step_bytes(e2e.weight_bytes(cfg), cfg, 1, 0.0, 3)["total"]
+    assert cost.step_bytes(1, 4) == pytest.approx(floor, rel=1e-9)
+    steps = cost.step_bytes(1, np.arange(1, 5))
+    assert np.all(np.diff(steps) > 0)
+    assert ExpertStepCost.from_config(e2e.model_config("llama3-8b"), 3) is None
+
+
+def _choose(cost, alphas, k_max, batch, **kw):
+    n = len(alphas)
+    trials = np.full((n, 3), 1e6)
+    hits = trials * np.asarray(alphas)[:, None]
+    policy = AdaptiveK(probe_interval=0, **kw)
+    return policy.choose_many(trials, hits, np.zeros(n, np.int64), np.asarray(k_max), batch,
+                              cost)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batch_one_takes_the_k_with_most_tokens_per_byte(seed):
+    rng = np.random.default_rng(seed)
+    cost = ExpertStepCost.from_config(e2e.model_config("deepseek-v2-lite"), 3)
+    for _ in range(20):
+        a = rng.uniform(0, 1, 3)
+        trials = np.full((1, 3), 1e6)
+        k = AdaptiveK(probe_interval=0).choose_many(trials, trials * a, np.zeros(1, np.int64),
+                                                    np.asarray([3]), 1, cost)[0]
+        gain = np.cumprod(a)
+        tokens = 1 + np.concatenate([[0.0], np.cumsum(gain)])
+        per_byte = tokens / cost.step_bytes(1, 1 + np.arange(4))
+        assert per_byte[k] == pytest.approx(per_byte.max(), rel=1e-6)
+
+
+def test_choice_grows_with_acceptance_and_respects_bounds():
+    cost = ExpertStepCost.from_config(e2e.model_config("deepseek-v2-lite"), 3)
+    ks = [int(_choose(cost, [a], [3], 1)[0]) for a in np.linspace(0.0, 1.0, 21)]
+    assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 3     # low acceptance: plain
+    assert int(_choose(cost, [0.9], [1], 1)[0]) == 1            # never above the request's k
+    assert int(_choose(cost, [0.0], [3], 1, min_k=2)[0]) == 2   # min_k holds
+    # off: the dense threshold rule (draft while the kept chance >= draft_cost)
+    assert int(_choose(cost, [0.5], [3], 1, expert_aware=False)[0]) == 1
+
+
+def test_bad_expert_aware_is_refused():
+    with pytest.raises(ValueError, match="expert_aware must be True or False"):
+        AdaptiveK(expert_aware="yes")
+
+
+def test_engine_moe_adaptive_k_is_expert_aware_and_lossless(monkeypatch):
+    cfg = mtpjax.ModelConfig(
+        model_type="deepseek_v3", vocab_size=57, hidden_size=32, intermediate_size=48,
+        num_layers=2, num_heads=4, num_kv_heads=4, attention_kind="mla",
+        mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                 v_head_dim=12),
+        ffn_kind="moe", moe=dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                 moe_intermediate_size=16, first_k_dense_replace=1, n_group=4,
+                                 topk_group=2),
+        num_mtp_layers=1)
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(3), std=0.05)
+    prompts = [[1, 5, 9, 2], [7, 3, 3, 8, 1, 4]]
+    sp = SamplingParams(max_tokens=12)
+    calls = []
+    inner = adaptive._tokens_per_byte_k
+    monkeypatch.setattr(adaptive, "_tokens_per_byte_k",
+                        lambda *a: calls.append(a) or inner(*a))
+    plain = mtpjax.LLM(params, cfg, None, num_pages=32).generate(prompts, sp)
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=3), num_pages=32,
+                     adaptive_k=AdaptiveK())
+    got = llm.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert calls                                   # the MoE model took the expert-aware rule
