@@ -397,7 +397,11 @@ def time_engine(params, cfg, spec, prompts, args) -> dict:
                                      tensor_parallel=args.tensor_parallel, **common,
                                      **engine_kwargs(args, -(-len(prompts) // args.replicas)))
     else:
-        llm = mtpjax.LLM(params, cfg, spec, mesh=mesh_of(args), **common,
+        adaptive = None
+        if args.adaptive_k and spec is not None:
+            from mtpjax.speculative.adaptive import AdaptiveK
+            adaptive = AdaptiveK()        # expert-aware on MoE shapes; k <= --k per request
+        llm = mtpjax.LLM(params, cfg, spec, mesh=mesh_of(args), adaptive_k=adaptive, **common,
                          **engine_kwargs(args, len(prompts)))
     engine_pass(llm, prompts, args.new_tokens)                # compiles the buckets it uses
     return compile_free_median(lambda: engine_pass(llm, prompts, args.new_tokens), args.repeats)
@@ -606,6 +610,9 @@ def parse_args(argv):
                     choices=sorted(FUSION_MODES),
                     help="generate and engine rows with q/k/v and gate/up fused at load "
                          "(model/fused.py; one device); 'qkv': only q/k/v")
+    ap.add_argument("--adaptive-k", action="store_true",
+                    help="engine MTP rows choose each request's k per step (AdaptiveK(): tokens "
+                         "per byte on MoE shapes); compare with fixed --k 0..3 runs")
     ap.add_argument("--fp8", nargs="?", const="block", default=None, choices=["block", "channel"],
                     help="projection weights quantized to FP8 (quantize_fp8: 128x128 block scales, "
                          "or per output channel); the floor counts their FP8 bytes")
@@ -645,6 +652,8 @@ def parse_args(argv):
     for name in ("tensor_parallel", "data_parallel", "replicas"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.adaptive_k and args.replicas > 1:
+        ap.error(f"--adaptive-k runs one engine; got --replicas {args.replicas}")
     return args
 
 
