@@ -15,9 +15,10 @@ def interpret_mode() -> bool:
 
 def draw_seeds(case: int) -> tuple[int, ...]:
     """Random draws for case number `case` of an interpreted Mosaic-GPU kernel test: one on
-    the CPU, distinct across cases (the GPU interpreter steps every op of every warpgroup in
-    Python, 20-50 s a call here whatever the shapes, so a second draw of the same shapes
-    doubles a case's cost), three when the kernel runs compiled on a GPU."""
+    the CPU, distinct across cases (the GPU interpreter runs every warpgroup's memory ops and
+    barriers through host callbacks, several seconds a call here even with its programs
+    compiled once per call by tests/gpu_interpreter.py), three when the kernel runs compiled
+    on a GPU."""
     return (case,) if interpret_mode() else (case, case + 10, case + 20)
 
 

@@ -15,7 +15,7 @@ from tests.kernel_oracle import interpret_mode
 from tests.kernels.test_kernels_grouped_matmul import swiglu_case, swiglu_reference
 
 
-# Interpreted Mosaic kernels are slow on the CPU (~35 s a case): one seed a case, four
+# Interpreted Mosaic kernels are slow on the CPU (5-10 s a case): one seed a case, four
 # seeds over the cases.
 @pytest.mark.parametrize("seed,M,E,I,G,empty,gu,down,stages,persistent", [
     # 3 tiles of live rows over 3 groups (one empty), 2 gate/up column blocks, K = 192 in

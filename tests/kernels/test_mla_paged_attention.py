@@ -108,7 +108,8 @@ def test_kernel_matches_reference(dtype, h, page, q_lens, kv_lens, tuning):
 # than the KV block, KV splits, and a 16-head decode batch whose tiles are 3/4 padding.
 MOSAIC_CASES = [
     # H, page, q_lens, kv_lens, max_pages, tuning
-    # (interpreted, each program costs ~8 s on the CPU: few rows, every corner kept)
+    # (interpreted, each program runs its warpgroups through host callbacks on the CPU: few
+    # rows, every corner kept)
     (8, 16, [1, 4, 0, 9], [9, 70, 5, 100], 7, dict(block_q=4, num_splits=2)),
     (16, 64, [1, 1, 1], [64, 1, 150], 3, dict(share_logits=False)),
     # compact tiles: 16 live rows in HBM (not 64), rows seeing no key zeroed by the kernel
@@ -128,7 +129,7 @@ def test_mosaic_kernel_matches_reference(index):
   rank, rope = 128, 64
   for seed in draw_seeds(index):
     # one padding token (not 3): each padding token can add an item to the static bound, and
-    # each item is a program per split (~2 s interpreted); every case keeps an empty item
+    # each item is a program per split (~0.5 s interpreted); every case keeps an empty item
     case = _case(seed, q_lens, kv_lens, h, rank, rope, page, max_pages=max_pages,
                  pad_tokens=1)
     args = _args(case, "bfloat16")
