@@ -36,6 +36,7 @@ from mtpjax.speculative.mixed_step import (KIND_CHUNK, KIND_DECODE, KIND_LAST_CH
 from mtpjax.speculative.rules.registry import acceptance_rule
 from mtpjax.step_jit import step_jit
 from mtpjax.structured.bitmask import bitmask_width
+from mtpjax.structured.matcher import batch_step_masks
 
 
 def pack_host(batch: MixedBatch) -> np.ndarray:
@@ -310,6 +311,7 @@ class ModelRunner:
         K = self.K
         masks = np.full((self.max_num_seqs, K + 1, bitmask_width(self.cfg.vocab_size)), -1,
                         np.int32)
+        rows, items = [], []
         for i, req in enumerate(reqs):
             g = getattr(req.seq, "grammar", None)
             if g is None or kinds[i] not in (KIND_DECODE, KIND_LAST_CHUNK):
@@ -323,9 +325,14 @@ class ModelRunner:
                                        f"{len(completion)}; a step with a grammar row must be "
                                        "read back before the next is scheduled")
                 drafts = g.drafts[:row_k[i]]
-            masks[i], n_valid = g.step_masks(completion, drafts, K + 1)
-            if kinds[i] == KIND_DECODE:
-                row_k[i] = min(row_k[i], n_valid)
+            rows.append(i)
+            items.append((g, completion, drafts))
+        if items:                      # every grammar row's masks in one batched fill per depth
+            got, n_valid = batch_step_masks(items, K + 1)
+            for r, (i, n) in enumerate(zip(rows, n_valid.tolist())):
+                masks[i] = got[r]
+                if kinds[i] == KIND_DECODE:
+                    row_k[i] = min(row_k[i], n)
         return masks
 
     def record_drafts(self, out: SchedulerOutput, result) -> None:

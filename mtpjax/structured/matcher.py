@@ -44,36 +44,74 @@ class RequestGrammar:
             return False
         return bool(m.accept_token(token))
 
-    def _fill(self, out: np.ndarray, j: int) -> None:
-        """Row j of out [J, W] <- the mask of the matcher's current state."""
-        if self.broken_at is None and not self.matcher.is_terminated():
-            self.matcher.fill_next_token_bitmask(out, j)
-            if out[j].any():
-                return
-        out[j] = 0                      # nothing the grammar allows: end the request
-        for t in self.stop_token_ids:
-            allow_token(out[j], t)
-
     def step_masks(self, completion: list[int], drafts, num_positions: int):
         """Bitmasks of one step: (int32[num_positions, W], n_valid). Position j's mask is the
         grammar's after the committed tokens and drafts[:j]; the matcher advances along the
         drafts until the first one the grammar refuses (n_valid drafts accepted), and the
         positions after it, which can never be accepted, stay all-ones. The matcher is rolled
         back to the committed tokens before returning."""
-        self.sync(completion)
-        out = np.full((num_positions, self.width), -1, np.int32)
-        self._fill(out, 0)
-        n_valid = 0
-        try:
-            for j, d in enumerate(list(drafts)[:num_positions - 1]):
-                # the mask already says whether the grammar takes d: asking the matcher about a
-                # refused token costs more and makes xgrammar log a warning per draft
-                if (self.broken_at is not None or not 0 <= int(d) < self.vocab_size
-                        or not token_allowed(out[j], int(d)) or not self._accept(int(d))):
-                    break
-                n_valid += 1
-                self._fill(out, j + 1)
-        finally:
-            if n_valid:
-                self.matcher.rollback(n_valid)
-        return out, n_valid
+        masks, n_valid = batch_step_masks([(self, completion, drafts)], num_positions)
+        return masks[0], int(n_valid[0])
+
+
+_BATCHER = None
+
+
+def _batcher():
+    """One xgrammar BatchGrammarMatcher per process: it fills many matchers' masks on its
+    own threads (xgrammar's default count)."""
+    global _BATCHER
+    if _BATCHER is None:
+        from mtpjax.structured.compiler import import_xgrammar
+        _BATCHER = import_xgrammar().BatchGrammarMatcher()
+    return _BATCHER
+
+
+def batch_step_masks(items, num_positions: int):
+    """`RequestGrammar.step_masks` for several requests at once: items [(grammar, completion,
+    drafts)] -> (int32[n, num_positions, W], n_valid int[n]). Position by position, every
+    request still on its drafts has its mask filled in one multithreaded xgrammar call, where
+    filling one matcher at a time left a batch of grammar rows waiting on the host."""
+    n = len(items)
+    W = items[0][0].width if n else 0
+    out = np.full((n, num_positions, W), -1, np.int32)
+    flat = out.reshape(n * num_positions, W)
+    n_valid = np.zeros((n,), np.int64)
+    for g, completion, _ in items:
+        g.sync(completion)
+    active = list(range(n))
+    try:
+        for j in range(num_positions):
+            fillable = [i for i in active if items[i][0].broken_at is None
+                        and not items[i][0].matcher.is_terminated()]
+            filled = set(fillable)
+            if fillable:
+                _batcher().batch_fill_next_token_bitmask(
+                    [items[i][0].matcher for i in fillable], flat,
+                    indices=[i * num_positions + j for i in fillable])
+            for i in active:
+                if i not in filled or not out[i, j].any():
+                    out[i, j] = 0           # nothing the grammar allows: end the request
+                    for t in items[i][0].stop_token_ids:
+                        allow_token(out[i, j], t)
+            if j == num_positions - 1:
+                break
+            advanced = []
+            for i in active:
+                g, drafts = items[i][0], list(items[i][2])
+                if j >= len(drafts):
+                    continue
+                d = int(drafts[j])
+                # the mask already says whether the grammar takes d: asking the matcher about
+                # a refused token costs more and makes xgrammar log a warning per draft
+                if (g.broken_at is not None or not 0 <= d < g.vocab_size
+                        or not token_allowed(out[i, j], d) or not g._accept(d)):
+                    continue
+                n_valid[i] += 1
+                advanced.append(i)
+            active = advanced
+    finally:
+        for i in range(n):
+            if n_valid[i]:
+                items[i][0].matcher.rollback(int(n_valid[i]))
+    return out, n_valid
