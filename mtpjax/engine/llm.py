@@ -158,8 +158,8 @@ class LLM:
         enable_compilation_cache()
         store = (ExecutableStore.default() if executable_cache is None else
                  None if executable_cache is False else ExecutableStore(os.fspath(executable_cache)))
-        self.cfg, self.spec, self.tokenizer = cfg, spec, tokenizer
-        self.chat_template = chat_template_arg(chat_template)
+        self.cfg, self.spec = cfg, spec
+        chat_template = chat_template_arg(chat_template)
         K = spec.num_speculative_tokens if spec else 0
         chain = spec is not None and spec.method == "chain"
         # chain drafting writes MTP KV up to K-1 slots past the verify window (docs/engine.md);
@@ -204,11 +204,29 @@ class LLM:
         self._holder: int | None = None             # thread holding _lock
         self._deferred: list[Stream] = []           # streams closed during an operation
         self._intake = RequestIntake(cfg, spec, self.scheduler, self.runner, tokenizer=tokenizer,
-                                     chat_template=self.chat_template, max_logprobs=max_logprobs)
+                                     chat_template=chat_template, max_logprobs=max_logprobs)
         self._loop = StepLoop(self.scheduler, self.runner, self.block_manager, spec,
                               adaptive_k=adaptive_k, async_scheduling=bool(async_scheduling),
                               max_logprobs=max_logprobs, requests=self._requests,
                               report=self._touch)
+
+    # the intake's tokenizer and chat template, as attributes of the engine: one object holds
+    # them, so setting either here changes what requests are checked and encoded with
+    @property
+    def tokenizer(self):
+        return self._intake.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self._intake.tokenizer = tokenizer
+
+    @property
+    def chat_template(self):
+        return self._intake.chat_template
+
+    @chat_template.setter
+    def chat_template(self, template) -> None:
+        self._intake.chat_template = chat_template_arg(template)
 
     # the step loop's settings and counters, as attributes of the engine
     @property
