@@ -51,7 +51,7 @@ class ExpertStepCost:
         if cfg.ffn_kind != "moe" or cfg.moe is None:
             return None
         from mtpjax.model.params import param_specs, tree_items
-        fixed = target_moe = mtp_moe = expert = 0
+        fixed = mtp_fixed = target_moe = mtp_moe = expert = 0
         for path, spec in tree_items(param_specs(cfg)):
             n = math.prod(spec.shape) * itemsize
             routed = spec.axes[:1] == ("experts",) and len(spec.shape) == 3
@@ -65,10 +65,15 @@ class ExpertStepCost:
                         mtp_moe += 1
                 expert = max(expert, n // spec.shape[0])       # per matrix; 3 per expert
                 continue
-            per_pass = path[0] in ("mtp", "lm_head")
-            fixed += n * (1 + K if path[0] == "lm_head" else K if per_pass else 1)
+            if path[0] == "mtp":
+                mtp_fixed += n
+            else:
+                fixed += n * (1 + K if path[0] == "lm_head" else 1)    # lm_head: every pass
         one_expert = 3 * expert
-        mtp_moe //= max(cfg.num_mtp_layers, 1)      # the passes of a chain share one module
+        # each draft pass reads one MTP module (a chain reuses one, multi_layer walks them)
+        D = max(cfg.num_mtp_layers, 1)
+        fixed += K * mtp_fixed / D
+        mtp_moe //= D
         return cls(fixed_bytes=float(fixed), target_expert_bytes=float(one_expert * target_moe),
                    draft_expert_bytes=float(one_expert * mtp_moe * K),
                    num_experts=cfg.moe.n_routed_experts, top_k=cfg.moe.num_experts_per_tok)

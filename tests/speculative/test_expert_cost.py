@@ -1,5 +1,7 @@
 """Expert-aware adaptive K: the MoE step-cost model and the tokens-per-byte choice of k."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -23,6 +25,11 @@ def test_step_bytes_match_the_benchmark_floor_at_full_k(shape):
     steps = cost.step_bytes(1, np.arange(1, 5))
     assert np.all(np.diff(steps) > 0)
     assert ExpertStepCost.from_config(e2e.model_config("llama3-8b"), 3) is None
+    # three MTP modules: a draft pass still reads one module's weights
+    cfg3 = dataclasses.replace(cfg, num_mtp_layers=3)
+    cost3 = ExpertStepCost.from_config(cfg3, 3)
+    floor3 = e2e.step_bytes(e2e.weight_bytes(cfg3), cfg3, 1, 0.0, 3)["total"]
+    assert cost3.step_bytes(1, 4) == pytest.approx(floor3, rel=1e-9)
 
 
 def _choose(cost, alphas, k_max, batch, **kw):
