@@ -12,12 +12,12 @@ interpreted off the GPU, for tests); `auto` (the default) picks as above.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
 import jax
 
+from mtpjax.env_override import env_override
 from mtpjax.model.fp8_weight import Fp8Weight
 
 ENV = "MTPJAX_FP8_MATMUL"
@@ -49,18 +49,6 @@ def fp8_kernel_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array | None:
     return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
-@contextlib.contextmanager
 def forced_fp8_matmul(path: str | None):
     """`MTPJAX_FP8_MATMUL=path` inside the block (None: left as it is)."""
-    if path is None:
-        yield
-        return
-    before = os.environ.get(ENV)
-    os.environ[ENV] = path
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = before
+    return env_override(ENV, path)

@@ -24,11 +24,12 @@ G x (tile - 1) padding rows and G spare tiles. Used where forced:
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import jax
 import jax.numpy as jnp
+
+from mtpjax.env_override import env_override
 
 from pallas_kernels.grouped_matmul.fused_ffn import MAX_TOKENS as FUSED_MAX_TOKENS
 from pallas_kernels.grouped_matmul.grouped_matmul import pad_rows, tile_layout
@@ -61,22 +62,10 @@ def tiled_grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array,
     return jnp.where((dest < Mp)[:, None], y, 0.0).astype(x.dtype)
 
 
-@contextlib.contextmanager
 def forced_path(path: str | None):
     """`MTPJAX_MOE_MATMUL=path` inside the block (None: left as it is). The choice is read when
     the MoE layer is traced, so only programs traced inside see it."""
-    if path is None:
-        yield
-        return
-    before = os.environ.get(ENV)
-    os.environ[ENV] = path
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = before
+    return env_override(ENV, path)
 
 
 def matmul_choice(rows: int, groups: int, per_device: bool = False) -> str:
