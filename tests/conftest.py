@@ -41,6 +41,22 @@ def tiny_config(**overrides) -> ModelConfig:
     return dataclasses.replace(base, **overrides)
 
 
+def tiny_mla_moe_config(vocab_size: int = 48, moe: bool = True) -> ModelConfig:
+    """A tiny DeepSeek-V3-style model (MLA with q_lora, 8 routed experts top-2 in 4 groups, one
+    shared expert, a dense first layer, one MTP module); moe=False: the same with a dense FFN.
+    A vocabulary of a test's own gives it programs traced anew (spies inside see them)."""
+    return ModelConfig(
+        model_type="deepseek_v3", vocab_size=vocab_size, hidden_size=32, intermediate_size=48,
+        num_layers=2, num_heads=4, num_kv_heads=4, attention_kind="mla",
+        mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                 v_head_dim=12),
+        ffn_kind="moe" if moe else "dense",
+        moe=dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                 moe_intermediate_size=16, first_k_dense_replace=1, n_group=4,
+                 topk_group=2) if moe else None,
+        num_mtp_layers=1)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drops every compiled program after each test module. XLA:CPU maps each JIT-compiled
@@ -117,6 +133,19 @@ def mtp_tensors(family: str, hf_cfg, num_mtp_layers: int, seed: int) -> dict:
     return out
 
 
+def move_off_init(model) -> None:
+    """A random transformers model's weights moved off their init, in place (torch's global
+    RNG): norms and biases shifted by 0.3 N(0, 1), every other weight scaled by 4, so logits are
+    sharp and greedy argmax is far from ties."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.3 * torch.randn_like(p))
+            else:
+                p.mul_(4.0)
+
+
 def write_hf_checkpoint(path, family: str, seed: int, *, sharded: bool = False,
                         num_mtp_layers: int = 0, tokenizer: bool = True):
     """A tiny random checkpoint written by transformers' save_pretrained (llama, qwen2, qwen3).
@@ -133,12 +162,7 @@ def write_hf_checkpoint(path, family: str, seed: int, *, sharded: bool = False,
     torch.manual_seed(seed)
     hf_cfg = getattr(transformers, cfg_cls)(**HF_BASE, **extra)
     model = getattr(transformers, model_cls)(hf_cfg).eval().float()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname or pname.endswith(".bias"):
-                p.add_(0.3 * torch.randn_like(p))
-            else:
-                p.mul_(4.0)
+    move_off_init(model)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), max_shard_size="20KB" if sharded else "1GB")
     if family == "mimo":

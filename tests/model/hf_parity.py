@@ -27,6 +27,7 @@ import pytest
 import mtpjax
 from mtpjax import ModelConfig, SamplingParams, SpecConfig
 from mtpjax.checkpoint import export_hf, key_table, load_hf
+from tests.conftest import move_off_init
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -60,12 +61,8 @@ def hf_model(family: HFFamily, variant: str, seed: int):
     hf_cfg = family.transformers_class("Config")(**{**family.base, **family.variants[variant]})
     hf_cfg._attn_implementation = "eager"
     model = family.transformers_class("ForCausalLM")(hf_cfg).eval().float()
+    move_off_init(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(0.3 * torch.randn_like(p))
-            else:
-                p.mul_(4.0)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn_like(b))

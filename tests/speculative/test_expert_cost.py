@@ -12,6 +12,7 @@ from mtpjax.bench import e2e
 from mtpjax.speculative import adaptive
 from mtpjax.speculative.adaptive import AdaptiveK
 from mtpjax.speculative.expert_cost import ExpertStepCost
+from tests.conftest import tiny_mla_moe_config
 
 
 @pytest.mark.parametrize("shape", ["deepseek-v2-lite", "deepseek-v3-slice"])
@@ -72,15 +73,7 @@ def test_bad_expert_aware_is_refused():
 
 
 def test_engine_moe_adaptive_k_is_expert_aware_and_lossless(monkeypatch):
-    cfg = mtpjax.ModelConfig(
-        model_type="deepseek_v3", vocab_size=57, hidden_size=32, intermediate_size=48,
-        num_layers=2, num_heads=4, num_kv_heads=4, attention_kind="mla",
-        mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                 v_head_dim=12),
-        ffn_kind="moe", moe=dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                                 moe_intermediate_size=16, first_k_dense_replace=1, n_group=4,
-                                 topk_group=2),
-        num_mtp_layers=1)
+    cfg = tiny_mla_moe_config(57)
     params = mtpjax.init_params(cfg, jax.random.PRNGKey(3), std=0.05)
     prompts = [[1, 5, 9, 2], [7, 3, 3, 8, 1, 4]]
     sp = SamplingParams(max_tokens=12)

@@ -2,31 +2,19 @@
 they route to no expert and write no KV, and the tokens are those of plain decoding."""
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 import mtpjax
 from mtpjax import SamplingParams, SpecConfig
 import mtpjax.model.moe as moe
-
-
-def _cfg(vocab):
-    return mtpjax.ModelConfig(
-        model_type="deepseek_v3", vocab_size=vocab, hidden_size=32, intermediate_size=48,
-        num_layers=2, num_heads=4, num_kv_heads=4, attention_kind="mla",
-        mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                 v_head_dim=12),
-        ffn_kind="moe", moe=dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                                 moe_intermediate_size=16, first_k_dense_replace=1, n_group=4,
-                                 topk_group=2),
-        num_mtp_layers=1)
+from tests.conftest import tiny_mla_moe_config
 
 
 @pytest.mark.parametrize("seed,ks", [(0, (0, 1, 3)), (1, (2, 0, 1))])
 def test_masked_drafts_route_nowhere_and_tokens_stay_plain(monkeypatch, seed, ks):
     K = 3
     # a vocabulary of its own per case: the step traces anew, so the spy below is in it
-    cfg = _cfg(61 + seed)
+    cfg = tiny_mla_moe_config(61 + seed)
     params = mtpjax.init_params(cfg, jax.random.PRNGKey(seed), std=0.05)
     key = jax.random.PRNGKey(100 + seed)
     prompts = [list(map(int, jax.random.randint(jax.random.fold_in(key, i), (5 + 2 * i,), 1,

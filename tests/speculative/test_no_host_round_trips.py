@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import mtpjax
+from tests.conftest import tiny_mla_moe_config
 from tests.kernels.test_kernels_lower_for_cuda import CASES, lower_for_cuda
 from tests.model.test_no_weight_copies import capture_and_compile
 
@@ -91,16 +92,7 @@ def test_generate_loop_graph_only_where_it_pays(monkeypatch, moe, spec):
 
     from mtpjax.step_jit import LOOP_COMPILER_OPTIONS, STEP_COMPILER_OPTIONS, compiler_options_of
     gen = importlib.import_module("mtpjax.generate")
-    cfg = mtpjax.ModelConfig(
-        model_type="deepseek_v3", vocab_size=48, hidden_size=32, intermediate_size=48,
-        num_layers=2, num_heads=4, num_kv_heads=4, attention_kind="mla",
-        mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                 v_head_dim=12),
-        ffn_kind="moe" if moe else "dense",
-        moe=dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                 moe_intermediate_size=16, first_k_dense_replace=1, n_group=4,
-                 topk_group=2) if moe else None,
-        num_mtp_layers=1)
+    cfg = tiny_mla_moe_config(48, moe=moe)
     called = []
     for name in ("_loop", "_loop_host_checked"):
         def spy(*a, _name=name, _options=compiler_options_of(getattr(gen, name)), **k):
