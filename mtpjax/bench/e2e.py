@@ -177,7 +177,8 @@ def weight_bytes(cfg, itemsize: int = 2, fp8=None) -> dict:
     quantize_fp8 block ((bE, bN) or "channel") when the projections are FP8: 1 byte each plus
     their float32 scales."""
     if cfg.attention_kind == "mla" or cfg.ffn_kind == "moe" or fp8:
-        return _spec_weight_bytes(cfg, itemsize, fp8)
+        from mtpjax.model.weight_bytes import weight_bytes_by_part
+        return weight_bytes_by_part(cfg, itemsize, fp8)
     E, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layer = 2 * E * H * D + 2 * E * KVH * D + 3 * E * I + 2 * E      # q, o, k, v, MLP, 2 norms
@@ -187,43 +188,11 @@ def weight_bytes(cfg, itemsize: int = 2, fp8=None) -> dict:
             "embed_table_not_counted": V * E * itemsize}
 
 
-def _spec_weight_bytes(cfg, itemsize: int, fp8=None) -> dict:
-    """weight_bytes from the parameter table, for any layer kinds: routed-expert matrices apart
-    (a step reads only the experts its tokens choose: `touched_experts`)."""
-    from mtpjax.model.params import param_specs, tree_items
-    from mtpjax.model.quantize import CHANNEL, PROJECTIONS
-
-    def nbytes(path, shape):
-        n = math.prod(shape)
-        if not fp8 or path[-1] not in PROJECTIONS:
-            return n * itemsize
-        bE, bN = (shape[-2], 1) if fp8 == CHANNEL else fp8
-        scales = math.prod(shape[:-2]) * -(-shape[-2] // bE) * -(-shape[-1] // bN)
-        return n + 4 * scales
-    out = dict(target_layers=0, final_norm=0, lm_head=0, mtp_module=0, embed_table_not_counted=0,
-               expert=0, target_moe_layers=0, mtp_moe_layers=0)
-    for path, spec in tree_items(param_specs(cfg)):
-        n = nbytes(path, spec.shape)
-        routed = spec.axes[:1] == ("experts",) and len(spec.shape) == 3   # [X, in, out]
-        where = {"embed": "embed_table_not_counted", "final_norm": "final_norm",
-                 "lm_head": "lm_head", "layers": "target_layers", "mtp": "mtp_module"}[path[0]]
-        if routed:
-            if where == "target_layers" and path[1] == cfg.moe.first_k_dense_replace:
-                out["expert"] += n // spec.shape[0]        # one expert's three matrices
-            if path[-1] == "w_gate":
-                out["target_moe_layers" if where == "target_layers" else "mtp_moe_layers"] += 1
-            continue
-        out[where] += n
-    out["mtp_module"] //= max(cfg.num_mtp_layers, 1)
-    out["mtp_moe_layers"] //= max(cfg.num_mtp_layers, 1)
-    return out
-
-
 def touched_experts(cfg, tokens: int) -> float:
     """Expected distinct routed experts chosen by `tokens` tokens routing uniformly at random
     (random weights): X (1 - (1 - k/X)^tokens)."""
-    X, k = cfg.moe.n_routed_experts, cfg.moe.num_experts_per_tok
-    return X * (1 - (1 - k / X) ** tokens)
+    from mtpjax.model.weight_bytes import touched_experts as touched
+    return float(touched(cfg.moe.n_routed_experts, cfg.moe.num_experts_per_tok, tokens))
 
 
 def step_bytes(w: dict, cfg, batch: int, ctx: float, K: int, draft_vocab: int = 0) -> dict:

@@ -21,9 +21,10 @@ lower k does read fewer bytes.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
+
+from mtpjax.model.weight_bytes import touched_experts, weight_bytes_by_part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +37,7 @@ class ExpertStepCost:
 
     def touched(self, tokens) -> np.ndarray:
         """Expected distinct experts per layer that `tokens` uniformly routed tokens pick."""
-        X, k = self.num_experts, self.top_k
-        return X * (1.0 - (1.0 - k / X) ** np.asarray(tokens, np.float64))
+        return touched_experts(self.num_experts, self.top_k, tokens)
 
     def step_bytes(self, batch: int, tokens) -> np.ndarray:
         """Bytes of a step with `batch` decode rows routing `tokens` verify tokens in all."""
@@ -46,34 +46,17 @@ class ExpertStepCost:
 
     @classmethod
     def from_config(cls, cfg, K: int, itemsize: int = 2) -> "ExpertStepCost | None":
-        """The model's cost from its parameter table (bf16 bytes by default); None for a model
-        without routed experts (the dense rule applies)."""
+        """The model's cost from its parameter table (`model/weight_bytes.py`, the same parts
+        the e2e bench's floor counts; bf16 bytes by default); None for a model without routed
+        experts (the dense rule applies)."""
         if cfg.ffn_kind != "moe" or cfg.moe is None:
             return None
-        from mtpjax.model.params import param_specs, tree_items
-        fixed = mtp_fixed = target_moe = mtp_moe = expert = 0
-        for path, spec in tree_items(param_specs(cfg)):
-            n = math.prod(spec.shape) * itemsize
-            routed = spec.axes[:1] == ("experts",) and len(spec.shape) == 3
-            if path[0] == "embed":
-                continue                               # a row gather, not a weight read
-            if routed:
-                if path[-1] == "w_gate":
-                    if path[0] == "layers":
-                        target_moe += 1
-                    else:
-                        mtp_moe += 1
-                expert = max(expert, n // spec.shape[0])       # per matrix; 3 per expert
-                continue
-            if path[0] == "mtp":
-                mtp_fixed += n
-            else:
-                fixed += n * (1 + K if path[0] == "lm_head" else 1)    # lm_head: every pass
-        one_expert = 3 * expert
-        # each draft pass reads one MTP module (a chain reuses one, multi_layer walks them)
-        D = max(cfg.num_mtp_layers, 1)
-        fixed += K * mtp_fixed / D
-        mtp_moe //= D
-        return cls(fixed_bytes=float(fixed), target_expert_bytes=float(one_expert * target_moe),
-                   draft_expert_bytes=float(one_expert * mtp_moe * K),
+        w = weight_bytes_by_part(cfg, itemsize)
+        # the verify pass reads the target and the lm_head; each draft pass one MTP module
+        # and the lm_head again
+        fixed = w["target_layers"] + w["final_norm"] + (1 + K) * w["lm_head"] \
+            + K * w["mtp_module"]
+        return cls(fixed_bytes=float(fixed),
+                   target_expert_bytes=float(w["expert"] * w["target_moe_layers"]),
+                   draft_expert_bytes=float(w["expert"] * w["mtp_moe_layers"] * K),
                    num_experts=cfg.moe.n_routed_experts, top_k=cfg.moe.num_experts_per_tok)

@@ -17,8 +17,9 @@ from tests.conftest import tiny_mla_moe_config
 
 @pytest.mark.parametrize("shape", ["deepseek-v2-lite", "deepseek-v3-slice"])
 def test_step_bytes_match_the_benchmark_floor_at_full_k(shape):
-    """Two independent counts of a K=3 step's bytes agree: the cost model's (all K draft passes,
-    1 + K verify tokens) and the e2e bench's floor; one verified token reads fewer experts."""
+    """The cost model composes the parameter table's parts (`model/weight_bytes.py`) into the
+    e2e bench's floor of a K=3 step (all K draft passes, 1 + K verify tokens); one verified token
+    reads fewer experts."""
     cfg = e2e.model_config(shape)
     cost = ExpertStepCost.from_config(cfg, 3)
     floor = e2e.step_bytes(e2e.weight_bytes(cfg), cfg, 1, 0.0, 3)["total"]
