@@ -16,6 +16,7 @@ place.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -122,6 +123,21 @@ def _unstack(tree, n: int) -> tuple:
     return tuple(jax.tree.map(lambda a: a[i], tree) for i in range(n))
 
 
+# Above this many elements a leaf is drawn slice by slice along its first axis: drawing it whole
+# makes a float32 temporary (plus the random bits) of the full leaf, 30 GB for one of
+# DeepSeek-V3's stacked expert weights, which does not fit beside the model on one GPU.
+_WHOLE_DRAW_MAX = 1 << 28
+
+
+def _normal(key: jax.Array, shape: tuple, std: float, dtype) -> jax.Array:
+    """normal(0, std) in `dtype`; leaves larger than _WHOLE_DRAW_MAX elements are drawn one
+    first-axis slice at a time (other values than a whole draw, same distribution)."""
+    if math.prod(shape) <= _WHOLE_DRAW_MAX or len(shape) < 2:
+        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    keys = jax.random.split(key, shape[0])
+    return jax.jit(lambda ks: jax.lax.map(lambda k: _normal(k, shape[1:], std, dtype), ks))(keys)
+
+
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, *, std: float = 0.02):
     """Random parameters (normal(0, std) weights, unit norms, zero biases).
 
@@ -135,7 +151,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, *, std: flo
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
     keys = jax.random.split(key, len(leaves))
     inits: dict[str, Callable] = {
-        "normal": lambda k, s: (std * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype),
+        "normal": lambda k, s: _normal(k, s.shape, std, dtype),
         "ones": lambda k, s: jnp.ones(s.shape, dtype),
         "zeros": lambda k, s: jnp.zeros(s.shape, dtype),
     }
