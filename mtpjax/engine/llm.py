@@ -35,6 +35,7 @@ import numpy as np
 
 from mtpjax.compilation_cache import enable_compilation_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig, check_seed
+from mtpjax.engine.background_warmup import warm_up_background
 from mtpjax.engine.block_manager import BlockManager
 from mtpjax.engine.executable_store import ExecutableStore
 from mtpjax.engine.intake import (QueueFullError, RequestIntake, chat_template_arg, int_arg,
@@ -72,10 +73,14 @@ class LLM:
     async_scheduling (default True): schedule and dispatch step t+1 before reading step t back,
     so host work overlaps the device; each `step()` then returns the previous step's tokens.
     Outputs are identical either way (docs/engine.md, "Asynchronous scheduling").
-    warmup: compile the step for every bucket the engine can reach (`engine/warmup.py`) before
-    returning, with a progress bar and each bucket's compile time on stderr, so serving never
-    compiles. Default (None): on when JAX's default backend is not the CPU (GPU/TPU steps take
-    seconds to compile; on the CPU the tests' tiny engines would pay for buckets they never use).
+    warmup: True compiles the step for every bucket the engine can reach (`engine/warmup.py`)
+    before returning, with a progress bar and each bucket's compile time on stderr, so serving
+    never compiles. "background" compiles only the largest bucket before returning (it serves
+    every step, padded up, with the same tokens) and the rest on daemon threads while the
+    engine serves (`engine/background_warmup.py`; `warmup_done()`, `wait_for_warmup()`).
+    False: none. Default (None): "background" when JAX's default backend is not the CPU
+    (GPU/TPU steps take seconds to compile), False on the CPU (the tests' tiny engines would
+    pay for buckets they never use).
     `MTPJAX_WARMUP_THREADS` (default min(4, CPU count)) compiles that many buckets at once.
     JAX's persistent compilation cache is turned on first (`mtpjax/compilation_cache.py`), and
     the warmed-up steps are kept whole in an executable store (`engine/executable_store.py`), so
@@ -138,9 +143,13 @@ class LLM:
             raise ValueError(f"adaptive_k must be an AdaptiveK or None, got "
                              f"{type(adaptive_k).__name__}")
         for name, flag in (("enable_prefix_caching", enable_prefix_caching),
-                           ("async_scheduling", async_scheduling), ("warmup", warmup)):
-            if not isinstance(flag, (bool, np.bool_)) and not (name == "warmup" and flag is None):
+                           ("async_scheduling", async_scheduling)):
+            if not isinstance(flag, (bool, np.bool_)):
                 raise ValueError(f"{name} must be a bool, got {name}={flag!r}")
+        if not (warmup is None or isinstance(warmup, (bool, np.bool_)) or
+                (isinstance(warmup, str) and warmup == "background")):
+            raise ValueError(f"warmup must be True, False, None or 'background', got "
+                             f"warmup={warmup!r}")
         if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
                                           and callable(getattr(tokenizer, "decode", None))):
             raise ValueError(f"tokenizer must have encode(str) and decode(ids), got "
@@ -188,8 +197,12 @@ class LLM:
         self.max_logprobs = max_logprobs
         self.warmup_times: list[tuple[int, int, float]] = []    # (T, F, compile seconds)
         if warmup is None:
-            warmup = jax.default_backend() != "cpu"
-        if warmup:
+            warmup = "background" if jax.default_backend() != "cpu" else False
+        self._background_warmup = None
+        if isinstance(warmup, str):
+            self._background_warmup = warm_up_background(
+                self.runner, max_num_batched_tokens, max_num_seqs, self.warmup_times)
+        elif warmup:
             warm_up(self.runner, max_num_batched_tokens, max_num_seqs, self.warmup_times)
         warn_non_finite(finite, "mtpjax.LLM")
         freeze_startup_objects()
@@ -514,6 +527,17 @@ class LLM:
                 raise RuntimeError(f"internal error: request {sid} is in no queue of an idle "
                                    f"engine ({seq!r})")
             stream.news[sid] = seq
+
+    def warmup_done(self) -> bool:
+        """True once every step bucket is compiled: at once after a blocking warm-up (or none),
+        when the background threads finish after `warmup="background"` (also when they failed
+        or were stopped: such a bucket compiles when a step first needs it)."""
+        return self._background_warmup is None or self._background_warmup.done()
+
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        """Blocks until `warmup_done()` or `timeout` seconds (None: no limit); returns
+        `warmup_done()`."""
+        return self._background_warmup is None or self._background_warmup.wait(timeout)
 
     def generate(self, prompts, sampling_params=None, *, progress: bool = False) -> list[RequestOutput]:
         """Generates for every prompt (token-id lists or strings); outputs in prompt order. A

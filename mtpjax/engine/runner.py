@@ -19,6 +19,7 @@ import numpy as np
 
 from mtpjax.cache import init_cache
 from mtpjax.config import ModelConfig, SamplingParams, SpecConfig
+from mtpjax.engine.covering import covering_program, pad_tokens
 from mtpjax.engine.scheduler import SchedulerOutput
 from mtpjax.generate import MIN_TOKEN_BUCKET, bucket_size
 from mtpjax.model.backend import resolve_backend
@@ -371,10 +372,12 @@ class ModelRunner:
         max_logprobs > 0) already copying to host. num_drafts: as for `pack`. The step holds
         no device-side branch, so this returns as soon as it is enqueued."""
         batch, F = self.pack(out, num_drafts)
-        inputs, shape = self.device_inputs(batch)
         mode = batch.sampling.mode        # pack's pick: its layout holds what the mode reads
         structured = batch.sampling.token_bitmask is not None    # compiled on first use
-        compiled = None if structured else self.executables.get((shape, F, mode))
+        compiled = None
+        if not structured:
+            batch, F, compiled = self._compiled_for(batch, F, mode)
+        inputs, shape = self.device_inputs(batch)
         if compiled is not None:                 # warmed up: no tracing, not even a cache lookup
             self.state, result = compiled(self.params, self.state, inputs)
         elif mode in PENALTY_MODES:              # the step carries the token history too
@@ -390,6 +393,21 @@ class ModelRunner:
                                        **self._static(F, shape, mode), **extra)
         result.copy_to_host_async()                        # the step's only device->host copy
         return result
+
+    def _compiled_for(self, batch: MixedBatch, F: int, mode: str):
+        """(batch, F, executable) to run a packed step with: its own bucket's program; else,
+        while background warm-up has not compiled that one yet, the smallest compiled larger
+        bucket's with the batch padded up to it (`engine/covering.py`: same tokens); else
+        (batch, F, None): `_step` compiles it."""
+        shape = (batch.tokens.shape[0], batch.kinds.shape[0], batch.block_tables.shape[1])
+        compiled = self.executables.get((shape, F, mode))
+        if compiled is not None or not self.executables:
+            return batch, F, compiled
+        found = covering_program(self.executables, (shape, F, mode))
+        if found is None:
+            return batch, F, None
+        ((T_cover, _, _), F_cover, *_), compiled = found
+        return pad_tokens(batch, T_cover), F_cover, compiled
 
     def _static(self, F: int, shape: tuple, mode: str) -> dict:
         """The step's static keyword arguments (cfg and spec are positional)."""
@@ -444,6 +462,39 @@ class ModelRunner:
                 if on_compiled is not None and m == SAMPLING_MODES[-1]:
                     on_compiled(T, F, per_bucket[(T, F)])
         request_key(SamplingParams(), self.seed, 0)      # its eager ops compile on first use
+
+    def background_programs(self, buckets) -> list:
+        """What background warm-up (`engine/background_warmup.py`) makes off the serving
+        thread: per (T, F) in `buckets` and mode in `SAMPLING_MODES`, (T, F, key, lookup,
+        lower): key is the `self.executables` key `warmup` registers; lookup() -> the store's
+        (key, identity, stored executable or None), or None without a store; lower() -> the
+        step lowered, to compile. Both see only the shapes, dtypes and shardings of the params
+        and the state, taken now: the serving thread keeps donating the state, and the
+        closures keep no reference to the runner or its device arrays."""
+        def abstract(x):
+            if not hasattr(x, "sharding"):
+                return x
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                        weak_type=getattr(x, "weak_type", False))
+        params, state = jax.tree.map(abstract, self.params), jax.tree.map(abstract, self.state)
+        cfg, spec, store = self.cfg, self.spec, self.store
+        empty, _ = self.pack(SchedulerOutput([], [], self.K))
+        programs = []
+        for T, F in buckets:
+            batch = empty.replace(tokens=np.zeros(T, np.int32), seq_ids=np.zeros(T, np.int32),
+                                  positions=np.full(T, -1, np.int32))
+            inputs, shape = self.device_inputs(batch)
+            for m in SAMPLING_MODES:
+                kw = self._static(F, shape, m)
+
+                def lookup(inputs=inputs, kw=kw):
+                    return None if store is None else store.lookup(
+                        "engine_step", (params, state, inputs), dict(cfg=cfg, spec=spec, **kw))
+
+                def lower(inputs=inputs, kw=kw):
+                    return _step.lower(params, cfg, spec, state, inputs, **kw)
+                programs.append((T, F, (shape, F, m), lookup, lower))
+        return programs
 
     def _dry_run(self, compiled, inputs) -> None:
         self.state, result = compiled(self.params, self.state, inputs)

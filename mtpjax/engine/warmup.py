@@ -72,10 +72,14 @@ class WarmupProgress:
     """A rich progress bar on stderr when rich is installed, else one plain line per bucket.
     Each bucket's compile time is printed once, when it is done."""
 
-    def __init__(self, total: int, label: str = "compiling step buckets"):
+    def __init__(self, total: int, label: str = "compiling step buckets", rich: bool = True):
+        """rich=False: plain lines only (a live bar would redraw under a serving program's
+        own output)."""
         self.total, self.label, self.done = total, label, 0
         self.t0 = time.perf_counter()
         self.bar = self.task = None
+        if not rich:
+            return
         try:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \

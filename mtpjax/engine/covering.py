@@ -1,0 +1,47 @@
+"""Serving a step with a larger compiled bucket while its own is not compiled yet.
+
+A step program is keyed (shape, F, mode, ...) with shape = (T, R, M): T bucketed query tokens,
+R rows, M block-table width, F the bucketed MTP first-pass length (`ModelRunner.dispatch`). A
+program for (T', F') with T' >= T and F' >= F (same R, M, mode and any further key element)
+serves a step of (T, F) exactly: the extra T' - T tokens are padding tokens, made the way
+`ModelRunner.pack` pads up to its own bucket (token 0, position -1, seq_id 0, outside every
+row's cu_q_lens segment: no KV write, no row reads them), and F is only the static length of the
+first-pass buffer, whose extra entries are padding as well. Background warm-up relies on this
+(`engine/background_warmup.py`): the largest bucket is compiled first and serves every step
+until the step's own program is ready.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mtpjax.speculative.mixed_step import MixedBatch
+
+
+def covering_program(executables: dict, key: tuple):
+    """(key', executable) of the smallest compiled program that can serve a step keyed `key`
+    = ((T, R, M), F, mode, ...): T' >= T, F' >= F, everything else equal; the fewest tokens
+    first, then the shortest first pass. None when there is none. `executables` may gain
+    entries from another thread meanwhile: this reads a copy (`dict.copy` runs without
+    releasing the GIL, so the copy is never taken mid-insert)."""
+    (T, R, M), F, rest = key[0], key[1], key[2:]
+    best = None
+    for cand, compiled in executables.copy().items():
+        (T2, R2, M2), F2 = cand[0], cand[1]
+        if (R2, M2) == (R, M) and cand[2:] == rest and T2 >= T and F2 >= F:
+            if best is None or (T2, F2) < (best[0][0][0], best[0][1]):
+                best = (cand, compiled)
+    return best
+
+
+def pad_tokens(batch: MixedBatch, num_tokens: int) -> MixedBatch:
+    """`batch` (host numpy) with its token arrays padded to `num_tokens` entries by padding
+    tokens (token 0, position -1, seq_id 0), as `ModelRunner.pack` pads to its bucket."""
+    T = batch.tokens.shape[0]
+    if num_tokens < T:
+        raise ValueError(f"cannot pad a step of {T} tokens down to num_tokens={num_tokens}")
+    extra = num_tokens - T
+    return batch.replace(
+        tokens=np.concatenate([batch.tokens, np.zeros(extra, batch.tokens.dtype)]),
+        positions=np.concatenate([batch.positions, np.full(extra, -1, batch.positions.dtype)]),
+        seq_ids=np.concatenate([batch.seq_ids, np.zeros(extra, batch.seq_ids.dtype)]))
