@@ -34,6 +34,10 @@ verify step are what a real model with that acceptance would commit. Rows, at ea
         the first token of one prompt, with an empty persistent compilation cache (a fresh
         folder unless the user set one: the row says which), warm-up of every bucket included.
   start-up warm (--warm-start)    the same in a second Python process reading that cache.
+  start-up background (--background-startup)  seconds from `LLM(..., warmup="background")` to
+        the first token (only the largest bucket compiled first; the step is padded up to it),
+        and until the background threads have compiled every bucket, in a fresh Python process
+        with its own empty compilation cache (cold).
 
 Columns: ms/step; tok/s = decode tokens committed / decode time (whole batch); acc len = mean
 acceptance length (tokens per verify step; 1 without MTP); floor = bytes that must move per step
@@ -401,23 +405,30 @@ def compile_free_median(run_pass, repeats: int) -> dict:
     return best
 
 
-def time_startup(params, cfg, spec, args, batch: int) -> dict:
-    """Seconds from LLM(..., warmup=True) to the first token of one prompt."""
+def time_startup(params, cfg, spec, args, batch: int, warmup=True) -> dict:
+    """Seconds from LLM(..., warmup=warmup) to the first token of one prompt. With
+    warmup="background" also the seconds until every bucket is compiled (all_buckets_s, from
+    the same start; waited for at most --child-timeout)."""
     import mtpjax
     _listen()
     prompt = prompts_for(cfg, 1, args.prompt_len, seed=99)[0]
     before = collections.Counter(_EVENTS)
     t0 = time.perf_counter()
-    llm = mtpjax.LLM(params, cfg, spec, warmup=True, mesh=mesh_of(args),
+    llm = mtpjax.LLM(params, cfg, spec, warmup=warmup, mesh=mesh_of(args),
                      fuse_projections=args.fuse_projections,
                      **engine_kwargs(args, batch))
     t1 = time.perf_counter()
     llm.generate([prompt], mtpjax.SamplingParams(max_tokens=1))
     t2 = time.perf_counter()
+    extra = {}
+    if warmup == "background":
+        extra = dict(buckets_at_first_token=len(llm.warmup_times),
+                     all_buckets_done=llm.wait_for_warmup(args.child_timeout),
+                     all_buckets_s=time.perf_counter() - t0)
     ev = _EVENTS - before
     store = llm.runner.store
     return dict(store_loaded=store.hits if store else 0, store_compiled=store.misses if store else 0,
-                store_load_s=llm.runner.load_seconds,
+                store_load_s=llm.runner.load_seconds, warmup=str(warmup), **extra,
                 startup_s=t2 - t0, construct_s=t1 - t0, first_token_after_construct_s=t2 - t1,
                 buckets=len(llm.warmup_times),
                 bucket_compile_s={f"{T},{F}": s for T, F, s in llm.warmup_times},
@@ -492,10 +503,11 @@ def time_hf(cfg, batch: int, args) -> dict:
                 versions=f"torch {torch.__version__}, transformers {transformers.__version__}")
 
 
-def run_child(args, role: str, batch: int, env_extra: dict | None = None) -> dict:
-    """This benchmark's `role` ("startup" or "hf") for one batch size in a fresh Python process;
-    returns the dict it prints on its `E2E_RESULT` line (a crash or a hang there is an error
-    row here, not the end of the run)."""
+def run_child(args, role: str, batch: int, env_extra: dict | None = None,
+              extra_args: tuple = ()) -> dict:
+    """This benchmark's `role` ("startup" or "hf") for one batch size in a fresh Python process
+    (`extra_args` appended to its command line); returns the dict it prints on its
+    `E2E_RESULT` line (a crash or a hang there is an error row here, not the end of the run)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, **(env_extra or {}))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -514,6 +526,7 @@ def run_child(args, role: str, batch: int, env_extra: dict | None = None) -> dic
         cmd += ["--fp8", args.fp8]
     if args.min_token_bucket is not None:
         cmd += ["--min-token-bucket", str(args.min_token_bucket)]
+    cmd += list(extra_args)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=args.child_timeout)
@@ -592,6 +605,9 @@ def parse_args(argv):
     ap.add_argument("--no-startup", action="store_true", help="skip the start-up rows")
     ap.add_argument("--warm-start", action="store_true",
                     help="also time start-up in a second process with the cache filled")
+    ap.add_argument("--background-startup", action="store_true",
+                    help="also time start-up with LLM(warmup='background') in a fresh process "
+                         "with an empty cache: first token, and all buckets compiled")
     ap.add_argument("--max-num-batched-tokens", type=int, default=0,
                     help="engine token budget (default: the largest of batch x (K+1), "
                          "min(batch x prompt, 2048) and the prompt, rounded up to a power of "
@@ -612,6 +628,8 @@ def parse_args(argv):
                     help="devices on the mesh's 'data' axis (replicas)")
     ap.add_argument("--out", default=None, help="folder for e2e.json")
     ap.add_argument("--child", choices=["startup", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--startup-warmup", choices=["blocking", "background"], default="blocking",
+                    help=argparse.SUPPRESS)              # the startup child's LLM(warmup=)
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batch.split(",") if b.strip()]
     args.row_set = {r.strip() for r in args.rows.split(",") if r.strip()}
@@ -667,7 +685,8 @@ def child(args) -> int:
         from mtpjax.compilation_cache import enable_compilation_cache
         enable_compilation_cache()
         params = _placed_params(cfg, args)
-        res = time_startup(params, cfg, spec_config(args), args, args.batches[0])
+        res = time_startup(params, cfg, spec_config(args), args, args.batches[0],
+                           warmup="background" if args.startup_warmup == "background" else True)
     print("E2E_RESULT " + json.dumps(res, default=str), flush=True)
     return 0
 
@@ -766,6 +785,9 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
         if args.warm_start:
             attempt("start-up warm (2nd process)", top,
                     lambda: _warm_row(args, top, cache_dir))
+        if args.background_startup:
+            attempt(f"start-up background (engine MTP K={K})", top,
+                    lambda: _background_row(args, top))
     reps = f" x{args.replicas} replicas" if args.replicas > 1 else ""
     names = {"generate plain": "generate plain", "generate MTP": f"generate MTP K={K}",
              "engine plain": f"engine plain{reps}", "engine MTP": f"engine MTP K={K}{reps}"}
@@ -826,6 +848,24 @@ def _warm_row(args, batch, cache_dir) -> dict:
                  f"compiled, {r['cache_hits']} from the cache, {r.get('store_loaded', 0)} loaded "
                  f"whole from the executable store; LLM() {r['construct_s']:.1f} s; "
                  f"whole process {r['process_s']:.1f} s")
+    return r
+
+
+def _background_row(args, batch) -> dict:
+    """LLM(warmup="background") in a fresh process with a fresh, empty cache folder."""
+    folder = tempfile.mkdtemp(prefix="mtpjax_e2e_background_")
+    try:
+        r = run_child(args, "startup", batch, {"MTPJAX_CACHE_DIR": folder},
+                      ("--startup-warmup", "background"))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder + "_executables", ignore_errors=True)   # its executable store
+    done = "" if r.get("all_buckets_done") else " (not all done: timed out)"
+    r["note"] = (f"first token after {r['startup_s']:.1f} s (LLM() {r['construct_s']:.1f} s, "
+                 f"{r['buckets_at_first_token']} of {r['buckets']} step buckets compiled); every "
+                 f"bucket compiled after {r['all_buckets_s']:.1f} s{done}; {r['programs']} "
+                 f"programs, {r['cache_hits']} from the cache; whole process "
+                 f"{r['process_s']:.1f} s")
     return r
 
 

@@ -119,3 +119,16 @@ def test_fp8_floor_counts_projections_at_one_byte(shape):
     assert 0.5 < fp8["target_layers"] / bf16["target_layers"] < 0.52
     if "expert" in bf16:
         assert 0.5 <= fp8["expert"] / bf16["expert"] < 0.51
+
+
+def test_background_startup_row_times_first_token_and_all_buckets():
+    """`--background-startup`'s row: a fresh process with LLM(warmup="background") reports the
+    first token before every bucket is compiled, then all of them compiled."""
+    from mtpjax.bench.e2e import _background_row, parse_args
+    args = parse_args(["--model-shape", "tiny", "--batch", "1", "--prompt-len", "4",
+                       "--new-tokens", "8", "--k", "1", "--background-startup"])
+    r = _background_row(args, 1)
+    assert r["warmup"] == "background" and r["all_buckets_done"] is True
+    assert 1 <= r["buckets_at_first_token"] <= r["buckets"]
+    assert 0 < r["construct_s"] <= r["startup_s"] <= r["all_buckets_s"]
+    assert "first token after" in r["note"] and "every bucket compiled after" in r["note"]
