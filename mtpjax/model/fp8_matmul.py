@@ -9,6 +9,12 @@ and under a mesh the projections are sharded, which a pallas_call would not be.
 
 `MTPJAX_FP8_MATMUL=kernel|xla` forces a path (read when the step is traced; `kernel` is
 interpreted off the GPU, for tests); `auto` (the default) picks as above.
+
+`MTPJAX_FP8_ACTIVATIONS=bf16|fp8` picks the kernel's mode (read when traced): `bf16` (the
+default) widens each e4m3 weight tile and keeps x as it is; `fp8` quantizes x to e4m3 per
+(token, 128 columns), DeepSeek-V3's recipe, and dots e4m3 x e4m3 (adds x's rounding, at most
+2^-4 per element; docs/fp8.md). `fp8` applies where the kernel can take it (K a multiple of
+128, scale blocks of >= 32 rows), else the kernel runs `bf16`; the XLA path never quantizes x.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from mtpjax.model.fp8_weight import Fp8Weight
 
 ENV = "MTPJAX_FP8_MATMUL"
 CHOICES = ("auto", "kernel", "xla")
+ACTIVATIONS_ENV = "MTPJAX_FP8_ACTIVATIONS"
+ACTIVATIONS_CHOICES = ("bf16", "fp8")
 
 
 def fp8_matmul_choice(rows: int, w: Fp8Weight) -> str:
@@ -37,6 +45,18 @@ def fp8_matmul_choice(rows: int, w: Fp8Weight) -> str:
     return "kernel" if jax.default_backend() == "gpu" and jax.device_count() == 1 else "xla"
 
 
+def fp8_activations_choice(rows: int, w: Fp8Weight) -> str:
+    """The kernel's activations mode for `rows` rows times w: "fp8" when
+    MTPJAX_FP8_ACTIVATIONS=fp8 and the kernel takes it for this shape, else "bf16"."""
+    from pallas_kernels.fp8_matmul import kernel_takes
+    mode = os.environ.get(ACTIVATIONS_ENV, "bf16").strip().lower()
+    if mode not in ACTIVATIONS_CHOICES:
+        raise ValueError(f"{ACTIVATIONS_ENV}={mode!r}: expected one of {ACTIVATIONS_CHOICES}")
+    if mode == "fp8" and not kernel_takes(rows, *w.shape, w.block, activations="fp8"):
+        return "bf16"
+    return mode
+
+
 def fp8_kernel_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array | None:
     """x [..., E] @ w by the kernel when `fp8_matmul_choice` picks it, else None (the caller
     dequantizes)."""
@@ -45,6 +65,7 @@ def fp8_kernel_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array | None:
         return None
     from pallas_kernels.fp8_matmul import fp8_weight_matmul
     y = fp8_weight_matmul(x.reshape(rows, x.shape[-1]), w.values, w.scale, block=w.block,
+                          activations=fp8_activations_choice(rows, w),
                           interpret=jax.default_backend() != "gpu")
     return y.reshape(*x.shape[:-1], w.shape[-1])
 
@@ -52,3 +73,8 @@ def fp8_kernel_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array | None:
 def forced_fp8_matmul(path: str | None):
     """`MTPJAX_FP8_MATMUL=path` inside the block (None: left as it is)."""
     return env_override(ENV, path)
+
+
+def forced_fp8_activations(mode: str | None):
+    """`MTPJAX_FP8_ACTIVATIONS=mode` inside the block (None: left as it is)."""
+    return env_override(ACTIVATIONS_ENV, mode)

@@ -22,6 +22,18 @@ larger batches are compute-bound and take XLA's dequantize-then-GEMM, `kernel_ta
 Numerics: products are x * float(values) summed in float32, then scaled per tile; the
 dequantize-first reference rounds values * scale to bf16 before the dot, so the two differ by
 that rounding (relative ~2^-9 per weight, averaging out over K).
+
+activations="fp8": x is quantized to e4m3 per (row, 128 K-columns) with a float32 scale
+(`activations.py`, DeepSeek-V3's activation recipe) and each dot takes BOTH operands as e4m3
+straight from their loads, float32 accumulation: no widening in the kernel, so Triton is free
+to feed its MMA from the loaded tiles. Each K step's partial is multiplied by
+x_scale[m, group] x the weight block's scale (a step lies inside one group and one scale row);
+per-column weight scales multiply the sum after the K loop. This adds x's rounding, at most
+2^-4 of each element (3 mantissa bits), which averages down over K.
+Pallas' Triton lowering emits such a dot as `tt.dot` f8E4M3FN x f8E4M3FN -> f32 with
+maxNumImpreciseAcc = 0; Triton takes Hopper's wgmma only for result blocks of >= 64 rows and,
+for FP8 with a float32 result, only with maxNumImpreciseAcc >= 32, so this dot runs as mma.sync
+(MMAv2) on an H100 / H200, as the f16 dot does at decode rows.
 """
 from __future__ import annotations
 
@@ -34,19 +46,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._device import num_sms
+from pallas_kernels.fp8_matmul.activations import GROUP, quantize_activations
 
 MAX_ROWS = 128                   # decode batches: a verify of 32 requests x (K + 1) tokens
 FP8_DTYPE = jnp.float8_e4m3fn
+ACTIVATIONS = ("bf16", "fp8")    # x as given (widened f16 / bf16 dot), or e4m3 per group
 
 
 def _rows(M: int) -> int:
     return max(16, -(-M // 16) * 16) if M <= 16 else 1 << (M - 1).bit_length()
 
 
-def kernel_takes(M: int, K: int, N: int, block: tuple[int, int]) -> bool:
-    """Whether the kernel runs x [M, K] @ W [K, N] with scale block `block` (else XLA)."""
+def kernel_takes(M: int, K: int, N: int, block: tuple[int, int],
+                 activations: str = "bf16") -> bool:
+    """Whether the kernel runs x [M, K] @ W [K, N] with scale block `block` (else XLA).
+    activations="fp8" also needs K in whole activation groups and dots of >= 32 K-rows (an
+    e4m3 MMA's depth)."""
     bK, bN = block
-    return (1 <= M <= MAX_ROWS and _block_k(K, bK) is not None and _block_n(N, bN) is not None)
+    sub = _block_k(K, bK)
+    if not (1 <= M <= MAX_ROWS and sub is not None and _block_n(N, bN) is not None):
+        return False
+    return activations != "fp8" or (K % GROUP == 0 and sub >= 32)
 
 
 def _block_k(K: int, bK: int) -> int | None:
@@ -106,15 +126,52 @@ def fp8_matmul_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k: int, block_n: int,
     o_ref[...] = lax.fori_loop(jnp.int32(0), jnp.int32(k_steps), step, acc)
 
 
+def fp8_act_matmul_kernel(x_ref, xs_ref, w_ref, s_ref, o_ref, *, block_k: int, block_n: int,
+                          sub_k: int, k_steps: int, scale_block: tuple[int, int]):
+    """Program (n, s), activations="fp8": x_ref [Mp, K] e4m3, xs_ref [K / GROUP, Mp] float32
+    (a group's row scales are one row: one load per step). o_ref [Mp, block_n] = float32
+    partial over the s-th K range; each sub_k-row dot is e4m3 x e4m3 -> float32, times
+    x_scale[:, group] x the block's scale. Per-column weight scales with one scale row
+    multiply the sum once, after the loop."""
+    n, s = pl.program_id(0), pl.program_id(1)
+    bK, bN = scale_block
+    cols = pl.ds(n * block_n, block_n)
+    first = s * k_steps
+    columns_after = bN == 1 and s_ref.shape[0] == 1
+
+    def step(i, acc):
+        for j in range(block_k // sub_k):
+            k0 = (first + i) * block_k + j * sub_k
+            x = x_ref[:, pl.ds(k0, sub_k)]                              # [Mp, sub_k] e4m3
+            w = w_ref[pl.ds(k0, sub_k), cols]                           # [sub_k, bn] e4m3
+            part = plgpu.dot(x, w)                                      # float32 [Mp, bn]
+            scale = xs_ref[k0 // GROUP, :][:, None]                     # [Mp, 1]
+            if bN != 1:
+                scale = scale * s_ref[k0 // bK, (n * block_n) // bN]    # one per tile
+            elif not columns_after:
+                scale = scale * s_ref[k0 // bK, cols][None, :]          # per column
+            acc = acc + part * scale
+        return acc
+
+    acc = jnp.zeros((x_ref.shape[0], block_n), jnp.float32)
+    acc = lax.fori_loop(jnp.int32(0), jnp.int32(k_steps), step, acc)
+    if columns_after:
+        acc = acc * s_ref[0, cols][None, :]
+    o_ref[...] = acc
+
+
 @functools.partial(jax.jit, static_argnames=("block", "block_n", "block_k", "splits",
-                                             "num_warps", "num_stages", "compute", "interpret"))
+                                             "num_warps", "num_stages", "compute",
+                                             "activations", "interpret"))
 def fp8_weight_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *,
                       block: tuple[int, int], block_n: int | None = None,
                       block_k: int | None = None, splits: int | None = None,
                       num_warps: int = 4, num_stages: int = 4, compute: str = "float16",
-                      interpret: bool = False) -> jax.Array:
+                      activations: str = "bf16", interpret: bool = False) -> jax.Array:
     """x [M, K] @ (values [K, N] * scale) -> [M, N] in x.dtype (see the module docstring).
     block_n / block_k (a multiple of the dot's rows) / splits override the defaults.
+    activations: "bf16" (x as given, dot in `compute`) or "fp8" (x to e4m3 per row and
+    128-column group, e4m3 x e4m3 dots; `compute` unused).
     ValueError for operands the kernel cannot take (`kernel_takes` says which it can)."""
     if x.ndim != 2 or values.ndim != 2 or x.shape[1] != values.shape[0]:
         raise ValueError(f"x must be [M, K] and values [K, N], got {tuple(x.shape)} and "
@@ -127,6 +184,8 @@ def fp8_weight_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *,
     if scale.shape != (-(-K // bK), -(-N // bN)):
         raise ValueError(f"scale must be [{-(-K // bK)}, {-(-N // bN)}] for block {block}, got "
                          f"{tuple(scale.shape)}")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     if not kernel_takes(M, K, N, block):
         raise ValueError(f"fp8_weight_matmul takes 1..{MAX_ROWS} rows and K, N in whole tiles "
                          f"of the scale block; got M={M}, K={K}, N={N}, block {block}")
@@ -144,31 +203,43 @@ def fp8_weight_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *,
     if compute not in ("float16", "bfloat16"):
         raise ValueError(f"compute must be 'float16' or 'bfloat16', got {compute!r}")
     row_scale = None
-    if compute == "float16" and x.dtype != jnp.float32:
-        # e4m3 -> f16 is one conversion per two values, -> bf16 three (via f16 and f32): the
-        # widening bounds the kernel's rate. x goes to f16 scaled per row by a power of two
-        # that puts its largest |x| in [2^14, 2^15): exact for every bf16 value down to
-        # 2^-10 of the row's largest, and no overflow; the output is scaled back per row.
-        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)
-        exponent = jnp.where(amax > 0, jnp.floor(jnp.log2(jnp.maximum(amax, 1e-30))), 0.0)
-        row_scale = jnp.exp2(14.0 - exponent)                                  # [M, 1]
-        x_in = (x.astype(jnp.float32) * row_scale).astype(jnp.float16)
+    if activations == "fp8":
+        if not kernel_takes(M, K, N, block, activations):
+            raise ValueError(f'activations="fp8" needs K a multiple of {GROUP} and e4m3 dots of '
+                             f">= 32 K-rows (K and the scale block's {bK} rows multiples of 32); "
+                             f"got K={K}, dots of {sub}")
+        x_q, x_scale = quantize_activations(x)            # [M, K] e4m3, [M, K / GROUP]
+        xp = jnp.pad(x_q, ((0, Mp - M), (0, 0))) if Mp != M else x_q
+        xs = jnp.pad(x_scale, ((0, Mp - M), (0, 0)), constant_values=1.0).T   # [K/GROUP, Mp]
+        kernel_fn, x_inputs = fp8_act_matmul_kernel, (xp, xs)
+        x_specs = [pl.BlockSpec((Mp, K), lambda n, s: (0, 0)), pl.BlockSpec(memory_space=pl.ANY)]
     else:
-        x_in = x
-    xp = jnp.pad(x_in, ((0, Mp - M), (0, 0))) if Mp != M else x_in
-    kernel = functools.partial(fp8_matmul_kernel, block_k=bk, block_n=bn, sub_k=sub,
-                               k_steps=k_steps,
+        if compute == "float16" and x.dtype != jnp.float32:
+            # e4m3 -> f16 is one conversion per two values, -> bf16 three (via f16 and f32):
+            # the widening bounds the kernel's rate. x goes to f16 scaled per row by a power
+            # of two that puts its largest |x| in [2^14, 2^15): exact for every bf16 value
+            # down to 2^-10 of the row's largest, and no overflow; the output is scaled back
+            # per row.
+            amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)
+            exponent = jnp.where(amax > 0, jnp.floor(jnp.log2(jnp.maximum(amax, 1e-30))), 0.0)
+            row_scale = jnp.exp2(14.0 - exponent)                              # [M, 1]
+            x_in = (x.astype(jnp.float32) * row_scale).astype(jnp.float16)
+        else:
+            x_in = x
+        xp = jnp.pad(x_in, ((0, Mp - M), (0, 0))) if Mp != M else x_in
+        kernel_fn, x_inputs = fp8_matmul_kernel, (xp,)
+        x_specs = [pl.BlockSpec((Mp, K), lambda n, s: (0, 0))]
+    kernel = functools.partial(kernel_fn, block_k=bk, block_n=bn, sub_k=sub, k_steps=k_steps,
                                scale_block=(bK, bN))
     partials = pl.pallas_call(
         kernel,
         grid=(n_cols, splits),
-        in_specs=[pl.BlockSpec((Mp, K), lambda n, s: (0, 0)),
-                  pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=x_specs + [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((None, Mp, bn), lambda n, s: (s, 0, n)),
         out_shape=jax.ShapeDtypeStruct((splits, Mp, N), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="fp8_weight_matmul",
-    )(xp, values, scale.astype(jnp.float32))
+    )(*x_inputs, values, scale.astype(jnp.float32))
     y = partials.sum(0)[:M]
     return (y / row_scale if row_scale is not None else y).astype(x.dtype)

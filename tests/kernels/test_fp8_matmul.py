@@ -6,10 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtpjax.model.fp8_matmul import ENV, fp8_matmul_choice, forced_fp8_matmul
+from mtpjax.model.fp8_matmul import (ACTIVATIONS_ENV, ENV, fp8_activations_choice,
+                                     fp8_matmul_choice, forced_fp8_activations,
+                                     forced_fp8_matmul)
 from mtpjax.model.fp8_weight import quantize
 from mtpjax.model.linear import linear
-from pallas_kernels.fp8_matmul import MAX_ROWS, fp8_weight_matmul, kernel_takes
+from pallas_kernels.fp8_matmul import (MAX_ROWS, fp8_weight_matmul, kernel_takes,
+                                       quantize_activations)
+from pallas_kernels.fp8_matmul.activations import GROUP, dequantize_activations
 
 
 def _case(seed, M, K, N, block, x_scale=1.0, x_dtype=jnp.bfloat16):
@@ -136,3 +140,131 @@ def test_kernel_path_never_widens_the_weight():
     with forced_fp8_matmul("kernel"):
         assert _wide_weights(jax.make_jaxpr(lambda x, w: linear(x, w))(x, w).jaxpr,
                              (256, 384)) == []
+
+
+# activations="fp8": x quantized to e4m3 per (row, 128 columns), e4m3 x e4m3 dots
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_activation_quantization_error_per_element(seed):
+    """Each element within 2^-4 of itself (3 mantissa bits, round to nearest) plus 2^-10 of its
+    group's scale (e4m3 subnormals), magnitudes across eight decades; scales are amax / 448."""
+    kx, km = jax.random.split(jax.random.PRNGKey(seed))
+    mag = 10.0 ** jax.random.uniform(km, (6, 512), minval=-6, maxval=2)
+    x = mag * jax.random.normal(kx, (6, 512))
+    x = x.at[2, :GROUP].set(0.0)                              # an all-zero group
+    q, scale = quantize_activations(x)
+    assert q.dtype == jnp.float8_e4m3fn and scale.shape == (6, 512 // GROUP)
+    amax = np.max(np.abs(np.asarray(x).reshape(6, -1, GROUP)), axis=-1)
+    np.testing.assert_allclose(np.asarray(scale), np.where(amax > 0, amax / 448, 1.0),
+                               rtol=1e-6)
+    back, x = np.asarray(dequantize_activations(q, scale)), np.asarray(x)
+    per_col = np.repeat(np.asarray(scale), GROUP, axis=1)
+    assert np.all(np.isfinite(back)) and np.all(back[2, :GROUP] == 0)
+    assert np.all(np.abs(back - x) <= 2 ** -4 * np.abs(x) + 2 ** -10 * per_col)
+
+
+def _fp8_act_case(seed):
+    """Random shape and layout: M in 1..MAX_ROWS, K a multiple of 128, block or channel."""
+    rng = np.random.default_rng(seed)
+    M = int(rng.integers(1, MAX_ROWS + 1))
+    K = 128 * int(rng.integers(1, 5))
+    N = 64 * int(rng.integers(1, 5))
+    block = [(128, 128), (128, 64), (64, 64), (K, 1)][seed % 4]
+    N = N if N % block[1] == 0 else 128
+    return _case(seed, M, K, N, block)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fp8_activations_match_the_same_math_in_jnp(seed):
+    """The kernel computes exactly (quantized x) @ W in float32: against that math in jnp the
+    only differences are the bf16 output's rounding (2^-9) and float32 summation order."""
+    x, w, _ = _fp8_act_case(seed)
+    y = fp8_weight_matmul(x, w.values, w.scale, block=w.block, activations="fp8",
+                          interpret=True)
+    assert y.shape == (x.shape[0], w.shape[1]) and y.dtype == x.dtype
+    same = np.asarray(dequantize_activations(*quantize_activations(x))
+                      @ w.dequantize(jnp.float32))
+    err = np.abs(np.asarray(y, np.float32) - same)
+    assert np.all(err <= 2 ** -8 * np.abs(same) + 1e-4 * np.max(np.abs(same)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fp8_activations_error_against_the_dequantized_reference(seed):
+    """Against float32 x @ dequantized W. Each x element moves by |dx| <= 2^-4 |x| (e4m3's 3
+    mantissa bits; subnormals add <= 2^-10 of the group scale), so per output
+        |y - ref| <= 2^-4 (|x| @ |W|) + 2^-10 (scale @ |W|) + 2^-8 |ref| (bf16 output),
+    and, the weights being random with zero mean and independent of the rounding, the error's
+    energy is at most 2^-8 of the output's: rms(y - ref) <= 2^-4 rms(ref). Rounding errors
+    spread over the half-ulp average that down over K to ~2^-4 / sqrt(3) (~0.036) and below;
+    a wrong group scale or a dropped block scale is off by tens of percent."""
+    x, w, ref = _fp8_act_case(seed)
+    y = np.asarray(fp8_weight_matmul(x, w.values, w.scale, block=w.block, activations="fp8",
+                                     interpret=True), np.float32)
+    ref, wabs = np.asarray(ref), np.abs(np.asarray(w.dequantize(jnp.float32)))
+    _, scale = quantize_activations(x)
+    bound = (2 ** -4 * np.abs(np.asarray(x, np.float32)) @ wabs
+             + 2 ** -10 * np.repeat(np.asarray(scale), GROUP, axis=1) @ wabs
+             + 2 ** -8 * np.abs(ref) + 1e-5 * np.max(np.abs(ref)))
+    assert np.all(np.abs(y - ref) <= bound)
+    rms = np.sqrt(np.mean((y - ref) ** 2) / np.mean(ref ** 2))
+    assert rms <= 2 ** -4 / np.sqrt(3), rms
+
+
+@pytest.mark.parametrize("x_scale", [1e-7, 1e7])
+def test_fp8_activations_scale_each_row_on_its_own(x_scale):
+    """Scales are per (row, group): rows of very different size in one batch, far outside
+    e4m3's and f16's range, each come out within the rounding of its own magnitude."""
+    x, w, _ = _case(7, 4, 256, 128, (128, 128), x_scale=x_scale)
+    x = x.at[1].multiply(1e-4)
+    ref = np.asarray(x.astype(jnp.float32) @ w.dequantize(jnp.float32))
+    y = np.asarray(fp8_weight_matmul(x, w.values, w.scale, block=w.block, activations="fp8",
+                                     interpret=True), np.float32)
+    assert np.all(np.isfinite(y))
+    for r in range(4):
+        rms = np.sqrt(np.mean((y[r] - ref[r]) ** 2) / np.mean(ref[r] ** 2))
+        assert rms <= 2 ** -4 / np.sqrt(3), (r, rms)
+
+
+def test_fp8_activations_take_whole_groups_and_deep_dots():
+    assert kernel_takes(1, 4096, 14336, (128, 128), activations="fp8")
+    assert kernel_takes(MAX_ROWS, 14336, 4096, (14336, 1), activations="fp8")
+    assert kernel_takes(2, 256, 128, (64, 64), activations="fp8")
+    assert not kernel_takes(2, 256 + 64, 128, (64, 64), activations="fp8")   # partial group
+    assert kernel_takes(2, 256, 128, (16, 16 * 8), activations="bf16")
+    assert not kernel_takes(2, 256, 128, (16, 16 * 8), activations="fp8")    # 16-row dots
+    x, w, _ = _case(0, 2, 256, 128, (128, 128))
+    with pytest.raises(ValueError, match="activations must be one of"):
+        fp8_weight_matmul(x, w.values, w.scale, block=w.block, activations="int8")
+    x, w, _ = _case(0, 2, 320, 128, (64, 128))
+    with pytest.raises(ValueError, match="K=320"):
+        fp8_weight_matmul(x, w.values, w.scale, block=w.block, activations="fp8")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantize_activations(x)
+
+
+def test_activations_choice_follows_the_env_where_the_kernel_takes_it(monkeypatch):
+    _, w, _ = _case(0, 1, 256, 128, (128, 128))
+    _, w_odd, _ = _case(0, 1, 320, 128, (64, 128))
+    assert fp8_activations_choice(2, w) == "bf16"                     # the default
+    with forced_fp8_activations("fp8"):
+        assert fp8_activations_choice(2, w) == "fp8"
+        assert fp8_activations_choice(2, w_odd) == "bf16"            # K not in groups of 128
+    monkeypatch.setenv(ACTIVATIONS_ENV, "int4")
+    with pytest.raises(ValueError, match="int4"):
+        fp8_activations_choice(2, w)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_linear_with_fp8_activations_uses_them(seed):
+    """MTPJAX_FP8_ACTIVATIONS=fp8 reaches the kernel through `linear`: the result is the
+    quantized-x math (not the bf16 mode's, which is closer to the reference)."""
+    x, w, _ = _case(seed, 3, 256, 128, (128, 128))
+    with forced_fp8_matmul("kernel"), forced_fp8_activations("fp8"):
+        y = np.asarray(jax.jit(lambda x, w: linear(x, w))(x, w), np.float32)
+    with forced_fp8_matmul("kernel"), forced_fp8_activations("bf16"):
+        y16 = np.asarray(jax.jit(lambda x, w: linear(x, w))(x, w), np.float32)
+    same = np.asarray(dequantize_activations(*quantize_activations(x))
+                      @ w.dequantize(jnp.float32))
+    scale = np.max(np.abs(same))
+    np.testing.assert_allclose(y, same, atol=2 ** -7 * scale)
+    assert np.max(np.abs(y16 - same)) > 2 ** -6 * scale           # the modes really differ
