@@ -10,13 +10,16 @@ marginal wall time between an L-layer and an L/4-layer jit (host dispatch cancel
 is the layer's weight bytes (FP8: values + float32 scales) / the copy bandwidth of the same
 run. FP8 rows go through the FP8 kernel where `model/fp8_matmul.py` picks it (decode-sized
 batches on one GPU); `fp8-block-xla` forces XLA's dequantize-then-GEMM on the same weights,
-the kernel's same-run peer. The optimized HLO of each FP8 program is checked for a separate dequantization: a fusion
-that writes a bf16 weight-sized array means the FP8 bytes are read, widened and written back
-before the GEMM reads them again (three passes instead of one).
+the kernel's same-run peer; `-act8` rows run the kernel with x quantized to e4m3 per 128
+columns and e4m3 x e4m3 dots (MTPJAX_FP8_ACTIVATIONS=fp8), the others with x as it is.
+The optimized HLO of each FP8 program is checked for a separate dequantization: a fusion that
+writes a bf16 weight-sized array means the FP8 bytes are read, widened and written back before
+the GEMM reads them again (three passes instead of one).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -26,12 +29,23 @@ import time
 import jax
 import jax.numpy as jnp
 
-from mtpjax.model.fp8_matmul import forced_fp8_matmul
+from mtpjax.model.fp8_matmul import forced_fp8_activations, forced_fp8_matmul
 from mtpjax.model.linear import linear
 from mtpjax.model.quantize import quantize_fp8
 
-# "-xla": the same weights through XLA's dequantize-then-GEMM (the kernel's peer)
-VARIANTS = ("bf16", "fp8-block", "fp8-channel", "fp8-block-xla")
+# "-xla": the same weights through XLA's dequantize-then-GEMM (the kernel's peer);
+# "-act8": the kernel with e4m3 activations
+VARIANTS = ("bf16", "fp8-block", "fp8-channel", "fp8-block-xla", "fp8-block-act8",
+            "fp8-channel-act8")
+
+
+@contextlib.contextmanager
+def variant_paths(variant: str):
+    """The variant's FP8 path (forced to XLA for "-xla") and the kernel's activations mode
+    inside the block."""
+    with forced_fp8_matmul("xla" if variant.endswith("-xla") else None), \
+            forced_fp8_activations("fp8" if variant.endswith("-act8") else "bf16"):
+        yield
 
 
 def layer_weights(key, n: int, E: int, I: int, variant: str) -> list[dict]:
@@ -84,8 +98,8 @@ def separate_dequant(hlo: str, E: int, I: int) -> list[str]:
 def sweep(a, bw) -> None:
     """The kernel alone over its block / split / stage choices: for each K x N of
     --sweep-shapes and each token count, microseconds per call (8 distinct weights in one jit,
-    wall / 8: launch gaps included) and % of the FP8 bytes' floor; prints the defaults' row and
-    the best."""
+    wall / 8: launch gaps included) and % of the FP8 bytes' floor; prints each activations
+    mode's (--sweep-activations) defaults row and best."""
     import itertools
     from pallas_kernels.fp8_matmul import fp8_weight_matmul
     from mtpjax.model.fp8_weight import quantize
@@ -98,14 +112,18 @@ def sweep(a, bw) -> None:
         floor = ws[0].nbytes / bw
         for M in (int(t) for t in a.tokens.split(",")):
             x = jax.random.normal(key, (M, K)).astype(jnp.bfloat16)
-            configs = [None] + [dict(block_n=n, block_k=k, splits=sp, num_warps=w,
-                                     num_stages=st, compute=c)
-                                for n, k, sp, w, st, c in itertools.product(
-                                    (64, 128), (128, 256), (2, 4), (4, 8), (3, 4),
-                                    ("float16", "bfloat16"))]
+            configs = []
+            for act in a.sweep_activations.split(","):
+                configs.append(dict(activations=act))                   # the defaults
+                # `compute` is the widened dot's dtype: the fp8 mode widens nothing
+                computes = ("float16", "bfloat16") if act == "bf16" else (None,)
+                configs += [dict(block_n=n, block_k=k, splits=sp, num_warps=w, num_stages=st,
+                                 activations=act, **({"compute": c} if c else {}))
+                            for n, k, sp, w, st, c in itertools.product(
+                                (64, 128), (128, 256), (2, 4), (4, 8), (3, 4), computes)]
             results = []
             for c in configs:
-                kw = c or {}
+                kw = c
 
                 def calls(x, ws, kw=kw):
                     return sum(fp8_weight_matmul(x, w.values, w.scale, block=w.block, **kw)
@@ -116,16 +134,19 @@ def sweep(a, bw) -> None:
                     print(f"  {c}: {type(e).__name__}", flush=True)
                     continue
                 results.append((t, c))
-                if c is None:
-                    print(f"| {K} x {N} | {M} | default | {t * 1e6:.1f} | "
+                if len(c) == 1:
+                    print(f"| {K} x {N} | {M} | default {c['activations']} | {t * 1e6:.1f} | "
                           f"{100 * floor / t:.1f} |", flush=True)
-            if not results:
-                continue
-            t, c = min(results, key=lambda r: r[0])
-            print(f"| {K} x {N} | {M} | best {c or 'default'} | {t * 1e6:.1f} | "
-                  f"{100 * floor / t:.1f} |", flush=True)
-            for t, c in sorted(results, key=lambda r: r[0])[:5]:
-                print(f"  top: {c} {t * 1e6:.1f} us", flush=True)
+            for act in a.sweep_activations.split(","):
+                ours = sorted((r for r in results if r[1]["activations"] == act),
+                              key=lambda r: r[0])
+                if not ours:
+                    continue
+                t, c = ours[0]
+                print(f"| {K} x {N} | {M} | best {c} | {t * 1e6:.1f} | "
+                      f"{100 * floor / t:.1f} |", flush=True)
+                for t, c in ours[:5]:
+                    print(f"  top: {c} {t * 1e6:.1f} us", flush=True)
 
 
 def main(argv=None) -> int:
@@ -141,6 +162,9 @@ def main(argv=None) -> int:
                     help="time the kernel alone over its block / split / stage choices")
     ap.add_argument("--sweep-shapes", default="4096x14336,14336x4096",
                     help="K x N of the swept weights (8B: MLP up 4096x14336, down 14336x4096)")
+    ap.add_argument("--sweep-activations", default="bf16,fp8",
+                    help="the kernel's activations modes to sweep (bf16: x as given; fp8: x "
+                         "to e4m3 per 128 columns)")
     a = ap.parse_args(argv)
     variants = a.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
@@ -167,7 +191,7 @@ def main(argv=None) -> int:
             # XLA) is read when tracing, so fp8-block and fp8-block-xla must not share one
             full = jax.jit(lambda x, ls: mlp_chain(x, ls))
             quarter = jax.jit(lambda x, ls: mlp_chain(x, ls))
-            with forced_fp8_matmul("xla" if variant.endswith("-xla") else None):
+            with variant_paths(variant):
                 t_full = wall(full, (x, layers), a.repeats)
                 t_quarter = wall(quarter, (x, layers[:L // 4]), a.repeats)
                 hlo = full.lower(x, layers).compile().as_text()
@@ -175,7 +199,7 @@ def main(argv=None) -> int:
             err = float("nan")
             if variant != "bf16":       # the path's one projection against float32 math
                 w = layers[0]["w_up"]
-                with forced_fp8_matmul("xla" if variant.endswith("-xla") else None):
+                with variant_paths(variant):
                     y = jax.jit(lambda x, w: linear(x, w))(x, w).astype(jnp.float32)
                 ref = x.astype(jnp.float32) @ w.dequantize(jnp.float32)
                 err = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
