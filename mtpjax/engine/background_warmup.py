@@ -26,8 +26,8 @@ bytes with a dry run on the state, which only the blocking warm-up can do. Run o
 
 Lifetime: the threads are daemons (they never keep the process alive) and stop before their
 next program when the runner is garbage-collected or `stop()` is called. A program that fails
-is reported as a warning (never silently) and its bucket falls back to the synchronous compile
-on first use.
+is reported as a warning (never silently); its bucket is served padded up until the warm-up
+is over (`ModelRunner.warming`), then compiles synchronously on first use.
 """
 
 from __future__ import annotations
@@ -155,4 +155,6 @@ def warm_up_background(runner, max_num_batched_tokens: int, max_num_seqs: int,
             times.append((T, F, seconds))
             bar.update(T, F, seconds)
         runner.warmup([first], on_compiled=done, threads=threads, load_threads=threads)
-    return BackgroundWarmup(runner, [b for b in buckets if b != first], times, threads)
+    warming = BackgroundWarmup(runner, [b for b in buckets if b != first], times, threads)
+    runner.warming = warming        # dispatch pads a step up to a compiled bucket meanwhile
+    return warming

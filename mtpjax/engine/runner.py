@@ -173,6 +173,7 @@ class ModelRunner:
         self.num_slots = max_num_seqs + 1                 # last slot: scratch for padding rows
         # (shape, F, sampling mode) -> compiled step, filled by warmup; ExecutableStore or None
         self.executables: dict = {}
+        self.warming = None            # a running BackgroundWarmup (engine/background_warmup.py)
         self.store = executable_store
         self.load_seconds = 0.0          # warmup's wait for the store's loads
         # the penalties' per-slot token history (device), made when a penalty batch first runs
@@ -398,10 +399,11 @@ class ModelRunner:
         """(batch, F, executable) to run a packed step with: its own bucket's program; else,
         while background warm-up has not compiled that one yet, the smallest compiled larger
         bucket's with the batch padded up to it (`engine/covering.py`: same tokens); else
-        (batch, F, None): `_step` compiles it."""
+        (batch, F, None): `_step` compiles it (also a bucket whose background compile failed,
+        once the warm-up is over)."""
         shape = (batch.tokens.shape[0], batch.kinds.shape[0], batch.block_tables.shape[1])
         compiled = self.executables.get((shape, F, mode))
-        if compiled is not None or not self.executables:
+        if compiled is not None or self.warming is None or self.warming.done():
             return batch, F, compiled
         found = covering_program(self.executables, (shape, F, mode))
         if found is None:

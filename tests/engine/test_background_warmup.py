@@ -100,6 +100,8 @@ def test_larger_compiled_bucket_gives_the_exact_buckets_tokens(spec):
     buckets = step_buckets(16, 2, llm.runner.W)
     cover = covering_bucket(buckets)
     llm.runner.warmup([cover])
+    warming = type("Warming", (), {"done": lambda self: False})()
+    llm.runner.warming = warming           # as while background warm-up runs
     ran = []
     pick = llm.runner._compiled_for
 
@@ -114,6 +116,10 @@ def test_larger_compiled_bucket_gives_the_exact_buckets_tokens(spec):
         assert [o.token_ids for o in llm.generate(prompts, sps)] == want, seed
     assert all(used and (T2, F2) == cover for _, _, T2, F2, used in ran), ran
     assert any((T, F) != cover for T, F, *_ in ran), "no step needed padding"
+    llm.runner.warming = None              # warm-up over: a step's own bucket, compiled
+    ran.clear()
+    assert [o.token_ids for o in llm.generate(prompts, sps)] == want
+    assert not any(used for T, F, _, _, used in ran if (T, F) != cover), ran
 
 
 def test_background_warmup_same_tokens_and_no_compile_after_wait(monkeypatch):
