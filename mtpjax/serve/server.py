@@ -54,7 +54,8 @@ def build_parser(prog: str = "mtpjax serve") -> argparse.ArgumentParser:
                    help="requests beyond this many waiting are answered 429 (back-pressure)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--warmup", dest="warmup", action="store_true", default=None,
-                   help="compile every step bucket before serving (default: on off the CPU)")
+                   help="compile every step bucket before serving (default off the CPU: the "
+                        "largest before serving, the others in the background)")
     g.add_argument("--no-warmup", dest="warmup", action="store_false")
     return p
 
