@@ -5,7 +5,8 @@
                                                 and the workload's tokens
 
 Environment: STORE_CHILD_WARMUP=0 builds the engine without warm-up (the store is then not
-used; JAX's persistent cache still fills as the workload compiles); STORE_CHILD_SOURCES=<text>
+used; JAX's persistent cache still fills as the workload compiles), =background with
+warmup="background" (waited for before the counts are read); STORE_CHILD_SOURCES=<text>
 stands in for the hash of the package sources (what an edit of the code changes).
 """
 import json
@@ -35,10 +36,12 @@ def main(folder: str, seed: int) -> None:
         return inner(*a, **k)
     runner_mod.mixed_step = counting
     cfg = tiny_config(vocab_size=44)
+    mode = os.environ.get("STORE_CHILD_WARMUP", "1")
+    warmup = "background" if mode == "background" else mode == "1"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llm = mtpjax.LLM(random_params(cfg, seed=seed), cfg, SpecConfig(num_speculative_tokens=1),
-                         warmup=os.environ.get("STORE_CHILD_WARMUP", "1") == "1",
+                         warmup=warmup,
                          executable_cache=folder, num_pages=40, page_size=4,
                          max_num_seqs=2, max_num_batched_tokens=8)
         warm_traces = traces[0]
@@ -47,6 +50,7 @@ def main(folder: str, seed: int) -> None:
         sps = [SamplingParams(max_tokens=int(m), temperature=t, seed=seed + i)
                for i, (m, t) in enumerate(zip([5, 9, 4, 7], [0, 0.8, 0, 1.0]))]
         tokens = [o.token_ids for o in llm.generate(prompts, sps)]
+        assert llm.wait_for_warmup(600)
     store = llm.runner.store
     print(json.dumps(dict(hits=store.hits, misses=store.misses, refused=len(store.refused),
                           unstored=store.unstored, buckets=len(llm.warmup_times),

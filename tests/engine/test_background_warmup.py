@@ -18,6 +18,7 @@ from mtpjax.engine.background_warmup import BackgroundWarmup, covering_bucket
 from mtpjax.engine.covering import covering_program, pad_tokens
 from mtpjax.engine.executable_store import step_identity
 from mtpjax.engine.warmup import step_buckets
+from mtpjax.sampling import SAMPLING_MODES
 from tests.conftest import random_params, tiny_config
 
 _COMPILES = []
@@ -236,3 +237,18 @@ def test_threads_stop_when_the_runner_is_collected():
     gate.set()                                   # the program in progress finishes
     assert bw.wait(30)
     assert len(calls) < 6, "the threads kept compiling for a collected engine"
+
+
+def test_background_warmup_loads_the_blocking_warmups_store(tmp_path):
+    """A `warmup=True` process fills the executable store; a background start then loads every
+    program from it (the covering bucket on the serving thread, the rest on the threads)
+    without tracing one, and commits the same tokens."""
+    from tests.engine.test_executable_store import _child
+    first = _child(tmp_path, 4)
+    programs = first["buckets"] * len(SAMPLING_MODES)
+    assert (first["hits"], first["misses"]) == (0, programs)
+    second = _child(tmp_path, 4, STORE_CHILD_WARMUP="background")
+    assert (second["hits"], second["misses"], second["refused"]) == (programs, 0, 0)
+    assert second["traces"] == 0, "a background start traced its step"
+    assert second["buckets"] == first["buckets"]
+    assert second["tokens"] == first["tokens"]
