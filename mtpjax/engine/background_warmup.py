@@ -117,7 +117,8 @@ class BackgroundWarmup:
             self._executables[key] = compiled           # atomic: see the module docstring
         except Exception as e:                          # noqa: BLE001 (reported, then serve)
             msg = (f"background warm-up of step bucket T={T} F={F} ({key[2]}) failed: "
-                   f"{type(e).__name__}: {str(e)[:300]}; that step compiles when first used")
+                   f"{type(e).__name__}: {str(e)[:300]}; its steps run padded up to a larger "
+                   "bucket until the warm-up is over, then compile when first used")
             with self._lock:
                 self.errors.append(msg)
                 self._failed.add((T, F))
