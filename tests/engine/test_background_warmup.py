@@ -130,18 +130,41 @@ def test_background_warmup_same_tokens_and_no_compile_after_wait(monkeypatch):
     spec = SpecConfig(num_speculative_tokens=1)
     kw = dict(max_num_batched_tokens=8, **KW)
     prompts, sps = _workload(3, 42)
+    gate = threading.Event()
+    programs = runner_mod.ModelRunner.background_programs
+
+    def gated(self, buckets):         # the threads compile once the first workload is served
+        return [(T, F, key, lookup, lambda lower=lower: (gate.wait(600), lower())[1])
+                for T, F, key, lookup, lower in programs(self, buckets)]
+    monkeypatch.setattr(runner_mod.ModelRunner, "background_programs", gated)
     t0 = time.perf_counter()
     llm = mtpjax.LLM(params, cfg, spec, warmup="background", **kw)
     buckets = step_buckets(8, 2, llm.runner.W)
-    assert llm.warmup_times[0][:2] == covering_bucket(buckets)
-    early = [o.token_ids for o in llm.generate(prompts, sps)]    # maybe during the warm-up
+    cover = covering_bucket(buckets)
+    assert [t[:2] for t in llm.warmup_times] == [cover]
+    ran = []
+    pick = llm.runner._compiled_for
+
+    def spy(batch, F, mode, *rest):
+        out = pick(batch, F, mode, *rest)
+        ran.append(((batch.tokens.shape[0], F), (out[0].tokens.shape[0], out[1]),
+                    out[2] is not None))
+        return out
+    llm.runner._compiled_for = spy
+    early = [o.token_ids for o in llm.generate(prompts, sps)]    # only the cover compiled
+    assert not llm.warmup_done()
+    assert all(run == cover and used for _, run, used in ran), ran
+    assert any(own != cover for own, _, _ in ran), "no step needed padding"
+    gate.set()
     assert llm.wait_for_warmup(timeout=600) and llm.warmup_done()
     assert sorted((T, F) for T, F, _ in llm.warmup_times) == sorted(buckets)
     assert time.perf_counter() - t0 < 600
+    ran.clear()
     before, size = len(_COMPILES), runner_mod._step._cache_size()
     late = [o.token_ids for o in llm.generate(prompts, sps)]
     assert len(_COMPILES) == before, "a step compiled after the background warm-up"
     assert runner_mod._step._cache_size() == size
+    assert all(own == run and used for own, run, used in ran), ran     # each its own bucket
     cold = mtpjax.LLM(params, cfg, spec, warmup=False, **kw)
     want = [o.token_ids for o in cold.generate(prompts, sps)]
     assert early == want and late == want
