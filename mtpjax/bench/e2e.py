@@ -377,7 +377,12 @@ def time_engine(params, cfg, spec, prompts, args) -> dict:
         llm = mtpjax.LLM(params, cfg, spec, mesh=mesh_of(args), adaptive_k=adaptive, **common,
                          **engine_kwargs(args, len(prompts)))
     engine_pass(llm, prompts, args.new_tokens)                # compiles the buckets it uses
-    return compile_free_median(lambda: engine_pass(llm, prompts, args.new_tokens), args.repeats)
+    out = compile_free_median(lambda: engine_pass(llm, prompts, args.new_tokens), args.repeats)
+    if args.adaptive_k and args.replicas == 1 and spec is not None:
+        used = llm._loop.passes_used                   # over every pass, the first included
+        out["note"] = (out.get("note", "") + " draft passes per step: " + ", ".join(
+            f"{p}: {n}" for p, n in sorted(used.items()))).strip()
+    return out
 
 
 def compile_free_median(run_pass, repeats: int) -> dict:

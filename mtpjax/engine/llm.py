@@ -191,6 +191,10 @@ class LLM:
                                   max_logprobs=max_logprobs, mesh=mesh, draft_vocab=vocab_ids,
                                   fuse_projections=fuse_projections,
                                   executable_store=store, min_token_bucket=min_token_bucket)
+        if adaptive_k is not None and spec is not None and spec.method == "chain":
+            # adaptive K runs as many draft passes as the step's largest k: every count is
+            # a program of its own, all compiled at warm-up
+            self.runner.warm_passes = tuple(range(spec.num_speculative_tokens + 1))
         # NaN / inf weights make every token id 0; warned once here (read after the warm-up,
         # so nothing waits for it), never checked per step
         finite = finite_flags(self.runner.params)

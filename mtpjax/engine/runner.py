@@ -117,13 +117,14 @@ def unpack_device(flat, *, num_tokens: int, num_rows: int, max_blocks: int,
 
 
 @step_jit(static_argnames=("cfg", "spec", "first_pass_len", "backend", "shape", "logprobs",
-                           "sampling_mode", "structured"),
+                           "sampling_mode", "structured", "draft_passes"),
           donate_argnames=("state",))
 def _step(params, cfg, spec, state, flat_inputs, *, first_pass_len, backend, shape, logprobs=0,
-          sampling_mode="filter", structured=False):
+          sampling_mode="filter", structured=False, draft_passes=None):
     """structured (static): the batch has a structured-output row; its inputs end with the
     token bitmasks and its result with each row's new drafts (the host builds the next step's
-    masks along them). A batch without one compiles exactly the program it did before."""
+    masks along them). A batch without one compiles exactly the program it did before.
+    draft_passes (static): draft passes for the next step (`mixed_step`); None = K."""
     T, R, M = shape
     K = draft_shape(spec)[0]
     batch = unpack_device(flat_inputs, num_tokens=T, num_rows=R, max_blocks=M,
@@ -131,7 +132,8 @@ def _step(params, cfg, spec, state, flat_inputs, *, first_pass_len, backend, sha
                           bitmask_shape=(K + 1, bitmask_width(cfg.vocab_size)) if structured
                           else None)
     out = mixed_step(params, cfg, spec, state, batch, first_pass_len=first_pass_len,
-                     backend=backend, logprobs=logprobs)
+                     backend=backend, logprobs=logprobs,
+                     draft_passes=None if draft_passes == K else draft_passes)
     state, acc, num = out[:3]
     parts = [acc, num[:, None]]
     if logprobs:          # [R, J] + [R, J*n] + [R, J*n], floats bit-cast: still one array
@@ -171,9 +173,17 @@ class ModelRunner:
         self.seed = seed
         self.num_pages, self.dtype = num_pages, cache_dtype or params["embed"].dtype
         self.num_slots = max_num_seqs + 1                 # last slot: scratch for padding rows
-        # (shape, F, sampling mode) -> compiled step, filled by warmup; ExecutableStore or None
+        # (shape, F, sampling mode, draft passes) -> compiled step, filled by warmup;
+        # ExecutableStore or None
         self.executables: dict = {}
         self.warming = None            # a running BackgroundWarmup (engine/background_warmup.py)
+        # draft passes warm-up compiles (K; every 0..K when the engine adapts k: `LLM`)
+        self.warm_passes: tuple[int, ...] = (self.K,)
+        # seq_id -> drafts the request's slot holds for its next verify (the passes of the
+        # last step that drafted for it): a row never verifies more (`verify_counts`)
+        self.drafted: dict[int, int] = {}
+        self.compiled_keys: set = set()      # programs run at least once (their compile done)
+        self.last_step_compiled = False      # did the last dispatch trace and compile?
         self.store = executable_store
         self.load_seconds = 0.0          # warmup's wait for the store's loads
         # the penalties' per-slot token history (device), made when a penalty batch first runs
@@ -198,12 +208,14 @@ class ModelRunner:
         self.slot_of: dict[int, int] = {}                 # seq_id -> slot
         self.hist_from: dict[int, int] = {}               # seq_id -> first self-computed position
         self.keys: dict[int, np.ndarray] = {}             # seq_id -> uint32[2] PRNG key (host)
+        self.drafted = {}
 
     def release(self, seq_id: int) -> None:
         """Frees a finished or preempted request's slot (its device draft state is dropped)."""
         slot = self.slot_of.pop(seq_id, None)
         self.hist_from.pop(seq_id, None)
         self.keys.pop(seq_id, None)
+        self.drafted.pop(seq_id, None)
         if slot is not None:
             self.free_slots.append(slot)
 
@@ -220,10 +232,17 @@ class ModelRunner:
         return self.slot_of[sid]
 
     # ---- packing -------------------------------------------------------------------------------
+    def verify_counts(self, out: SchedulerOutput, ks) -> list[int]:
+        """ks (drafts each scheduled request would verify) clipped, for decodes, to the drafts
+        its slot holds: the last step that drafted for it may have run fewer passes."""
+        return [k if req.is_prefill else min(k, self.drafted.get(req.seq_id, self.K))
+                for req, k in zip(out.requests, ks)]
+
     def pack(self, out: SchedulerOutput, num_drafts=None) -> tuple[MixedBatch, int]:
         """Host (numpy) MixedBatch for one scheduled step, and the first-pass bucket.
         num_drafts: drafts each request's decode verifies this step (default: its
-        SamplingParams.num_speculative_tokens, else K)."""
+        SamplingParams.num_speculative_tokens, else K), at most the drafts its slot holds
+        (`verify_counts`; more would verify drafts that were never drawn)."""
         K, R = self.K, self.max_num_seqs
         reqs = out.requests
         if len(reqs) > R:
@@ -291,6 +310,10 @@ class ModelRunner:
             keys[i] = self.keys[seq.seq_id]
             row_k[i] = (num_drafts[i] if num_drafts is not None else
                         K if sp.num_speculative_tokens is None else sp.num_speculative_tokens)
+            held = self.drafted.get(seq.seq_id, K)
+            if not req.is_prefill and row_k[i] > held:
+                raise ValueError(f"request {seq.seq_id} would verify {row_k[i]} drafts, but its "
+                                 f"last step drew {held} (ModelRunner.verify_counts clips)")
             want_lp[i] = sp.logprobs is not None
         cu[len(reqs) + 1:] = off
         sampling = self._sampling(temp, top_k, top_p, keys, row_sps)
@@ -368,53 +391,67 @@ class ModelRunner:
         flat = pack_host(batch)
         return (jax.device_put(flat) if self.mesh is None else replicate(flat, self.mesh)), shape
 
-    def dispatch(self, out: SchedulerOutput, num_drafts=None) -> jax.Array:
+    def dispatch(self, out: SchedulerOutput, num_drafts=None, passes: int | None = None
+                 ) -> jax.Array:
         """Enqueues one step; returns its result array (int32[R, K+2], then the logprobs when
-        max_logprobs > 0) already copying to host. num_drafts: as for `pack`. The step holds
+        max_logprobs > 0) already copying to host. num_drafts: as for `pack`. passes: draft
+        passes for the next step (0..K, chain only; default K), each a compiled variant; the
+        requests that draft this step may verify at most that many drafts next. The step holds
         no device-side branch, so this returns as soon as it is enqueued."""
+        passes = self.K if passes is None else int(passes)
+        if passes != self.K and (not 0 <= passes <= self.K or self.spec.method != "chain"):
+            raise ValueError(f"draft passes must be 0..K={self.K} (chain drafting; otherwise "
+                             f"K), got passes={passes}")
         batch, F = self.pack(out, num_drafts)
         mode = batch.sampling.mode        # pack's pick: its layout holds what the mode reads
         structured = batch.sampling.token_bitmask is not None    # compiled on first use
         compiled = None
         if not structured:
-            batch, F, compiled = self._compiled_for(batch, F, mode)
+            batch, F, compiled = self._compiled_for(batch, F, mode, passes)
         inputs, shape = self.device_inputs(batch)
+        key = (shape, F, mode, passes, structured)
+        self.last_step_compiled = compiled is None and key not in self.compiled_keys
+        self.compiled_keys.add(key)
         if compiled is not None:                 # warmed up: no tracing, not even a cache lookup
             self.state, result = compiled(self.params, self.state, inputs)
         elif mode in PENALTY_MODES:              # the step carries the token history too
             state, result = _step(self.params, self.cfg, self.spec,
                                   self.state.replace(history=self.penalties.take()), inputs,
-                                  **self._static(F, shape, mode),
+                                  **self._static(F, shape, mode, passes),
                                   **(dict(structured=True) if structured else {}))
             self.penalties.put(state.history)
             self.state = state.replace(history=None)
         else:
             extra = dict(structured=True) if structured else {}
             self.state, result = _step(self.params, self.cfg, self.spec, self.state, inputs,
-                                       **self._static(F, shape, mode), **extra)
+                                       **self._static(F, shape, mode, passes), **extra)
+        for req, kind in zip(out.requests, batch.kinds):
+            if kind in (KIND_DECODE, KIND_LAST_CHUNK, KIND_RESUME):     # rows that drafted
+                self.drafted[req.seq_id] = passes
         result.copy_to_host_async()                        # the step's only device->host copy
         return result
 
-    def _compiled_for(self, batch: MixedBatch, F: int, mode: str):
+    def _compiled_for(self, batch: MixedBatch, F: int, mode: str, passes: int):
         """(batch, F, executable) to run a packed step with: its own bucket's program; else,
         while background warm-up has not compiled that one yet, the smallest compiled larger
         bucket's with the batch padded up to it (`engine/covering.py`: same tokens); else
         (batch, F, None): `_step` compiles it (also a bucket whose background compile failed,
         once the warm-up is over)."""
         shape = (batch.tokens.shape[0], batch.kinds.shape[0], batch.block_tables.shape[1])
-        compiled = self.executables.get((shape, F, mode))
+        compiled = self.executables.get((shape, F, mode, passes))
         if compiled is not None or self.warming is None or self.warming.done():
             return batch, F, compiled
-        found = covering_program(self.executables, (shape, F, mode))
+        found = covering_program(self.executables, (shape, F, mode, passes))
         if found is None:
             return batch, F, None
         ((T_cover, _, _), F_cover, *_), compiled = found
         return pad_tokens(batch, T_cover), F_cover, compiled
 
-    def _static(self, F: int, shape: tuple, mode: str) -> dict:
+    def _static(self, F: int, shape: tuple, mode: str, passes: int | None = None) -> dict:
         """The step's static keyword arguments (cfg and spec are positional)."""
         return dict(first_pass_len=F, backend=self.backend, shape=shape,
-                    logprobs=self.max_logprobs, sampling_mode=mode)
+                    logprobs=self.max_logprobs, sampling_mode=mode,
+                    draft_passes=self.K if passes is None else passes)
 
     def warmup(self, buckets, on_compiled=None, threads: int = 1, load_threads: int = 1) -> None:
         """Compiles the step for every (T, F) in `buckets` (`engine.warmup.step_buckets`) and
@@ -431,12 +468,13 @@ class ModelRunner:
         from concurrent.futures import ThreadPoolExecutor
 
         empty, _ = self.pack(SchedulerOutput([], [], self.K))
-        progs = []                    # (T, F, shape, mode, inputs, static kwargs)
+        progs = []                    # (T, F, shape, (mode, passes), inputs, static kwargs)
         for T, F in buckets:
             batch = empty.replace(tokens=np.zeros(T, np.int32), seq_ids=np.zeros(T, np.int32),
                                   positions=np.full(T, -1, np.int32))
             inputs, shape = self.device_inputs(batch)
-            progs += [(T, F, shape, m, inputs, self._static(F, shape, m)) for m in SAMPLING_MODES]
+            progs += [(T, F, shape, (m, p), inputs, self._static(F, shape, m, p))
+                      for p in self.warm_passes for m in SAMPLING_MODES]
         with ThreadPoolExecutor(max(threads, 1)) as pool, \
                 ThreadPoolExecutor(max(load_threads, 1)) as loads:
             def lookup(inputs, kw):
@@ -459,16 +497,16 @@ class ModelRunner:
                     zip(progs, results, pending):
                 t0 = time.perf_counter()
                 compiled = self._ready(get(), inputs, kw, key, identity, loaded=hit is not None)
-                self.executables[(shape, F, m)] = compiled
+                self.executables[(shape, F, *m)] = compiled
                 per_bucket[(T, F)] = per_bucket.get((T, F), 0.0) + time.perf_counter() - t0
-                if on_compiled is not None and m == SAMPLING_MODES[-1]:
+                if on_compiled is not None and m == (SAMPLING_MODES[-1], self.warm_passes[-1]):
                     on_compiled(T, F, per_bucket[(T, F)])
         request_key(SamplingParams(), self.seed, 0)      # its eager ops compile on first use
 
     def background_programs(self, buckets) -> list:
         """What background warm-up (`engine/background_warmup.py`) makes off the serving
-        thread: per (T, F) in `buckets` and mode in `SAMPLING_MODES`, (T, F, key, lookup,
-        lower): key is the `self.executables` key `warmup` registers; lookup() -> the store's
+        thread: per (T, F) in `buckets`, draft passes in `warm_passes` and mode in
+        `SAMPLING_MODES`, (T, F, key, lookup, lower): key is the `self.executables` key `warmup` registers; lookup() -> the store's
         (key, identity, stored executable or None), or None without a store; lower() -> the
         step lowered, to compile. Both see only the shapes, dtypes and shardings of the params
         and the state, taken now: the serving thread keeps donating the state, and the
@@ -486,16 +524,18 @@ class ModelRunner:
             batch = empty.replace(tokens=np.zeros(T, np.int32), seq_ids=np.zeros(T, np.int32),
                                   positions=np.full(T, -1, np.int32))
             inputs, shape = self.device_inputs(batch)
-            for m in SAMPLING_MODES:
-                kw = self._static(F, shape, m)
+            for p in self.warm_passes:
+                for m in SAMPLING_MODES:
+                    kw = self._static(F, shape, m, p)
 
-                def lookup(inputs=inputs, kw=kw):
-                    return None if store is None else store.lookup(
-                        "engine_step", (params, state, inputs), dict(cfg=cfg, spec=spec, **kw))
+                    def lookup(inputs=inputs, kw=kw):
+                        return None if store is None else store.lookup(
+                            "engine_step", (params, state, inputs),
+                            dict(cfg=cfg, spec=spec, **kw))
 
-                def lower(inputs=inputs, kw=kw):
-                    return _step.lower(params, cfg, spec, state, inputs, **kw)
-                programs.append((T, F, (shape, F, m), lookup, lower))
+                    def lower(inputs=inputs, kw=kw):
+                        return _step.lower(params, cfg, spec, state, inputs, **kw)
+                    programs.append((T, F, (shape, F, m, p), lookup, lower))
         return programs
 
     def _dry_run(self, compiled, inputs) -> None:

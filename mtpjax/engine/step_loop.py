@@ -9,6 +9,8 @@ decides who gets a request's news: each request with committed tokens or an end 
 
 from __future__ import annotations
 
+import collections
+import time
 from typing import Callable, Iterable
 
 import jax
@@ -19,6 +21,7 @@ from mtpjax.engine.runner import ModelRunner
 from mtpjax.engine.scheduler import Scheduler
 from mtpjax.engine.sequence import Sequence
 from mtpjax.speculative.adaptive import AcceptanceTable, AdaptiveK
+from mtpjax.speculative.step_times import StepTimes
 
 
 class StepLoop:
@@ -39,7 +42,11 @@ class StepLoop:
         self.max_logprobs = max_logprobs        # 0: no step computes logprobs
         self.requests, self.report = requests, report
         self.acceptance = AcceptanceTable(self.K)
-        self.inflight = None            # (SchedulerOutput, result, ks) dispatched, unread
+        self.step_times = StepTimes()   # measured pure-decode steps, for adaptive K
+        self.passes_used: collections.Counter = collections.Counter()    # passes -> steps
+        self.last_done = 0.0            # perf_counter when the last step's result was read
+        # (SchedulerOutput, result, ks, passes, dispatched at, compiled) dispatched, unread
+        self.inflight = None
         self.needs_recovery = False     # a step raised and its recovery did not finish
         self.num_steps = 0
         self.num_preemptions = 0
@@ -59,9 +66,12 @@ class StepLoop:
         if out.is_empty:
             launched = None
         else:
-            ks = self._draft_counts(out)
-            launched = (out, self.runner.dispatch(out, None if all(k == self.K for k in ks)
-                                                  else ks), ks)
+            ks, passes = self._draft_counts(out)
+            t0 = time.perf_counter()
+            result = self.runner.dispatch(out, None if all(k == self.K for k in ks) else ks,
+                                          passes)
+            launched = (out, result, ks, passes, t0, self.runner.last_step_compiled)
+            self.passes_used[passes] += 1
         if self.async_scheduling:
             launched, self.inflight = self.inflight, launched
         if launched is None:
@@ -87,25 +97,35 @@ class StepLoop:
                 if seq is not None and seq.is_finished:
                     self.report(seq)
 
-    def _draft_counts(self, out) -> list[int]:
-        """Drafts each scheduled request verifies this step: its SamplingParams'
-        num_speculative_tokens (default K), lowered by the adaptive-K policy if any."""
+    def _draft_counts(self, out) -> tuple[list[int], int]:
+        """(drafts each scheduled request verifies this step, the step's draft passes): its
+        SamplingParams' num_speculative_tokens (default K), lowered by the adaptive-K policy
+        if any, and at most the drafts its slot holds (`ModelRunner.verify_counts`). Chain
+        drafting runs as many passes as the largest k asked (the policy's choice with
+        adaptive K), so a batch that verifies fewer drafts also draws fewer; multi_layer
+        runs all K."""
         K = self.K
         batch = len(out.decodes)
         ks = []
         for req in out.requests:
             k = getattr(req.seq.sampling_params, "num_speculative_tokens", None)
             ks.append(K if k is None else k)
+        passes = max(ks, default=K)
         if self.adaptive_k is not None:
             pick = [i for i, req in enumerate(out.requests) if not req.is_prefill and ks[i]]
             if pick:
-                chosen = self.acceptance.choose(self.adaptive_k,
-                                                [out.requests[i].seq_id for i in pick],
-                                                [ks[i] for i in pick], batch,
-                                                self._expert_cost())
+                chosen, passes = self.acceptance.choose_step(
+                    self.adaptive_k, [out.requests[i].seq_id for i in pick],
+                    [ks[i] for i in pick], batch, self._expert_cost(), self.step_times,
+                    self.num_steps)
                 for i, k in zip(pick, chosen.tolist()):
                     ks[i] = k
-        return ks
+                # a request still in prefill drafts for its first verify at its own k
+                passes = max([passes] + [ks[i] for i, r in enumerate(out.requests)
+                                         if r.is_prefill])
+        if not K or self.runner.spec.method != "chain":
+            passes = K
+        return self.runner.verify_counts(out, ks), passes
 
     def _expert_cost(self):
         """The model's ExpertStepCost (MoE models; None otherwise), built once."""
@@ -114,9 +134,21 @@ class StepLoop:
             self._expert_cost_cache = ExpertStepCost.from_config(self.runner.cfg, self.K)
         return self._expert_cost_cache
 
-    def _complete(self, out, result, ks=None) -> None:
+    def _complete(self, out, result, ks=None, passes=None, dispatched=None,
+                  compiled=False) -> None:
         """Reads a dispatched step back, applies it and reports the news."""
         committed = self.runner.collect(out, result)
+        done = time.perf_counter()
+        if (self.adaptive_k is not None and dispatched is not None and not compiled
+                and out.decodes and len(out.decodes) == len(out.requests)
+                and max(ks) == passes):
+            # a steady pure-decode step's time (it verified as many drafts as it drew: a step
+            # after a change of passes costs neither count's time), from when the device
+            # could start it (its dispatch, or the previous step's end when it queued behind
+            # it) to its result
+            self.step_times.record(len(out.decodes), passes,
+                                   done - max(dispatched, self.last_done))
+        self.last_done = done
         lps, lp_row = None, {}
         if self.max_logprobs:
             asked = [i for i, r in enumerate(out.requests) if r.seq.logprobs is not None]

@@ -48,6 +48,9 @@ class AdaptiveK:
     prior: float = 0.7
     prior_weight: float = 2.0
     probe_interval: int = 8
+    # the MoE step rule's probes: the last two of every `step_probe_interval` steps draw one
+    # draft more (each probe step costs the batch a pass it may not need)
+    step_probe_interval: int = 32
     min_k: int = 0
     # MoE models: choose k by expected tokens per byte read, counting the experts each
     # verified draft routes to (`expert_cost.py`); off, or on a dense model, the threshold rule
@@ -67,6 +70,7 @@ class AdaptiveK:
                              f"expert_aware={self.expert_aware!r}")
         for name, v, lo in (("batch_knee", self.batch_knee, 1),
                             ("probe_interval", self.probe_interval, 0),
+                            ("step_probe_interval", self.step_probe_interval, 0),
                             ("min_k", self.min_k, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
                 raise ValueError(f"AdaptiveK {name} must be an int >= {lo}, got {name}={v!r}")
@@ -104,6 +108,55 @@ class AdaptiveK:
             probe = steps % self.probe_interval == self.probe_interval - 1
             k = np.where(probe, np.minimum(k + 1, k_max), k)
         return k.astype(np.int64)
+
+    def choose_step(self, trials, hits, steps, k_max, batch_size: int,
+                    step_cost: "ExpertStepCost | None" = None, times=None,
+                    step_index: int = 0) -> tuple[np.ndarray, int]:
+        """The engine's choice for one step: (k int[n] each request verifies next, the step's
+        draft passes). On an MoE model (`expert_aware`, a step_cost) one number of passes for
+        the batch by expected tokens per second of step (`_best_passes`; `times`: measured
+        `StepTimes`), every request at min(passes, its k_max); the last two steps of every
+        `step_probe_interval` (at least 2) take one pass more, so the next count's time and
+        acceptance keep being measured.
+        Otherwise the per-request threshold rule (`choose_many`) and as many passes as the
+        largest k."""
+        k_max = np.asarray(k_max, np.int64)
+        if not len(k_max):
+            return k_max, 0
+        if step_cost is None or not self.expert_aware:
+            ks = self.choose_many(trials, hits, steps, k_max, batch_size)
+            return ks, int(ks.max())
+        alphas = (hits + self.prior * self.prior_weight) / (trials + self.prior_weight)
+        passes = _best_passes(np.cumprod(alphas, axis=1), k_max, batch_size, step_cost, times)
+        passes = max(passes, int(np.minimum(self.min_k, k_max).max()))
+        # a probe lasts two steps: the first draws the extra draft, the second verifies it
+        # and draws again, so its time is a steady step's (the one `StepTimes` keeps)
+        every = max(self.step_probe_interval, 2)
+        if self.step_probe_interval and step_index % every >= every - 2:
+            passes = min(passes + 1, int(k_max.max()))
+        ks = np.maximum(np.minimum(k_max, passes), np.minimum(self.min_k, k_max))
+        return ks.astype(np.int64), passes
+
+
+def _best_passes(gain, k_max, batch_size: int, step_cost, times=None) -> int:
+    """The step's draft passes p (0..max k_max) that maximise (tokens the batch expects) /
+    (the step's time), every request verifying min(p, its k_max) next: the time is the
+    measured step time where `times` (`step_times.StepTimes`) has one, else the byte model
+    (`step_cost.step_bytes`) scaled by the nearest measurement's seconds per byte.
+    gain float[n, K] (cumulative acceptance); k_max int[n]."""
+    n, K = gain.shape
+    k_max = np.asarray(k_max, np.int64)
+    cand = np.arange(int(k_max.max()) + 1 if n else 1)
+    B = max(int(batch_size), n)
+    tokens_at = 1.0 + np.concatenate([np.zeros((n, 1)), np.cumsum(gain, axis=1)], axis=1)
+    ks = np.minimum(k_max[:, None], cand[None, :])                         # [n, P]
+    tokens = np.take_along_axis(tokens_at, ks, axis=1).sum(0) + (B - n)    # others: plain
+    routed = (ks + 1).sum(0) + (B - n)
+    model = step_cost.step_bytes(B, routed, cand)
+    seconds = model if times is None else times.estimate(B, model)
+    score = tokens / seconds
+    # the largest p within 1e-9 of the best (ties keep drafting)
+    return int(cand[score >= score.max() * (1 - 1e-9)].max())
 
 
 def _tokens_per_byte_k(gain, k_max, batch_size: int, step_cost) -> np.ndarray:
@@ -195,6 +248,13 @@ class AcceptanceTable:
         r = self.rows(seq_ids)
         return policy.choose_many(self.trials[r], self.hits[r], self.steps[r],
                                   np.asarray(k_max, np.int64), batch_size, step_cost)
+
+    def choose_step(self, policy: AdaptiveK, seq_ids, k_max, batch_size: int, step_cost=None,
+                    times=None, step_index: int = 0) -> tuple[np.ndarray, int]:
+        r = self.rows(seq_ids)
+        return policy.choose_step(self.trials[r], self.hits[r], self.steps[r],
+                                  np.asarray(k_max, np.int64), batch_size, step_cost, times,
+                                  step_index)
 
     def observe(self, seq_ids, k_used, accepted, decay: float) -> None:
         r = self.rows(seq_ids)

@@ -111,7 +111,7 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
                next_same: jax.Array, last_rows: jax.Array, seq_len: jax.Array,
                block_tables: jax.Array, sp: SamplingArrays, backend,
                drafting: jax.Array | None = None, fixed_next: jax.Array | None = None,
-               source: str = "model", forced=None):
+               source: str = "model", forced=None, passes: int | None = None):
     """Drafts d_1..d_K for R requests from a first pass over a flat ragged window.
 
     window: first-pass batch of F tokens (segments end at each request's position seq_len-1;
@@ -121,7 +121,12 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
     (pending token at N, draft i at N+i). drafting bool[R]: rows that draft (others, e.g.
     non-final prefill chunks, only write their first-pass KV). fixed_next int32[R, K] (multi_layer):
     where >= 0, the token to roll in after module k instead of the draft (the prompt's next tokens
-    of a non-final chunk). Returns (cache, drafts int32[R, K], draft_probs f32[R, K, V]).
+    of a non-final chunk). passes (static, chain only; default K): draft passes run, 0..K.
+    Drafts past `passes` stay 0 with probability rows 0, so the next step must verify at most
+    `passes` drafts per row (the engine's host keeps that; docs/spec_decoding.md, "Adaptive
+    K"). The first pass of every module in use always runs: it writes the modules' KV of the
+    committed window, which later steps read whatever they draft.
+    Returns (cache, drafts int32[R, K], draft_probs f32[R, K, V]).
     """
     F, E = hidden0.shape
     R = seq_len.shape[0]
@@ -143,6 +148,10 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
         probs = jax.lax.dynamic_update_index_in_dim(probs, q, i, axis=1)
         return drafts, probs
 
+    passes = K if passes is None else passes
+    if not 0 <= passes <= K or (passes != K and spec.method != "chain"):
+        raise ValueError(f"draft passes must be 0..K={K} for the chain method (K for "
+                         f"{spec.method!r}), got passes={passes}")
     if spec.method == "multi_layer":
         # One pass per module, unrolled: each uses its own module's weights, and selecting the
         # module with a traced index (lax.switch in a fori_loop) made the GPU launch thread wait
@@ -166,6 +175,8 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
                                                    window, backend=backend)
         if m == 0:
             h_last, normed_last = h_next[last_rows], normed[last_rows]
+    if passes == 0:
+        return cache, drafts, probs
     tok, q = draw(normed_last, 0, drafts)
     drafts, probs = record(drafts, probs, tok, q, 0)
 
@@ -185,7 +196,8 @@ def run_drafts(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, *,
         drafts, probs = record(drafts, probs, tok, q, s)
         return cache, h_next.astype(h_prev.dtype), drafts, probs
 
-    cache, _, drafts, probs = jax.lax.fori_loop(1, K, chain_step, (cache, h_last, drafts, probs))
+    cache, _, drafts, probs = jax.lax.fori_loop(1, passes, chain_step,
+                                                (cache, h_last, drafts, probs))
     return cache, drafts, probs
 
 

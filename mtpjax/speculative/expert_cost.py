@@ -10,11 +10,14 @@ DeepSeek-V2-Lite's 64 experts per layer where one token touches 6, and the step'
 experts it adds. Drafts masked off by k route to no expert (speculative/mixed_step.py), so a
 lower k does read fewer bytes.
 
-    step_bytes(B, n) = fixed + draft_experts(B) + expert_bytes * touched(n)
-        fixed         every non-expert weight the verify pass and the K draft passes read
-                      (attention, dense layers, shared experts, norms, lm_head per pass)
-        draft_experts the MTP modules' routed experts: each of the K draft passes routes B
-                      tokens (all K passes run whatever k: their cost does not depend on k)
+    step_bytes(B, n, p) = fixed(p) + draft_experts(B, p) + expert_bytes * touched(n)
+        fixed(p)      every non-expert weight the verify pass and p draft passes read
+                      (attention, dense layers, shared experts, norms, lm_head per pass; the
+                      MTP module's first pass runs even at p = 0, without its lm_head)
+        draft_experts the MTP modules' routed experts: each of the p draft passes routes B
+                      tokens
+        p             the step's draft passes (default K): the engine runs as many as the
+                      largest k it asks of the next step
         expert_bytes  one routed expert's matrices x the target's MoE layers
         n             verify tokens routed: sum over decode rows of 1 + k
 """
@@ -34,14 +37,26 @@ class ExpertStepCost:
     draft_expert_bytes: float           # one expert's matrices x MTP MoE layers x K passes
     num_experts: int                    # X routed experts per layer
     top_k: int                          # experts per token
+    K: int = 0                          # draft passes the two byte counts above include
+    pass_bytes: float = 0.0             # one draft pass's non-expert weights (module + lm_head)
+    lm_head_bytes: float = 0.0
 
     def touched(self, tokens) -> np.ndarray:
         """Expected distinct experts per layer that `tokens` uniformly routed tokens pick."""
         return touched_experts(self.num_experts, self.top_k, tokens)
 
-    def step_bytes(self, batch: int, tokens) -> np.ndarray:
-        """Bytes of a step with `batch` decode rows routing `tokens` verify tokens in all."""
-        return (self.fixed_bytes + self.draft_expert_bytes * self.touched(batch)
+    def step_bytes(self, batch: int, tokens, passes=None) -> np.ndarray:
+        """Bytes of a step with `batch` decode rows routing `tokens` verify tokens in all and
+        running `passes` draft passes (default K; may be an array)."""
+        if passes is None:
+            return (self.fixed_bytes + self.draft_expert_bytes * self.touched(batch)
+                    + self.target_expert_bytes * self.touched(tokens))
+        p = np.asarray(passes, np.float64)
+        runs = np.maximum(p, 1.0)                    # the first pass runs at p = 0 too
+        fixed = self.fixed_bytes - self.K * self.pass_bytes + runs * self.pass_bytes \
+            - (runs - p) * self.lm_head_bytes
+        per_pass = self.draft_expert_bytes / max(self.K, 1)
+        return (fixed + per_pass * runs * self.touched(batch)
                 + self.target_expert_bytes * self.touched(tokens))
 
     @classmethod
@@ -59,4 +74,6 @@ class ExpertStepCost:
         return cls(fixed_bytes=float(fixed),
                    target_expert_bytes=float(w["expert"] * w["target_moe_layers"]),
                    draft_expert_bytes=float(w["expert"] * w["mtp_moe_layers"] * K),
-                   num_experts=cfg.moe.n_routed_experts, top_k=cfg.moe.num_experts_per_tok)
+                   num_experts=cfg.moe.n_routed_experts, top_k=cfg.moe.num_experts_per_tok,
+                   K=K, pass_bytes=float(w["lm_head"] + w["mtp_module"]),
+                   lm_head_bytes=float(w["lm_head"]))

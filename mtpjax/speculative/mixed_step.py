@@ -120,13 +120,15 @@ def step_logprobs(logits, tokens, sp: SamplingArrays, want, n: int) -> StepLogpr
 
 def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, batch: MixedBatch,
                *, first_pass_len: int, backend, draft_source: str = "model", forced=None,
-               logprobs: int = 0):
+               logprobs: int = 0, draft_passes: int | None = None):
     """-> (state, committed_tokens int32[R, K+1], num_committed int32[R]), and a 4th output,
     StepLogprobs with n = `logprobs` alternatives per token, when logprobs > 0.
 
     spec=None: plain autoregressive decoding (decode rows carry one token, no drafting).
     batch.num_drafts: per-row drafts verified (per-request / adaptive K, by masking: the
-    compiled shapes stay those of K). draft_source / forced: the draft loop's test hooks
+    compiled shapes stay those of K). draft_passes (static, default K): the draft passes this
+    step runs for the next one (`run_drafts`' passes; the next step verifies at most that
+    many drafts per row). draft_source / forced: the draft loop's test hooks
     (speculative/draft.py). This is the only device step: the engine runs it on ragged batches,
     `generate` inside its while_loop.
     """
@@ -265,7 +267,8 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
             params, cfg, spec, cache, window=window, hidden0=h0, tokens0=t0,
             next_same=next_same, last_rows=last_rows, seq_len=new_len,
             block_tables=batch.block_tables, sp=draft_sp, backend=backend,
-            drafting=is_dec | is_last | is_resume, fixed_next=fixed, source=draft_source, forced=forced)
+            drafting=is_dec | is_last | is_resume, fixed_next=fixed, source=draft_source,
+            forced=forced, passes=draft_passes)
 
     state = SlotState(
         cache=cache,

@@ -115,10 +115,10 @@ def test_greedy_mixed_k_adaptive_logprobs_and_no_recompiles(engines, prompts):
                          for k in ks]
     want = engines["plain"].generate(prompts, greedy((None,) * 4))
     llm = engines["rejection"]
-    # compile guard: the step compiles once per (tokens, first-pass, sampling mode); k is data,
-    # so the compile cache may grow only by the buckets a run newly reaches (scheduling
-    # differs with k)
-    buckets = llm.buckets
+    # compile guard: the step compiles once per (tokens, first-pass, sampling mode, draft
+    # passes); k is data, so the compile cache may grow only by the programs a run newly
+    # reaches (scheduling differs with k; a batch whose largest k is lower draws fewer drafts)
+    buckets = llm.runner.compiled_keys
 
     def run(ks, policy=None):
         seen, compiled = set(buckets), _step._cache_size()

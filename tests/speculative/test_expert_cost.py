@@ -12,6 +12,7 @@ from mtpjax.bench import e2e
 from mtpjax.speculative import adaptive
 from mtpjax.speculative.adaptive import AdaptiveK
 from mtpjax.speculative.expert_cost import ExpertStepCost
+from mtpjax.speculative.step_times import StepTimes
 from tests.conftest import tiny_mla_moe_config
 
 
@@ -79,12 +80,77 @@ def test_engine_moe_adaptive_k_is_expert_aware_and_lossless(monkeypatch):
     prompts = [[1, 5, 9, 2], [7, 3, 3, 8, 1, 4]]
     sp = SamplingParams(max_tokens=12)
     calls = []
-    inner = adaptive._tokens_per_byte_k
-    monkeypatch.setattr(adaptive, "_tokens_per_byte_k",
-                        lambda *a: calls.append(a) or inner(*a))
+    inner = adaptive._best_passes
+    monkeypatch.setattr(adaptive, "_best_passes", lambda *a: calls.append(a) or inner(*a))
     plain = mtpjax.LLM(params, cfg, None, num_pages=32).generate(prompts, sp)
     llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=3), num_pages=32,
                      adaptive_k=AdaptiveK())
     got = llm.generate(prompts, sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
     assert calls                                   # the MoE model took the expert-aware rule
+
+
+def test_step_bytes_with_passes():
+    """p draft passes: K passes is the old count; each pass fewer saves one pass's module,
+    lm_head and draft experts; p = 0 still runs the module's first pass (no lm_head)."""
+    cost = ExpertStepCost.from_config(e2e.model_config("deepseek-v2-lite"), 3)
+    for B, n in ((1, 4), (32, 128)):
+        full = cost.step_bytes(B, n)
+        by_p = cost.step_bytes(B, n, np.arange(4))
+        assert by_p[3] == pytest.approx(full)
+        per_pass = cost.pass_bytes + cost.draft_expert_bytes / 3 * cost.touched(B)
+        np.testing.assert_allclose(np.diff(by_p)[1:], per_pass, rtol=1e-9)
+        assert by_p[1] - by_p[0] == pytest.approx(cost.lm_head_bytes)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_best_passes_maximises_tokens_per_measured_second(seed):
+    """With every pass count measured, the choice is the argmax of expected tokens / measured
+    time, whatever the byte model says."""
+    rng = np.random.default_rng(seed)
+    cost = ExpertStepCost.from_config(e2e.model_config("deepseek-v2-lite"), 3)
+    for _ in range(10):
+        times = StepTimes()
+        secs = np.sort(rng.uniform(2e-3, 6e-3, 4))
+        for p, t in enumerate(secs):
+            times.record(1, p, t)
+        a = rng.uniform(0, 1, 3)
+        gain = np.cumprod(a)[None]
+        got = adaptive._best_passes(gain, np.asarray([3]), 1, cost, times)
+        tokens = 1 + np.concatenate([[0.0], np.cumsum(gain[0])])
+        assert (tokens / secs)[got] == pytest.approx((tokens / secs).max(), rel=1e-9)
+
+
+def test_step_times_calibrate_the_unmeasured_counts():
+    """One measured count scales the byte model of the others by its seconds per byte; a
+    measured count is its median."""
+    times = StepTimes(window=3)
+    model = np.asarray([1.0, 2.0, 3.0, 4.0])
+    np.testing.assert_allclose(times.estimate(1, model), model)        # nothing measured
+    for t in (9.0, 5.0, 6.0, 1.0):                                    # window 3: 5, 6, 1
+        times.record(1, 2, t)
+    np.testing.assert_allclose(times.estimate(1, model), model * 5.0 / 3.0)   # median 5
+    times.record(2, 0, 4.0)                            # batch 2 -> its own bucket
+    assert times.estimate(2, model)[0] == 4.0
+    assert times.estimate(1, model)[0] == pytest.approx(5.0 / 3.0)   # its own bucket first
+
+
+def test_step_rule_probes_one_pass_more_for_two_steps():
+    """The step rule's choice, and one pass more on the last two of every
+    step_probe_interval steps (capped at the largest k asked)."""
+    cost = ExpertStepCost.from_config(e2e.model_config("deepseek-v2-lite"), 3)
+    times = StepTimes()
+    for p, t in enumerate((3.2e-3, 4.0e-3, 5.3e-3, 6.0e-3)):         # V2-Lite, H200, batch 1
+        times.record(1, p, t)
+    pol = AdaptiveK(step_probe_interval=8)
+    trials = np.full((1, 3), 1e6)
+    hits = trials * 0.5
+    got = [pol.choose_step(trials, hits, np.zeros(1, np.int64), [3], 1, cost, times, i)
+           for i in range(16)]
+    passes = [p for _, p in got]
+    # at acceptance 0.5: 1.5 tokens / 4.0 ms beats 1.75 / 5.3 and 1 / 3.2
+    assert passes == [1] * 6 + [2, 2] + [1] * 6 + [2, 2]
+    assert all(int(k[0]) == p for k, p in got)
+    capped = pol.choose_step(trials, trials * 0.99, np.zeros(1, np.int64), [2], 1, cost,
+                             times, 7)
+    assert capped[1] == 2 and int(capped[0][0]) == 2

@@ -1,0 +1,58 @@
+"""Measured decode-step times per (batch bucket, draft passes): the time side of adaptive K.
+
+A byte count is a floor, not a time: DeepSeek-V2-Lite's batch-1 step runs at ~40% of its
+floor without drafts and ~56% with three, so a rule on bytes alone overrates plain decoding
+(docs/spec_decoding.md, "Adaptive K"). The engine measures each pure-decode step on the host
+(from when the device could start it to when its result is read) and keeps the last `window`
+samples per (batch bucket, passes). `estimate` returns the median where measured; elsewhere
+the byte model scaled by the seconds-per-byte of the nearest measured passes (same bucket
+first, then the nearest bucket), so one measurement already calibrates the others.
+"""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+
+def batch_bucket(rows: int) -> int:
+    """Decode rows -> the power of two >= rows (steps of similar batches share samples)."""
+    return 1 << max(int(rows) - 1, 0).bit_length()
+
+
+class StepTimes:
+    def __init__(self, window: int = 8):
+        self.window = window
+        self.samples: dict[tuple[int, int], collections.deque] = {}   # (bucket, passes) -> s
+
+    def record(self, rows: int, passes: int, seconds: float) -> None:
+        key = (batch_bucket(rows), int(passes))
+        self.samples.setdefault(key, collections.deque(maxlen=self.window)).append(
+            float(seconds))
+
+    def measured(self, rows: int, passes: int) -> float | None:
+        got = self.samples.get((batch_bucket(rows), int(passes)))
+        return float(np.median(got)) if got else None
+
+    def estimate(self, rows: int, model_bytes) -> np.ndarray:
+        """Seconds for passes 0..P-1 (model_bytes float[P]: the byte model of each)."""
+        model_bytes = np.asarray(model_bytes, np.float64)
+        b = batch_bucket(rows)
+        out = np.empty(len(model_bytes))
+        for p in range(len(model_bytes)):
+            t = self.measured(rows, p)
+            if t is not None:
+                out[p] = t
+                continue
+            ref = self._nearest(b, p, len(model_bytes))
+            out[p] = model_bytes[p] if ref is None else \
+                model_bytes[p] * self.measured(ref[0], ref[1]) / model_bytes[ref[1]]
+        return out
+
+    def _nearest(self, bucket: int, passes: int, P: int):
+        """The measured (bucket, passes) closest to these: same bucket first, then passes."""
+        keys = [k for k in self.samples if self.samples[k] and k[1] < P]
+        if not keys:
+            return None
+        return min(keys, key=lambda k: (abs(np.log2(k[0]) - np.log2(bucket)),
+                                        abs(k[1] - passes)))

@@ -1,0 +1,80 @@
+"""A step runs as many draft passes as the largest k the next step asks (chain drafting):
+fewer passes draw a prefix of the same drafts, a row never verifies a draft that was not
+drawn, and the tokens stay those of plain decoding whatever the passes."""
+
+import jax
+import numpy as np
+import pytest
+
+import mtpjax
+import mtpjax.speculative.adaptive as adaptive
+from mtpjax import SamplingParams, SpecConfig
+from mtpjax.speculative.adaptive import AdaptiveK
+from tests.conftest import tiny_config, tiny_mla_moe_config
+
+
+def _prompts(cfg, seed, n=3):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, cfg.vocab_size, size=4 + 3 * i).tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_passes_keep_plain_tokens(monkeypatch, seed):
+    """The adaptive policy's pass count replaced by a random one each step (0..K): greedy
+    tokens equal plain decoding, and steps really ran with fewer passes."""
+    cfg = tiny_mla_moe_config(53 + seed)
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(seed), std=0.05)
+    prompts, sp = _prompts(cfg, seed), SamplingParams(max_tokens=10)
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(adaptive, "_best_passes", lambda *a: int(rng.integers(0, 4)))
+    plain = mtpjax.LLM(params, cfg, None, num_pages=32).generate(prompts, sp)
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=3), num_pages=32,
+                     adaptive_k=AdaptiveK(probe_interval=0))
+    seen = []
+    dispatch = llm.runner.dispatch
+    llm.runner.dispatch = lambda out, ks=None, passes=None: seen.append(passes) or \
+        dispatch(out, ks, passes)
+    got = llm.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert {0, 1, 2} & set(seen) and 3 in seen, seen
+
+
+def test_fewer_passes_draw_a_prefix_of_the_drafts():
+    """Drafts of p passes are the first p of K passes' drafts; the rest stay 0."""
+    cfg = tiny_config()
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(4), std=0.3)
+    prompts = _prompts(cfg, 4, n=2)
+    K = 3
+    drafts = {}
+    for p in range(K + 1):
+        llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=K), num_pages=32,
+                         max_num_batched_tokens=64)
+        for t in prompts:
+            llm.add_request(t, SamplingParams(max_tokens=8))
+        out = llm.scheduler.schedule()                  # both prompts in one prefill step
+        assert all(r.is_prefill and r.is_last_chunk for r in out.requests)
+        result = np.asarray(llm.runner.dispatch(out, None, p))
+        slots = [llm.runner.slot_of[r.seq_id] for r in out.requests]
+        drafts[p] = np.asarray(llm.runner.state.drafts)[slots]
+        del result
+    for p in range(K):
+        np.testing.assert_array_equal(drafts[p][:, :p], drafts[K][:, :p])
+        assert (drafts[p][:, p:] == 0).all()
+
+
+def test_a_row_never_verifies_an_undrawn_draft():
+    cfg = tiny_config()
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(5), std=0.3)
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=3), num_pages=32)
+    seq = llm.add_request(_prompts(cfg, 5, n=1)[0], SamplingParams(max_tokens=8))
+    out = llm.scheduler.schedule()
+    result = llm.runner.dispatch(out, None, 1)         # the prefill drew one draft
+    llm._loop._complete(out, result, [3] * len(out.requests), 1)
+    assert llm.runner.drafted[seq.seq_id] == 1
+    dec = llm.scheduler.schedule()
+    assert not dec.requests[0].is_prefill
+    assert llm.runner.verify_counts(dec, [3]) == [1]
+    with pytest.raises(ValueError, match="would verify 3 drafts, but its last step drew 1"):
+        llm.runner.pack(dec, [3])
+    with pytest.raises(ValueError, match="draft passes must be 0..K=3"):
+        llm.runner.dispatch(dec, [1], 4)
