@@ -1,8 +1,8 @@
 """Adaptive K: how many drafts each request verifies this step, chosen on the host.
 
-The engine compiles its step for K drafts; a request's effective k (0..K) only masks drafts past
-k (never accepted), so changing k never recompiles and never changes outputs (acceptance stays
-lossless for every k). A masked draft is a padding token in the verify pass (no KV write, no
+A request's effective k (0..K) masks drafts past k (never accepted), and the engine's step runs
+as many draft passes as the largest k asked of the next step (one compiled program per count),
+so changing k never changes outputs (acceptance stays lossless for every k). A masked draft is a padding token in the verify pass (no KV write, no
 expert routed), which on MoE models saves the experts it would have touched. The policy (docs/spec_decoding.md, "Adaptive K"):
 
     alpha_i  = (hits_i + prior * prior_weight) / (trials_i + prior_weight)
@@ -20,10 +20,12 @@ expert routed), which on MoE models saves the experts it would have touched. The
                every `probe_interval`-th verify step of a request uses k + 1 (capped at k_max) so
                positions past k keep being measured.
 
-On an MoE model (`expert_aware`, the default) the rule is the step's expected tokens per byte
-instead: each request takes the k in 0..k_max that maximises (tokens the batch expects) /
-(bytes the step reads), the bytes counting the experts its verify tokens route to
-(`expert_cost.ExpertStepCost`) and the other requests held at their k_max.
+On an MoE model (`expert_aware`, the default) the rule decides the step instead
+(`AdaptiveK.choose_step`): the draft passes p that maximise the batch's expected tokens per
+second of step, every request verifying min(p, its k_max). Seconds are the engine's measured
+step times where it has them (`step_times.StepTimes`), else the step's bytes
+(`expert_cost.ExpertStepCost`: the experts its verify tokens route to included) scaled by the
+nearest measurement's seconds per byte.
 """
 
 from __future__ import annotations
