@@ -17,6 +17,7 @@
                                         (python -m mtpjax.bench.register_report)
     mtpjax bench gpu-check [options]    Pallas vs reference tokens on the GPU (smoke check)
     mtpjax bench fp8-linear [options]   FP8 weight-only projections (kernel, XLA) against bf16
+    mtpjax bench compile-time [options] one step program's compile time against depth
     mtpjax --version
 
 Every option's help ends with its default (`_HelpFormatter`); the supported model families come
@@ -248,6 +249,7 @@ BENCHES = {            # `mtpjax bench NAME` -> the module whose main(argv) it r
     "registers": "mtpjax.bench.register_report", "gpu-check": "mtpjax.bench.gpu_check",
     "gemv-peer": "mtpjax.bench.gemv_peer", "mla-profile": "mtpjax.bench.mla_profile",
     "spec-features": "mtpjax.bench.spec_features", "fp8-linear": "mtpjax.bench.fp8_linear",
+    "compile-time": "mtpjax.bench.compile_time",
 }
 # Commands whose module parses its own options. Run through here rather than `python -m`,
 # because their packages import them, which makes runpy warn on every `python -m` run.
