@@ -183,7 +183,7 @@ class ModelRunner:
         # last step that drafted for it): a row never verifies more (`verify_counts`)
         self.drafted: dict[int, int] = {}
         self.compiled_keys: set = set()      # programs run at least once (their compile done)
-        self.last_step_compiled = False      # did the last dispatch trace and compile?
+        self.last_step_compiled = False      # did the last dispatch compile or pad up?
         self.store = executable_store
         self.load_seconds = 0.0          # warmup's wait for the store's loads
         # the penalties' per-slot token history (device), made when a penalty batch first runs
@@ -406,11 +406,15 @@ class ModelRunner:
         mode = batch.sampling.mode        # pack's pick: its layout holds what the mode reads
         structured = batch.sampling.token_bitmask is not None    # compiled on first use
         compiled = None
+        own = (batch.tokens.shape[0], F)
         if not structured:
             batch, F, compiled = self._compiled_for(batch, F, mode, passes)
         inputs, shape = self.device_inputs(batch)
         key = (shape, F, mode, passes, structured)
-        self.last_step_compiled = compiled is None and key not in self.compiled_keys
+        # a step that compiled, or ran padded up to a larger bucket, took longer than its own
+        # program will (adaptive K's step times skip it)
+        self.last_step_compiled = (compiled is None and key not in self.compiled_keys) or \
+            (shape[0], F) != own
         self.compiled_keys.add(key)
         if compiled is not None:                 # warmed up: no tracing, not even a cache lookup
             self.state, result = compiled(self.params, self.state, inputs)
