@@ -115,6 +115,8 @@ def sweep(a, bw) -> None:
             configs = []
             for act in a.sweep_activations.split(","):
                 configs.append(dict(activations=act))                   # the defaults
+                if a.sweep_defaults_only:
+                    continue
                 # `compute` is the widened dot's dtype: the fp8 mode widens nothing
                 computes = ("float16", "bfloat16") if act == "bf16" else (None,)
                 configs += [dict(block_n=n, block_k=k, splits=sp, num_warps=w, num_stages=st,
@@ -162,6 +164,9 @@ def main(argv=None) -> int:
                     help="time the kernel alone over its block / split / stage choices")
     ap.add_argument("--sweep-shapes", default="4096x14336,14336x4096",
                     help="K x N of the swept weights (8B: MLP up 4096x14336, down 14336x4096)")
+    ap.add_argument("--sweep-defaults-only", action="store_true",
+                    help="--sweep times each activations mode's default config only (the "
+                         "modes side by side, kernel alone, in seconds)")
     ap.add_argument("--sweep-activations", default="bf16,fp8",
                     help="the kernel's activations modes to sweep (bf16: x as given; fp8: x "
                          "to e4m3 per 128 columns)")
