@@ -164,12 +164,13 @@ def test_activation_quantization_error_per_element(seed):
 
 
 def _fp8_act_case(seed):
-    """Random shape and layout: M in 1..MAX_ROWS, K a multiple of 128, block or channel."""
+    """Random shape and layout: M in 1..MAX_ROWS, K a multiple of 128, block scales, one per
+    output channel, or per channel and 128 rows (scaled inside the K loop)."""
     rng = np.random.default_rng(seed)
     M = int(rng.integers(1, MAX_ROWS + 1))
     K = 128 * int(rng.integers(1, 5))
     N = 64 * int(rng.integers(1, 5))
-    block = [(128, 128), (128, 64), (64, 64), (K, 1)][seed % 4]
+    block = [(128, 128), (128, 64), (64, 64), (K, 1), (128, 1)][seed % 5]
     N = N if N % block[1] == 0 else 128
     return _case(seed, M, K, N, block)
 
