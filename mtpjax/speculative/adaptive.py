@@ -52,7 +52,10 @@ class AdaptiveK:
     probe_interval: int = 8
     # the MoE step rule's probes: the last two of every `step_probe_interval` steps draw one
     # draft more (each probe step costs the batch a pass it may not need)
-    step_probe_interval: int = 32
+    step_probe_interval: int = 64
+    # ... and leaves its current pass count only for one expected to be this much better
+    # (the acceptance estimates are noisy: near-equal counts would alternate)
+    switch_margin: float = 0.03
     min_k: int = 0
     # MoE models: choose k by expected tokens per byte read, counting the experts each
     # verified draft routes to (`expert_cost.py`); off, or on a dense model, the threshold rule
@@ -62,7 +65,8 @@ class AdaptiveK:
         checks = (("draft_cost", self.draft_cost, 0.0, None, "a number >= 0"),
                   ("decay", self.decay, 0.0, 1.0, "a number in [0, 1]"),
                   ("prior", self.prior, 0.0, 1.0, "a number in [0, 1]"),
-                  ("prior_weight", self.prior_weight, 0.0, None, "a number >= 0"))
+                  ("prior_weight", self.prior_weight, 0.0, None, "a number >= 0"),
+                  ("switch_margin", self.switch_margin, 0.0, None, "a number >= 0"))
         for name, v, lo, hi, what in checks:
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
                     or not (v >= lo and (hi is None or v <= hi)):
@@ -111,15 +115,28 @@ class AdaptiveK:
             k = np.where(probe, np.minimum(k + 1, k_max), k)
         return k.astype(np.int64)
 
+    def rule_passes(self, trials, hits, k_max, batch_size: int, step_cost, times=None,
+                    current: int | None = None) -> int:
+        """The step rule's own pass count (`choose_step` before its measuring and probing
+        steps): `_best_passes` with the switch margin, at least min_k."""
+        k_max = np.asarray(k_max, np.int64)
+        alphas = _step_alphas(trials, hits, self.prior, self.prior_weight)
+        passes = _best_passes(np.cumprod(alphas, axis=1), k_max, batch_size, step_cost, times,
+                              current, self.switch_margin)
+        return max(passes, int(np.minimum(self.min_k, k_max).max()))
+
     def choose_step(self, trials, hits, steps, k_max, batch_size: int,
                     step_cost: "ExpertStepCost | None" = None, times=None,
-                    step_index: int = 0) -> tuple[np.ndarray, int]:
+                    step_index: int = 0, current: int | None = None) -> tuple[np.ndarray, int]:
         """The engine's choice for one step: (k int[n] each request verifies next, the step's
         draft passes). On an MoE model (`expert_aware`, a step_cost) one number of passes for
         the batch by expected tokens per second of step (`_best_passes`; `times`: measured
-        `StepTimes`), every request at min(passes, its k_max); the last two steps of every
-        `step_probe_interval` (at least 2) take one pass more, so the next count's time and
-        acceptance keep being measured.
+        `StepTimes`; `current`: the count the last such step chose, kept unless another is
+        `switch_margin` better), every request at min(passes, its k_max); a count not yet measured at
+        this batch bucket is run first (two steps: one draws, the next is steady and timed);
+        the last two steps of every
+        `step_probe_interval` (at least 2) run every draft asked, so every position's
+        acceptance keeps being measured.
         Otherwise the per-request threshold rule (`choose_many`) and as many passes as the
         largest k."""
         k_max = np.asarray(k_max, np.int64)
@@ -128,19 +145,40 @@ class AdaptiveK:
         if step_cost is None or not self.expert_aware:
             ks = self.choose_many(trials, hits, steps, k_max, batch_size)
             return ks, int(ks.max())
-        alphas = (hits + self.prior * self.prior_weight) / (trials + self.prior_weight)
-        passes = _best_passes(np.cumprod(alphas, axis=1), k_max, batch_size, step_cost, times)
-        passes = max(passes, int(np.minimum(self.min_k, k_max).max()))
-        # a probe lasts two steps: the first draws the extra draft, the second verifies it
-        # and draws again, so its time is a steady step's (the one `StepTimes` keeps)
+        passes = self.rule_passes(trials, hits, k_max, batch_size, step_cost, times, current)
+        unmeasured = [] if times is None else [
+            p for p in range(int(k_max.max()) + 1) if times.measured(batch_size, p) is None]
+        if unmeasured:
+            # measure every count once per batch bucket first: the byte model scaled by one
+            # count's time keeps the bytes' ranking, which overrates fewer passes (V2-Lite,
+            # batch 1: it stayed at one draft where three gave 8% more tokens per second)
+            passes = unmeasured[0]
+            ks = np.maximum(np.minimum(k_max, passes), np.minimum(self.min_k, k_max))
+            return ks.astype(np.int64), max(passes, int(ks.max()))
+        # a probe runs every draft asked (every position's acceptance is judged again: one
+        # more only would leave the rule stuck below a count two steps up) for two steps:
+        # the first draws, the second verifies and is a steady step that `StepTimes` keeps
         every = max(self.step_probe_interval, 2)
         if self.step_probe_interval and step_index % every >= every - 2:
-            passes = min(passes + 1, int(k_max.max()))
+            passes = int(k_max.max())
         ks = np.maximum(np.minimum(k_max, passes), np.minimum(self.min_k, k_max))
         return ks.astype(np.int64), passes
 
 
-def _best_passes(gain, k_max, batch_size: int, step_cost, times=None) -> int:
+def _step_alphas(trials, hits, prior: float, prior_weight: float) -> np.ndarray:
+    """The step rule's per-position acceptance: position 1 shrunk toward `prior`, every later
+    position toward the request's position-1 estimate (with twice the weight). A count that
+    stops drafting position i stops judging it, so a low estimate from few trials would
+    stay; shrinking toward position 1 (an optimistic guess: acceptance falls with depth)
+    lets the rule return. trials, hits float[n, K] -> float[n, K]."""
+    first = (hits[:, :1] + prior * prior_weight) / (trials[:, :1] + prior_weight)
+    w = 2 * prior_weight
+    later = (hits[:, 1:] + first * w) / (trials[:, 1:] + w)
+    return np.concatenate([first, later], axis=1)
+
+
+def _best_passes(gain, k_max, batch_size: int, step_cost, times=None, current=None,
+                 margin: float = 0.0) -> int:
     """The step's draft passes p (0..max k_max) that maximise (tokens the batch expects) /
     (the step's time), every request verifying min(p, its k_max) next: the time is the
     measured step time where `times` (`step_times.StepTimes`) has one, else the byte model
@@ -158,7 +196,11 @@ def _best_passes(gain, k_max, batch_size: int, step_cost, times=None) -> int:
     seconds = model if times is None else times.estimate(B, model)
     score = tokens / seconds
     # the largest p within 1e-9 of the best (ties keep drafting)
-    return int(cand[score >= score.max() * (1 - 1e-9)].max())
+    best = int(cand[score >= score.max() * (1 - 1e-9)].max())
+    if current is not None and current < len(cand) and \
+            score[best] <= score[current] * (1 + margin):
+        return int(current)          # not enough better to leave the current count
+    return best
 
 
 def _tokens_per_byte_k(gain, k_max, batch_size: int, step_cost) -> np.ndarray:
@@ -220,6 +262,7 @@ class AcceptanceTable:
         self.trials = np.zeros((0, K))            # float[rows, K]
         self.hits = np.zeros((0, K))              # float[rows, K]
         self.steps = np.zeros((0,), np.int64)     # int[rows]
+        self.chosen_passes: int | None = None      # the step rule's last choice
 
     def rows(self, seq_ids) -> np.ndarray:
         """Rows of these requests (new requests get a zeroed row). -> int[n]."""
@@ -254,9 +297,15 @@ class AcceptanceTable:
     def choose_step(self, policy: AdaptiveK, seq_ids, k_max, batch_size: int, step_cost=None,
                     times=None, step_index: int = 0) -> tuple[np.ndarray, int]:
         r = self.rows(seq_ids)
-        return policy.choose_step(self.trials[r], self.hits[r], self.steps[r],
-                                  np.asarray(k_max, np.int64), batch_size, step_cost, times,
-                                  step_index)
+        k_max = np.asarray(k_max, np.int64)
+        ks, passes = policy.choose_step(self.trials[r], self.hits[r], self.steps[r], k_max,
+                                        batch_size, step_cost, times, step_index,
+                                        self.chosen_passes)
+        if step_cost is not None and policy.expert_aware and len(k_max):
+            self.chosen_passes = policy.rule_passes(self.trials[r], self.hits[r], k_max,
+                                                    batch_size, step_cost, times,
+                                                    self.chosen_passes)
+        return ks, passes
 
     def observe(self, seq_ids, k_used, accepted, decay: float) -> None:
         r = self.rows(seq_ids)

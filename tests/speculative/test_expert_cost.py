@@ -135,22 +135,53 @@ def test_step_times_calibrate_the_unmeasured_counts():
     assert times.estimate(1, model)[0] == pytest.approx(5.0 / 3.0)   # its own bucket first
 
 
-def test_step_rule_probes_one_pass_more_for_two_steps():
-    """The step rule's choice, and one pass more on the last two of every
-    step_probe_interval steps (capped at the largest k asked)."""
+def test_step_rule_measures_then_chooses_then_probes():
+    """Unmeasured counts run first; then the best by tokens per measured second; the last
+    two of every step_probe_interval steps run every draft asked."""
     cost = ExpertStepCost.from_config(e2e.model_config("deepseek-v2-lite"), 3)
-    times = StepTimes()
-    for p, t in enumerate((3.2e-3, 4.0e-3, 5.3e-3, 6.0e-3)):         # V2-Lite, H200, batch 1
-        times.record(1, p, t)
     pol = AdaptiveK(step_probe_interval=8)
     trials = np.full((1, 3), 1e6)
     hits = trials * 0.5
+    times = StepTimes()
+    first = pol.choose_step(trials, hits, np.zeros(1, np.int64), [3], 1, cost, times, 0)
+    assert first[1] == 0 and int(first[0][0]) == 0                 # nothing measured: 0 first
+    times.record(1, 0, 3.2e-3)
+    assert pol.choose_step(trials, hits, np.zeros(1, np.int64), [3], 1, cost, times, 1)[1] == 1
+    for p, t in enumerate((3.2e-3, 4.0e-3, 5.3e-3, 6.0e-3)):         # V2-Lite, H200, batch 1
+        times.record(1, p, t)
     got = [pol.choose_step(trials, hits, np.zeros(1, np.int64), [3], 1, cost, times, i)
            for i in range(16)]
     passes = [p for _, p in got]
     # at acceptance 0.5: 1.5 tokens / 4.0 ms beats 1.75 / 5.3 and 1 / 3.2
-    assert passes == [1] * 6 + [2, 2] + [1] * 6 + [2, 2]
+    assert passes == [1] * 6 + [3, 3] + [1] * 6 + [3, 3]
     assert all(int(k[0]) == p for k, p in got)
-    capped = pol.choose_step(trials, trials * 0.99, np.zeros(1, np.int64), [2], 1, cost,
+    capped = pol.choose_step(trials, trials * 0.2, np.zeros(1, np.int64), [2], 1, cost,
                              times, 7)
     assert capped[1] == 2 and int(capped[0][0]) == 2
+
+
+def test_step_rule_keeps_its_count_unless_another_is_clearly_better():
+    cost = ExpertStepCost.from_config(e2e.model_config("deepseek-v2-lite"), 3)
+    times = StepTimes()
+    for p, t in enumerate((3.2e-3, 4.0e-3, 5.3e-3, 6.0e-3)):
+        times.record(1, p, t)
+    trials = np.full((1, 3), 1e6)
+    pol = AdaptiveK(switch_margin=0.05)
+    # acceptance 0.8: three drafts 2.95 / 6.0 = 0.49 per ms, one 1.8 / 4.0 = 0.45 (9% less)
+    hits = trials * 0.8
+    assert pol.rule_passes(trials, hits, [3], 1, cost, times, current=1) == 3
+    # acceptance 0.74: three give 2.69 / 6.0 = 0.449, one 1.74 / 4.0 = 0.435: within 5%
+    hits = trials * 0.74
+    assert pol.rule_passes(trials, hits, [3], 1, cost, times, current=None) == 3
+    assert pol.rule_passes(trials, hits, [3], 1, cost, times, current=1) == 1
+
+
+def test_later_positions_shrink_toward_the_first():
+    """A position judged a few times with bad luck does not keep the rule away: later
+    positions shrink toward the request's first-position estimate."""
+    trials = np.asarray([[100.0, 2.0, 0.0]])
+    hits = np.asarray([[80.0, 0.0, 0.0]])
+    a = adaptive._step_alphas(trials, hits, 0.7, 2.0)[0]
+    first = (80 + 1.4) / 102
+    assert a[0] == pytest.approx(first)
+    assert a[1] == pytest.approx(4 * first / 6) and a[2] == pytest.approx(first)
