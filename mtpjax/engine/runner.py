@@ -184,6 +184,7 @@ class ModelRunner:
         self.drafted: dict[int, int] = {}
         self.compiled_keys: set = set()      # programs run at least once (their compile done)
         self.last_step_compiled = False      # did the last dispatch compile or pad up?
+        self.num_compiles = 0                # dispatches that traced and compiled a step
         self.store = executable_store
         self.load_seconds = 0.0          # warmup's wait for the store's loads
         # the penalties' per-slot token history (device), made when a penalty batch first runs
@@ -413,8 +414,9 @@ class ModelRunner:
         key = (shape, F, mode, passes, structured)
         # a step that compiled, or ran padded up to a larger bucket, took longer than its own
         # program will (adaptive K's step times skip it)
-        self.last_step_compiled = (compiled is None and key not in self.compiled_keys) or \
-            (shape[0], F) != own
+        compiles = compiled is None and key not in self.compiled_keys
+        self.num_compiles += compiles
+        self.last_step_compiled = compiles or (shape[0], F) != own
         self.compiled_keys.add(key)
         if compiled is not None:                 # warmed up: no tracing, not even a cache lookup
             self.state, result = compiled(self.params, self.state, inputs)

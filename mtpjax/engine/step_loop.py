@@ -45,7 +45,8 @@ class StepLoop:
         self.step_times = StepTimes()   # measured pure-decode steps, for adaptive K
         self.passes_used: collections.Counter = collections.Counter()    # passes -> steps
         self.last_done = 0.0            # perf_counter when the last step's result was read
-        # (SchedulerOutput, result, ks, passes, dispatched at, compiled) dispatched, unread
+        # (SchedulerOutput, result, ks, passes, dispatched at, compiled, runner.num_compiles
+        # after it) dispatched, unread
         self.inflight = None
         self.needs_recovery = False     # a step raised and its recovery did not finish
         self.num_steps = 0
@@ -70,7 +71,8 @@ class StepLoop:
             t0 = time.perf_counter()
             result = self.runner.dispatch(out, None if all(k == self.K for k in ks) else ks,
                                           passes)
-            launched = (out, result, ks, passes, t0, self.runner.last_step_compiled)
+            launched = (out, result, ks, passes, t0, self.runner.last_step_compiled,
+                        self.runner.num_compiles)
             self.passes_used[passes] += 1
         if self.async_scheduling:
             launched, self.inflight = self.inflight, launched
@@ -135,11 +137,14 @@ class StepLoop:
         return self._expert_cost_cache
 
     def _complete(self, out, result, ks=None, passes=None, dispatched=None,
-                  compiled=False) -> None:
+                  compiled=False, compiles_before=None) -> None:
         """Reads a dispatched step back, applies it and reports the news."""
         committed = self.runner.collect(out, result)
         done = time.perf_counter()
+        # a compile while it was in flight (async scheduling dispatches the next step, which
+        # may compile, before this one is read) delays its readback: not a step time either
         if (self.adaptive_k is not None and dispatched is not None and not compiled
+                and compiles_before == self.runner.num_compiles
                 and out.decodes and len(out.decodes) == len(out.requests)
                 and max(ks) == passes):
             # a steady pure-decode step's time (it verified as many drafts as it drew: a step

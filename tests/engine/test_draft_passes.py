@@ -78,3 +78,27 @@ def test_a_row_never_verifies_an_undrawn_draft():
         llm.runner.pack(dec, [3])
     with pytest.raises(ValueError, match="draft passes must be 0..K=3"):
         llm.runner.dispatch(dec, [1], 4)
+
+
+def test_step_times_skip_steps_delayed_by_a_compile(monkeypatch):
+    """A step whose readback waited for a compile (its own, or the next step's dispatched
+    while it was in flight) is no step time: each compile here also sleeps 1.5 s, so a
+    sample that took one in would be >= 1.5 s."""
+    import time
+    cfg = tiny_mla_moe_config(67)
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(6), std=0.05)
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=3), num_pages=32,
+                     adaptive_k=AdaptiveK(), async_scheduling=True)
+    dispatch = llm.runner.dispatch
+
+    def slow_compiles(*a, **k):
+        before = llm.runner.num_compiles
+        out = dispatch(*a, **k)
+        if llm.runner.num_compiles > before:
+            time.sleep(1.5)
+        return out
+    llm.runner.dispatch = slow_compiles
+    llm.generate(_prompts(cfg, 6, n=2), SamplingParams(max_tokens=24))
+    samples = [t for d in llm._loop.step_times.samples.values() for t in d]
+    assert llm.runner.num_compiles >= 3 and samples
+    assert max(samples) < 1.5, sorted(samples)[-3:]
