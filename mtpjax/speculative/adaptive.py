@@ -127,13 +127,14 @@ class AdaptiveK:
 
     def choose_step(self, trials, hits, steps, k_max, batch_size: int,
                     step_cost: "ExpertStepCost | None" = None, times=None,
-                    step_index: int = 0, current: int | None = None) -> tuple[np.ndarray, int]:
+                    step_index: int = 0, current: int | None = None,
+                    rule: int | None = None) -> tuple[np.ndarray, int]:
         """The engine's choice for one step: (k int[n] each request verifies next, the step's
         draft passes). On an MoE model (`expert_aware`, a step_cost) one number of passes for
         the batch by expected tokens per second of step (`_best_passes`; `times`: measured
         `StepTimes`; `current`: the count the last such step chose, kept unless another is
-        `switch_margin` better), every request at min(passes, its k_max); a count not yet measured at
-        this batch bucket is run first (two steps: one draws, the next is steady and timed);
+        `switch_margin` better), every request at min(passes, its k_max); a count with fewer
+        than MEASURED_STEPS steady steps timed at this batch bucket is run first;
         the last two steps of every
         `step_probe_interval` (at least 2) run every draft asked, so every position's
         acceptance keeps being measured.
@@ -145,13 +146,17 @@ class AdaptiveK:
         if step_cost is None or not self.expert_aware:
             ks = self.choose_many(trials, hits, steps, k_max, batch_size)
             return ks, int(ks.max())
-        passes = self.rule_passes(trials, hits, k_max, batch_size, step_cost, times, current)
+        passes = rule if rule is not None else self.rule_passes(trials, hits, k_max, batch_size,
+                                                                step_cost, times, current)
         unmeasured = [] if times is None else [
-            p for p in range(int(k_max.max()) + 1) if times.measured(batch_size, p) is None]
+            p for p in range(int(k_max.max()) + 1)
+            if times.count(batch_size, p) < MEASURED_STEPS]
         if unmeasured:
-            # measure every count once per batch bucket first: the byte model scaled by one
+            # measure every count per batch bucket first: the byte model scaled by one
             # count's time keeps the bytes' ranking, which overrates fewer passes (V2-Lite,
-            # batch 1: it stayed at one draft where three gave 8% more tokens per second)
+            # batch 1: it stayed at one draft where three gave 8% more tokens per second);
+            # several steps each, as one step's time can be far off (CPU: 1.8 ms against a
+            # median of 1.1)
             passes = unmeasured[0]
             ks = np.maximum(np.minimum(k_max, passes), np.minimum(self.min_k, k_max))
             return ks.astype(np.int64), max(passes, int(ks.max()))
@@ -163,6 +168,10 @@ class AdaptiveK:
             passes = int(k_max.max())
         ks = np.maximum(np.minimum(k_max, passes), np.minimum(self.min_k, k_max))
         return ks.astype(np.int64), passes
+
+
+# steady steps the step rule times per pass count and batch bucket before trusting the count
+MEASURED_STEPS = 3
 
 
 def _step_alphas(trials, hits, prior: float, prior_weight: float) -> np.ndarray:
@@ -298,14 +307,13 @@ class AcceptanceTable:
                     times=None, step_index: int = 0) -> tuple[np.ndarray, int]:
         r = self.rows(seq_ids)
         k_max = np.asarray(k_max, np.int64)
-        ks, passes = policy.choose_step(self.trials[r], self.hits[r], self.steps[r], k_max,
-                                        batch_size, step_cost, times, step_index,
-                                        self.chosen_passes)
+        rule = None
         if step_cost is not None and policy.expert_aware and len(k_max):
-            self.chosen_passes = policy.rule_passes(self.trials[r], self.hits[r], k_max,
-                                                    batch_size, step_cost, times,
-                                                    self.chosen_passes)
-        return ks, passes
+            rule = self.chosen_passes = policy.rule_passes(
+                self.trials[r], self.hits[r], k_max, batch_size, step_cost, times,
+                self.chosen_passes)
+        return policy.choose_step(self.trials[r], self.hits[r], self.steps[r], k_max,
+                                  batch_size, step_cost, times, step_index, rule=rule)
 
     def observe(self, seq_ids, k_used, accepted, decay: float) -> None:
         r = self.rows(seq_ids)

@@ -24,15 +24,20 @@ class StepTimes:
     def __init__(self, window: int = 8):
         self.window = window
         self.samples: dict[tuple[int, int], collections.deque] = {}   # (bucket, passes) -> s
+        self._medians: dict[tuple[int, int], float] = {}      # kept with each record
 
     def record(self, rows: int, passes: int, seconds: float) -> None:
         key = (batch_bucket(rows), int(passes))
-        self.samples.setdefault(key, collections.deque(maxlen=self.window)).append(
-            float(seconds))
+        got = self.samples.setdefault(key, collections.deque(maxlen=self.window))
+        got.append(float(seconds))
+        self._medians[key] = float(np.median(got))
+
+    def count(self, rows: int, passes: int) -> int:
+        """Samples held for this (batch bucket, passes)."""
+        return len(self.samples.get((batch_bucket(rows), int(passes)), ()))
 
     def measured(self, rows: int, passes: int) -> float | None:
-        got = self.samples.get((batch_bucket(rows), int(passes)))
-        return float(np.median(got)) if got else None
+        return self._medians.get((batch_bucket(rows), int(passes)))
 
     def estimate(self, rows: int, model_bytes) -> np.ndarray:
         """Seconds for passes 0..P-1 (model_bytes float[P]: the byte model of each)."""

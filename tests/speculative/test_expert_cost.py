@@ -145,10 +145,14 @@ def test_step_rule_measures_then_chooses_then_probes():
     times = StepTimes()
     first = pol.choose_step(trials, hits, np.zeros(1, np.int64), [3], 1, cost, times, 0)
     assert first[1] == 0 and int(first[0][0]) == 0                 # nothing measured: 0 first
-    times.record(1, 0, 3.2e-3)
+    for _ in range(adaptive.MEASURED_STEPS - 1):
+        times.record(1, 0, 3.2e-3)
+    assert pol.choose_step(trials, hits, np.zeros(1, np.int64), [3], 1, cost, times, 1)[1] == 0
+    times.record(1, 0, 3.2e-3)                          # three steps of 0: 1 is next
     assert pol.choose_step(trials, hits, np.zeros(1, np.int64), [3], 1, cost, times, 1)[1] == 1
-    for p, t in enumerate((3.2e-3, 4.0e-3, 5.3e-3, 6.0e-3)):         # V2-Lite, H200, batch 1
-        times.record(1, p, t)
+    for _ in range(adaptive.MEASURED_STEPS):
+        for p, t in enumerate((3.2e-3, 4.0e-3, 5.3e-3, 6.0e-3)):     # V2-Lite, H200, batch 1
+            times.record(1, p, t)
     got = [pol.choose_step(trials, hits, np.zeros(1, np.int64), [3], 1, cost, times, i)
            for i in range(16)]
     passes = [p for _, p in got]
@@ -164,7 +168,8 @@ def test_step_rule_keeps_its_count_unless_another_is_clearly_better():
     cost = ExpertStepCost.from_config(e2e.model_config("deepseek-v2-lite"), 3)
     times = StepTimes()
     for p, t in enumerate((3.2e-3, 4.0e-3, 5.3e-3, 6.0e-3)):
-        times.record(1, p, t)
+        for _ in range(adaptive.MEASURED_STEPS):
+            times.record(1, p, t)
     trials = np.full((1, 3), 1e6)
     pol = AdaptiveK(switch_margin=0.05)
     # acceptance 0.8: three drafts 2.95 / 6.0 = 0.49 per ms, one 1.8 / 4.0 = 0.45 (9% less)
