@@ -13,7 +13,11 @@ most of the extra memory: 7.5 of 9.1 GB at the 8B shape), `False` none.
 
 `fuse_projections(params, cfg)` returns a new tree: every GQA layer (target and MTP blocks) gets
 `wqkv` (and `bqkv` with biases) in place of wq/wk/wv (bq/bk/bv), every dense SwiGLU `w_gate_up`
-in place of w_gate/w_up; everything else is shared with the input. The model's projections read
+in place of w_gate/w_up; everything else is shared with the input. On DeepSeek-style layers
+the "qkv" group is MLA's query projection (wq, or wq_a under a q LoRA) with wkv_a, both reading
+the same x (`wq_kv_a [E, Q + R + dr]`), and "gate_up" also fuses the MoE shared experts'
+gate and up (`shared_gate_up`): at batch 1 a V2-Lite-shaped step ran ~29 kernels per layer,
+most of them small GEMMs whose launch and tail cost more than their bytes. The model's projections read
 either layout (`gqa.qkv_projection`, `dense_ffn.DenseFFN`). One device only: on a mesh the
 table splits wq by head and wk/wv by KV head, which a concatenated matrix cannot follow; the
 engine and `generate` fuse after placing the params (the sharding table describes the unfused
@@ -32,6 +36,10 @@ from mtpjax.model.fp8_weight import concatenate_out, is_fp8
 QKV = ("wq", "wk", "wv")
 BQKV = ("bq", "bk", "bv")
 GATE_UP = ("w_gate", "w_up")
+# MLA: the query projection (q_proj, or q_a_proj under a q LoRA) and kv_a_proj_with_mqa read
+# the same x; MoE: the shared experts' gate and up
+MLA_QKV = (("wq", "wkv_a"), ("wq_a", "wkv_a"))
+SHARED_GATE_UP = ("shared_gate", "shared_up")
 GROUPS = ("qkv", "gate_up")
 MODES = {"all": GROUPS, "qkv": ("qkv",)}     # the string values of fuse_projections=
 
@@ -63,12 +71,26 @@ def _fuse_block(block: dict, kinds: tuple[str, str], groups=GROUPS) -> dict:
             out["wqkv"] = wqkv
             if all(k in out for k in BQKV):
                 out["bqkv"] = jnp.concatenate([out.pop(k) for k in BQKV], axis=-1)
+    if "qkv" in groups and kinds[0] == "mla":
+        for names in MLA_QKV:
+            if all(k in out for k in names):
+                fused = _concatenate([out[k] for k in names])
+                if fused is not None:
+                    for k in names:
+                        del out[k]
+                    out["wq_kv_a"] = fused          # [E, Q + R + dr]: mla_projections splits
     if "gate_up" in groups and kinds[1] == "dense" and all(k in out for k in GATE_UP):
         w_gate_up = _concatenate([out[k] for k in GATE_UP])
         if w_gate_up is not None:
             for k in GATE_UP:
                 del out[k]
             out["w_gate_up"] = w_gate_up
+    if "gate_up" in groups and kinds[1] == "moe" and all(k in out for k in SHARED_GATE_UP):
+        fused = _concatenate([out[k] for k in SHARED_GATE_UP])
+        if fused is not None:
+            for k in SHARED_GATE_UP:
+                del out[k]
+            out["shared_gate_up"] = fused
     return out
 
 
@@ -84,7 +106,8 @@ def fuse_projections(params: dict, cfg, groups=GROUPS) -> dict:
 
 
 def is_fused(params: dict) -> bool:
-    return any("wqkv" in p or "w_gate_up" in p for p in params["layers"])
+    return any(k in p for p in params["layers"]
+               for k in ("wqkv", "w_gate_up", "wq_kv_a", "shared_gate_up"))
 
 
 def check_fusable(mesh) -> None:

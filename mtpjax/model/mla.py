@@ -83,12 +83,17 @@ def mla_projections(p: dict, x: jax.Array, positions: jax.Array, cfg):
     c [..., T, R] (normed latent), k_rope [..., T, dr] (rotated)."""
     m = cfg.mla
     H, dn, dr, R = cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
-    if "wq" in p:
-        q = linear(x, p["wq"])
+    if "wq_kv_a" in p:         # fused at load (model/fused.py): one GEMM, then split
+        y = linear(x, p["wq_kv_a"])
+        q_in, kv = y[..., :-(R + dr)], y[..., -(R + dr):]
     else:
-        q = linear(rms_norm(linear(x, p["wq_a"]), p["q_a_norm"], LORA_NORM_EPS), p["wq_b"])
+        q_in, kv = None, linear(x, p["wkv_a"])
+    if m.q_lora_rank is None:
+        q = q_in if q_in is not None else linear(x, p["wq"])
+    else:
+        q_a = q_in if q_in is not None else linear(x, p["wq_a"])
+        q = linear(rms_norm(q_a, p["q_a_norm"], LORA_NORM_EPS), p["wq_b"])
     q = q.reshape(*q.shape[:-1], H, dn + dr)
-    kv = linear(x, p["wkv_a"])
     c = rms_norm(kv[..., :R], p["kv_a_norm"], LORA_NORM_EPS)
     q_rope = _rope(q[..., dn:], positions, cfg)
     k_rope = _rope(kv[..., None, R:], positions, cfg)[..., 0, :]

@@ -126,3 +126,36 @@ def test_qkv_mode_fuses_only_qkv_and_keeps_tokens(seed):
     assert "w_gate" in llm.runner.params["layers"][0]
     got = [o.token_ids for o in llm.generate(PROMPTS, mtpjax.SamplingParams(max_tokens=6))]
     assert got == want
+
+
+@pytest.mark.parametrize("q_lora", [24, None])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mla_and_shared_experts_fuse_with_the_same_outputs(q_lora, seed):
+    """MLA: the query projection (q_proj, or q_a_proj under a q LoRA) and kv_a_proj read the
+    same x, so they fuse into one GEMM; MoE: the shared experts' gate and up. The forward
+    and the engine's MTP tokens stay those of the unfused model."""
+    from tests.conftest import replace_fields, tiny_mla_moe_config
+    cfg = replace_fields(tiny_mla_moe_config(50 + seed), q_lora_rank=q_lora)
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(seed), std=0.1)
+    fused = fuse_projections(params, cfg)
+    assert is_fused(fused) and not is_fused(params)
+    m, E = cfg.mla, cfg.hidden_size
+    q_width = cfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) if q_lora is None \
+        else q_lora
+    for layer in (fused["layers"][1], fused["mtp"][0]["block"]):       # MLA + MoE blocks
+        assert layer["wq_kv_a"].shape == (E, q_width + m.kv_lora_rank + m.qk_rope_head_dim)
+        assert not {"wq", "wq_a", "wkv_a", "shared_gate", "shared_up"} & set(layer)
+        assert layer["shared_gate_up"].shape == (E, 2 * cfg.moe.moe_intermediate_size)
+    assert "w_gate_up" in fused["layers"][0]                          # the dense first layer
+    assert fuse_projections(fused, cfg)["layers"][1].keys() == fused["layers"][1].keys()
+    tokens = jax.random.randint(jax.random.PRNGKey(seed), (2, 7), 0, cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(mtpjax.forward(fused, cfg, tokens)),
+                               np.asarray(mtpjax.forward(params, cfg, tokens)),
+                               rtol=1e-5, atol=1e-5)
+    if seed == 0:
+        s = mtpjax.SpecConfig(num_speculative_tokens=2)
+        sps = [mtpjax.SamplingParams(max_tokens=8)] * 2
+        got = {fuse: [o.token_ids for o in mtpjax.LLM(
+            params, cfg, s, num_pages=32, fuse_projections=fuse).generate(PROMPTS[:2], sps)]
+            for fuse in (False, True)}
+        assert got[True] == got[False]
