@@ -46,8 +46,9 @@ class BackgroundWarmup:
 
     def __init__(self, runner, buckets: list[tuple[int, int]], times: list, threads: int = 1,
                  progress: bool = True):
-        self._programs = runner.background_programs(buckets)
         self._executables = runner.executables          # the dict only, never the runner
+        self._programs = [p for p in runner.background_programs(buckets)
+                          if p[2] not in self._executables]      # not compiled before
         self._times = times
         self._stop = threading.Event()
         self._done = threading.Event()
@@ -155,7 +156,12 @@ def warm_up_background(runner, max_num_batched_tokens: int, max_num_seqs: int,
         def done(T, F, seconds):
             times.append((T, F, seconds))
             bar.update(T, F, seconds)
-        runner.warmup([first], on_compiled=done, threads=threads, load_threads=threads)
-    warming = BackgroundWarmup(runner, [b for b in buckets if b != first], times, threads)
+        # its largest pass count only: a step asking fewer draft passes runs on it meanwhile
+        every, runner.warm_passes = runner.warm_passes, runner.warm_passes[-1:]
+        try:
+            runner.warmup([first], on_compiled=done, threads=threads, load_threads=threads)
+        finally:
+            runner.warm_passes = every
+    warming = BackgroundWarmup(runner, buckets, times, threads)
     runner.warming = warming        # dispatch pads a step up to a compiled bucket meanwhile
     return warming

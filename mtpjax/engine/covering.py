@@ -20,18 +20,24 @@ from mtpjax.speculative.mixed_step import MixedBatch
 
 def covering_program(executables: dict, key: tuple):
     """(key', executable) of the smallest compiled program that can serve a step keyed `key`
-    = ((T, R, M), F, mode, ...): T' >= T, F' >= F, everything else equal; the fewest tokens
-    first, then the shortest first pass. None when there is none. `executables` may gain
+    = ((T, R, M), F, mode, passes, ...): T' >= T, F' >= F, passes' >= passes (more draft
+    passes draw more drafts than the next step verifies: the runner keeps its record of the
+    asked count), everything else equal; the fewest tokens first, then the shortest first
+    pass, then the fewest passes. None when there is none. `executables` may gain
     entries from another thread meanwhile: this reads a copy (`dict.copy` runs without
     releasing the GIL, so the copy is never taken mid-insert)."""
-    (T, R, M), F, rest = key[0], key[1], key[2:]
+    (T, R, M), F, mode, rest = key[0], key[1], key[2], key[4:]
+    passes = key[3] if len(key) > 3 else None
     best = None
     for cand, compiled in executables.copy().items():
         (T2, R2, M2), F2 = cand[0], cand[1]
-        if (R2, M2) == (R, M) and cand[2:] == rest and T2 >= T and F2 >= F:
-            if best is None or (T2, F2) < (best[0][0][0], best[0][1]):
-                best = (cand, compiled)
-    return best
+        p2 = cand[3] if len(cand) > 3 else None
+        if ((R2, M2) == (R, M) and cand[2] == mode and cand[4:] == rest and T2 >= T
+                and F2 >= F and (p2 == passes or (None not in (p2, passes) and p2 > passes))):
+            order = (T2, F2, p2 or 0)
+            if best is None or order < best[0]:
+                best = (order, cand, compiled)
+    return None if best is None else best[1:]
 
 
 def pad_tokens(batch: MixedBatch, num_tokens: int) -> MixedBatch:

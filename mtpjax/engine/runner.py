@@ -407,16 +407,16 @@ class ModelRunner:
         mode = batch.sampling.mode        # pack's pick: its layout holds what the mode reads
         structured = batch.sampling.token_bitmask is not None    # compiled on first use
         compiled = None
-        own = (batch.tokens.shape[0], F)
+        own, ran = (batch.tokens.shape[0], F, passes), passes
         if not structured:
-            batch, F, compiled = self._compiled_for(batch, F, mode, passes)
+            batch, F, compiled, ran = self._compiled_for(batch, F, mode, passes)
         inputs, shape = self.device_inputs(batch)
         key = (shape, F, mode, passes, structured)
         # a step that compiled, or ran padded up to a larger bucket, took longer than its own
         # program will (adaptive K's step times skip it)
         compiles = compiled is None and key not in self.compiled_keys
         self.num_compiles += compiles
-        self.last_step_compiled = compiles or (shape[0], F) != own
+        self.last_step_compiled = compiles or (shape[0], F, ran) != own
         self.compiled_keys.add(key)
         if compiled is not None:                 # warmed up: no tracing, not even a cache lookup
             self.state, result = compiled(self.params, self.state, inputs)
@@ -438,20 +438,21 @@ class ModelRunner:
         return result
 
     def _compiled_for(self, batch: MixedBatch, F: int, mode: str, passes: int):
-        """(batch, F, executable) to run a packed step with: its own bucket's program; else,
-        while background warm-up has not compiled that one yet, the smallest compiled larger
-        bucket's with the batch padded up to it (`engine/covering.py`: same tokens); else
-        (batch, F, None): `_step` compiles it (also a bucket whose background compile failed,
-        once the warm-up is over)."""
+        """(batch, F, executable, passes it runs) to run a packed step with: its own bucket's
+        program; else, while background warm-up has not compiled that one yet, the smallest
+        compiled larger bucket's (or one with more draft passes) with the batch padded up to
+        it (`engine/covering.py`: same tokens); else (batch, F, None, passes): `_step`
+        compiles it (also a bucket whose background compile failed, once the warm-up is
+        over)."""
         shape = (batch.tokens.shape[0], batch.kinds.shape[0], batch.block_tables.shape[1])
         compiled = self.executables.get((shape, F, mode, passes))
         if compiled is not None or self.warming is None or self.warming.done():
-            return batch, F, compiled
+            return batch, F, compiled, passes
         found = covering_program(self.executables, (shape, F, mode, passes))
         if found is None:
-            return batch, F, None
-        ((T_cover, _, _), F_cover, *_), compiled = found
-        return pad_tokens(batch, T_cover), F_cover, compiled
+            return batch, F, None, passes
+        ((T_cover, _, _), F_cover, _, passes_cover, *_), compiled = found
+        return pad_tokens(batch, T_cover), F_cover, compiled, passes_cover
 
     def _static(self, F: int, shape: tuple, mode: str, passes: int | None = None) -> dict:
         """The step's static keyword arguments (cfg and spec are positional)."""

@@ -54,13 +54,14 @@ def test_covering_program_is_the_smallest_larger_one(seed):
     for T, F, m, p in zip(2 ** rng.integers(0, 7, 20), 2 ** rng.integers(0, 7, 20),
                           rng.choice(["greedy", "filter"], 20), rng.integers(0, 2, 20)):
         want_key = ((int(T), R, M), int(F), str(m), int(p))
-        fits = [k for k in keys if k[0][1:] == (R, M) and k[2:] == want_key[2:]
-                and k[0][0] >= T and k[1] >= F]
+        # more draft passes serve a step too (they draw drafts nobody verifies)
+        fits = [k for k in keys if k[0][1:] == (R, M) and k[2] == want_key[2]
+                and k[3] >= want_key[3] and k[0][0] >= T and k[1] >= F]
         got = covering_program(executables, want_key)
         if not fits:
             assert got is None
         else:
-            best = min(fits, key=lambda k: (k[0][0], k[1]))
+            best = min(fits, key=lambda k: (k[0][0], k[1], k[3]))
             assert got == (best, executables[best])
 
 
@@ -275,3 +276,36 @@ def test_background_warmup_loads_the_blocking_warmups_store(tmp_path):
     assert second["traces"] == 0, "a background start traced its step"
     assert second["buckets"] == first["buckets"]
     assert second["tokens"] == first["tokens"]
+
+
+def test_fewer_draft_passes_run_on_the_covering_program_meanwhile(monkeypatch):
+    """Adaptive K while background warm-up runs: only the covering bucket at K passes is
+    compiled, steps asking fewer passes run on it (padded up), and the tokens are plain
+    decoding's; no step compiles."""
+    import mtpjax.speculative.adaptive as adaptive
+    from mtpjax.speculative.adaptive import AdaptiveK
+    cfg = tiny_config(vocab_size=46, num_layers=1)
+    params = random_params(cfg, seed=5)
+    kw = dict(max_num_batched_tokens=16, **KW)
+    prompts, _ = _workload(5, 46)
+    sps = [SamplingParams(max_tokens=6)] * len(prompts)
+    want = [o.token_ids for o in mtpjax.LLM(params, cfg, None, warmup=False, **kw)
+            .generate(prompts, sps)]
+    rng = np.random.default_rng(5)
+
+    def random_passes(self, policy, seq_ids, k_max, *a, **k):
+        p = int(rng.integers(0, 3))
+        return np.minimum(np.asarray(k_max, np.int64), p), p
+    monkeypatch.setattr(adaptive.AcceptanceTable, "choose_step", random_passes)
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=2), warmup=False,
+                     adaptive_k=AdaptiveK(), **kw)
+    cover = covering_bucket(step_buckets(16, 2, llm.runner.W))
+    llm.runner.warm_passes = (2,)
+    llm.runner.warmup([cover])
+    llm.runner.warming = type("Warming", (), {"done": lambda self: False})()
+    asked = []
+    dispatch = llm.runner.dispatch
+    llm.runner.dispatch = lambda out, ks=None, passes=None: asked.append(passes) or \
+        dispatch(out, ks, passes)
+    assert [o.token_ids for o in llm.generate(prompts, sps)] == want
+    assert llm.runner.num_compiles == 0 and any(p < 2 for p in asked), asked
