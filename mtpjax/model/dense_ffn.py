@@ -14,6 +14,12 @@ def swiglu(x, w_gate, w_up, w_down, activation=jax.nn.silu):
     return linear(activation(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
+def swiglu_fused(x, w_gate_up, w_down, activation=jax.nn.silu):
+    """`swiglu` with gate | up concatenated at load (model/fused.py): one GEMM, then split."""
+    gate, up = jnp.split(linear(x, w_gate_up), 2, axis=-1)
+    return linear(activation(gate) * up, w_down)
+
+
 class DenseFFN:
     name = "dense"
     hf_rows = {
@@ -33,9 +39,8 @@ class DenseFFN:
 
     def __call__(self, p: dict, x, cfg, valid, mesh=None):
         """x [N, E] -> [N, E]; a per-token op, so padding rows (valid False) need no mask."""
-        if "w_gate_up" in p:             # fused at load (model/fused.py): one GEMM, then split
-            gate, up = jnp.split(linear(x, p["w_gate_up"]), 2, axis=-1)
-            return linear(self.activation(gate) * up, p["w_down"])
+        if "w_gate_up" in p:
+            return swiglu_fused(x, p["w_gate_up"], p["w_down"], self.activation)
         return swiglu(x, p["w_gate"], p["w_up"], p["w_down"], self.activation)
 
 

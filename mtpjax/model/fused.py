@@ -61,36 +61,32 @@ def _concatenate(ws: list):
     return jnp.concatenate(ws, axis=-1)
 
 
+def _fuse(out: dict, names: tuple[str, ...], into: str) -> bool:
+    """out[into] = the weights `names` joined along the output axis, in place of them, when
+    all are there and can be joined; whether it fused."""
+    if not all(k in out for k in names):
+        return False
+    fused = _concatenate([out[k] for k in names])
+    if fused is None:
+        return False
+    for k in names:
+        del out[k]
+    out[into] = fused
+    return True
+
+
 def _fuse_block(block: dict, kinds: tuple[str, str], groups=GROUPS) -> dict:
     out = dict(block)
-    if "qkv" in groups and kinds[0] == "gqa" and all(k in out for k in QKV):
-        wqkv = _concatenate([out[k] for k in QKV])
-        if wqkv is not None:
-            for k in QKV:
-                del out[k]
-            out["wqkv"] = wqkv
-            if all(k in out for k in BQKV):
-                out["bqkv"] = jnp.concatenate([out.pop(k) for k in BQKV], axis=-1)
+    if "qkv" in groups and kinds[0] == "gqa" and _fuse(out, QKV, "wqkv"):
+        if all(k in out for k in BQKV):
+            out["bqkv"] = jnp.concatenate([out.pop(k) for k in BQKV], axis=-1)
     if "qkv" in groups and kinds[0] == "mla":
-        for names in MLA_QKV:
-            if all(k in out for k in names):
-                fused = _concatenate([out[k] for k in names])
-                if fused is not None:
-                    for k in names:
-                        del out[k]
-                    out["wq_kv_a"] = fused          # [E, Q + R + dr]: mla_projections splits
-    if "gate_up" in groups and kinds[1] == "dense" and all(k in out for k in GATE_UP):
-        w_gate_up = _concatenate([out[k] for k in GATE_UP])
-        if w_gate_up is not None:
-            for k in GATE_UP:
-                del out[k]
-            out["w_gate_up"] = w_gate_up
-    if "gate_up" in groups and kinds[1] == "moe" and all(k in out for k in SHARED_GATE_UP):
-        fused = _concatenate([out[k] for k in SHARED_GATE_UP])
-        if fused is not None:
-            for k in SHARED_GATE_UP:
-                del out[k]
-            out["shared_gate_up"] = fused
+        for names in MLA_QKV:                   # wq_kv_a [E, Q + R + dr]: mla_projections splits
+            _fuse(out, names, "wq_kv_a")
+    if "gate_up" in groups and kinds[1] == "dense":
+        _fuse(out, GATE_UP, "w_gate_up")
+    if "gate_up" in groups and kinds[1] == "moe":
+        _fuse(out, SHARED_GATE_UP, "shared_gate_up")
     return out
 
 

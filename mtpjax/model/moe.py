@@ -16,13 +16,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mtpjax.model.dense_ffn import swiglu
+from mtpjax.model.dense_ffn import swiglu, swiglu_fused
 from mtpjax.model.grouped_matmul import (FUSED_MAX_TOKENS, expert_tile_swiglu, fused_moe_ffn,
                                          grouped_swiglu, matmul_choice, moe_swiglu,
                                          uses_expert_tiles)
 from mtpjax.model.fp8_weight import dequantize_in_step, is_fp8
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
-from mtpjax.model.linear import linear
 from mtpjax.model.moe_routing import route, routing_rule
 from pallas_kernels.grouped_matmul.row_moves import combine_rows, weighted_sum
 
@@ -173,9 +172,8 @@ class MoEFFN:
             ids, weights = route(p, x, cfg.moe)
         with jax.named_scope("experts"):
             out = routed_experts(p, x, ids, weights, valid, self.activation)
-        if "shared_gate_up" in p:      # fused at load (model/fused.py): one GEMM, then split
-            gate, up = jnp.split(linear(x, p["shared_gate_up"]), 2, axis=-1)
-            out = out + linear(self.activation(gate) * up, p["shared_down"])
+        if "shared_gate_up" in p:
+            out = out + swiglu_fused(x, p["shared_gate_up"], p["shared_down"], self.activation)
         elif "shared_gate" in p:
             out = out + swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"],
                                self.activation)

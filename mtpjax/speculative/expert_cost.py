@@ -37,9 +37,9 @@ class ExpertStepCost:
     draft_expert_bytes: float           # one expert's matrices x MTP MoE layers x K passes
     num_experts: int                    # X routed experts per layer
     top_k: int                          # experts per token
-    K: int = 0                          # draft passes the two byte counts above include
-    pass_bytes: float = 0.0             # one draft pass's non-expert weights (module + lm_head)
-    lm_head_bytes: float = 0.0
+    K: int                              # draft passes the two byte counts above include
+    pass_bytes: float                   # one draft pass's non-expert weights (module + lm_head)
+    lm_head_bytes: float
 
     def touched(self, tokens) -> np.ndarray:
         """Expected distinct experts per layer that `tokens` uniformly routed tokens pick."""
@@ -48,10 +48,7 @@ class ExpertStepCost:
     def step_bytes(self, batch: int, tokens, passes=None) -> np.ndarray:
         """Bytes of a step with `batch` decode rows routing `tokens` verify tokens in all and
         running `passes` draft passes (default K; may be an array)."""
-        if passes is None:
-            return (self.fixed_bytes + self.draft_expert_bytes * self.touched(batch)
-                    + self.target_expert_bytes * self.touched(tokens))
-        p = np.asarray(passes, np.float64)
+        p = np.asarray(self.K if passes is None else passes, np.float64)
         runs = np.maximum(p, 1.0)                    # the first pass runs at p = 0 too
         fixed = self.fixed_bytes - self.K * self.pass_bytes + runs * self.pass_bytes \
             - (runs - p) * self.lm_head_bytes
