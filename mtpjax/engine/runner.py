@@ -513,7 +513,8 @@ class ModelRunner:
     def background_programs(self, buckets) -> list:
         """What background warm-up (`engine/background_warmup.py`) makes off the serving
         thread: per (T, F) in `buckets`, draft passes in `warm_passes` and mode in
-        `SAMPLING_MODES`, (T, F, key, lookup, lower): key is the `self.executables` key `warmup` registers; lookup() -> the store's
+        `SAMPLING_MODES`, (T, F, key, lookup, lower): key is the `self.executables` key
+        `warmup` registers; lookup() -> the store's
         (key, identity, stored executable or None), or None without a store; lower() -> the
         step lowered, to compile. Both see only the shapes, dtypes and shardings of the params
         and the state, taken now: the serving thread keeps donating the state, and the

@@ -2,8 +2,9 @@
 
 A request's effective k (0..K) masks drafts past k (never accepted), and the engine's step runs
 as many draft passes as the largest k asked of the next step (one compiled program per count),
-so changing k never changes outputs (acceptance stays lossless for every k). A masked draft is a padding token in the verify pass (no KV write, no
-expert routed), which on MoE models saves the experts it would have touched. The policy (docs/spec_decoding.md, "Adaptive K"):
+so changing k never changes outputs (acceptance stays lossless for every k). A masked draft is
+a padding token in the verify pass (no KV write, no expert routed), which on MoE models saves
+the experts it would have touched. The policy (docs/spec_decoding.md, "Adaptive K"):
 
     alpha_i  = (hits_i + prior * prior_weight) / (trials_i + prior_weight)
                estimated P(draft i accepted | drafts 1..i-1 accepted), from the request's own
@@ -50,8 +51,8 @@ class AdaptiveK:
     prior: float = 0.7
     prior_weight: float = 2.0
     probe_interval: int = 8
-    # the MoE step rule's probes: the last two of every `step_probe_interval` steps draw one
-    # draft more (each probe step costs the batch a pass it may not need)
+    # the MoE step rule's probes: the last two of every `step_probe_interval` steps draw every
+    # draft asked (each probe step costs the batch passes it may not need)
     step_probe_interval: int = 64
     # ... and leaves its current pass count only for one expected to be this much better
     # (the acceptance estimates are noisy: near-equal counts would alternate)
@@ -134,12 +135,10 @@ class AdaptiveK:
         the batch by expected tokens per second of step (`_best_passes`; `times`: measured
         `StepTimes`; `current`: the count the last such step chose, kept unless another is
         `switch_margin` better), every request at min(passes, its k_max); a count with fewer
-        than MEASURED_STEPS steady steps timed at this batch bucket is run first;
-        the last two steps of every
-        `step_probe_interval` (at least 2) run every draft asked, so every position's
-        acceptance keeps being measured.
-        Otherwise the per-request threshold rule (`choose_many`) and as many passes as the
-        largest k."""
+        than MEASURED_STEPS steady steps timed at this batch bucket is run first; the last
+        two steps of every `step_probe_interval` (at least 2) run every draft asked, so every
+        position's acceptance keeps being measured. Otherwise the per-request threshold rule
+        (`choose_many`) and as many passes as the largest k."""
         k_max = np.asarray(k_max, np.int64)
         if not len(k_max):
             return k_max, 0
@@ -151,6 +150,7 @@ class AdaptiveK:
         unmeasured = [] if times is None else [
             p for p in range(int(k_max.max()) + 1)
             if times.count(batch_size, p) < MEASURED_STEPS]
+        every = max(self.step_probe_interval, 2)
         if unmeasured:
             # measure every count per batch bucket first: the byte model scaled by one
             # count's time keeps the bytes' ranking, which overrates fewer passes (V2-Lite,
@@ -158,16 +158,14 @@ class AdaptiveK:
             # several steps each, as one step's time can be far off (CPU: 1.8 ms against a
             # median of 1.1)
             passes = unmeasured[0]
-            ks = np.maximum(np.minimum(k_max, passes), np.minimum(self.min_k, k_max))
-            return ks.astype(np.int64), max(passes, int(ks.max()))
-        # a probe runs every draft asked (every position's acceptance is judged again: one
-        # more only would leave the rule stuck below a count two steps up) for two steps:
-        # the first draws, the second verifies and is a steady step that `StepTimes` keeps
-        every = max(self.step_probe_interval, 2)
-        if self.step_probe_interval and step_index % every >= every - 2:
+        elif self.step_probe_interval and step_index % every >= every - 2:
+            # a probe runs every draft asked (every position's acceptance is judged again:
+            # one more only would leave the rule stuck below a count two steps up) for two
+            # steps: the first draws, the second verifies and is a steady step `StepTimes`
+            # keeps
             passes = int(k_max.max())
         ks = np.maximum(np.minimum(k_max, passes), np.minimum(self.min_k, k_max))
-        return ks.astype(np.int64), passes
+        return ks.astype(np.int64), max(passes, int(ks.max()))
 
 
 # steady steps the step rule times per pass count and batch bucket before trusting the count
