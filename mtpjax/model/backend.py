@@ -57,10 +57,21 @@ def _registered_mesh_layer(mesh) -> MeshLayer:
 
 
 @dataclasses.dataclass(frozen=True)
+class SplitTokens:
+    """Inside a `shard_map` over the mesh axis `axis` of `size` devices, each device holding the
+    tokens of its own requests (data-parallel attention, `parallel/dp_attention.py`): attention
+    runs per device as on one device, and the MoE layer gathers every device's tokens over
+    `axis` before its experts (split over the same axis) and scatters the outputs back."""
+    axis: str
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     impl: str = "reference"        # "reference" | "pallas" | "pallas_interpret"
     fallback: bool = False         # chosen by "auto": unsupported shapes use the reference
     mesh: object = None            # jax.sharding.Mesh ("data", "model") or None
+    split_tokens: SplitTokens | None = None   # set inside the DP-attention shard_map (mesh None)
 
     def __post_init__(self):
         if self.impl not in ATTENTION_IMPLS[1:]:

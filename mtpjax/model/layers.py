@@ -98,6 +98,8 @@ def decoder_block(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig,
                              pages, paged)
         x = x + o
     with jax.named_scope("mlp"):
-        mesh = getattr(getattr(paged, "backend", None), "mesh", None)
+        backend = getattr(paged, "backend", None)
+        # inside the DP-attention shard_map the FFN learns the token split instead of a mesh
+        mesh = getattr(backend, "split_tokens", None) or getattr(backend, "mesh", None)
         x = x + ffn(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, positions >= 0, mesh)
     return x, pages

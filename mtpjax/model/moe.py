@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mtpjax.model.backend import SplitTokens
 from mtpjax.model.dense_ffn import swiglu, swiglu_fused
 from mtpjax.model.grouped_matmul import (FUSED_MAX_TOKENS, expert_tile_swiglu, fused_moe_ffn,
                                          grouped_swiglu, matmul_choice, moe_swiglu,
@@ -114,6 +115,17 @@ def _registered_expert_parallel(mesh):
     return _expert_parallel[0]
 
 
+_split_tokens_layer: list = []
+
+
+def register_split_tokens_moe(fn):
+    """fn(p, x [N, E], cfg, valid bool[N], split: SplitTokens, activation) -> [N, E]: the layer
+    inside the DP-attention `shard_map`, each device holding its own N tokens and its own slice
+    of the routed experts (`mtpjax.parallel.dp_expert_parallel`)."""
+    _split_tokens_layer[:] = [fn]
+    return fn
+
+
 def uses_expert_parallel(cfg, mesh) -> bool:
     """Does the MoE layer run `expert_parallel` on this mesh? When the "model" axis has several
     devices and the routed experts divide over it (else the table replicates them, and XLA's
@@ -160,10 +172,18 @@ class MoEFFN:
 
     def __call__(self, p: dict, x, cfg, valid, mesh=None):
         """x [..., E] -> [..., E]; valid bool[...] marks real tokens (padding is not routed).
-        mesh: the run's mesh; experts split over its "model" axis run `expert_parallel`."""
+        mesh: the run's mesh; experts split over its "model" axis run `expert_parallel`; a
+        `SplitTokens` (inside the DP-attention shard_map) runs the gather / scatter layer."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         valid = jnp.broadcast_to(valid, shape[:-1]).reshape(-1)
+        if isinstance(mesh, SplitTokens):
+            if not _split_tokens_layer:
+                raise RuntimeError("the MoE layer under DP attention needs "
+                                   "mtpjax.parallel.dp_expert_parallel (`import mtpjax` does)")
+            with jax.named_scope("dp_expert_parallel"):
+                return _split_tokens_layer[0](p, x, cfg, valid, mesh,
+                                              self.activation).reshape(shape)
         if uses_expert_parallel(cfg, mesh):
             with jax.named_scope("expert_parallel"):
                 return _registered_expert_parallel(mesh)(p, x, cfg, valid, mesh,

@@ -9,6 +9,7 @@ from mtpjax.parallel.placement import create_sharded, replicate, shard_params, s
 from mtpjax.parallel.distributed import initialize, to_host
 from mtpjax.parallel import kernels  # noqa: F401,E402  registers the attention mesh layer
 from mtpjax.parallel import expert_parallel  # noqa: F401,E402  registers the expert-parallel MoE
+from mtpjax.parallel import dp_expert_parallel  # noqa: F401,E402  registers the DP-attention MoE
 
 __all__ = ["AXES", "RULES", "check_mesh", "create_sharded", "initialize", "make_mesh",
            "param_shardings", "partition_spec", "pin", "replicate", "replicated", "shard_params",

@@ -35,11 +35,11 @@ def shard_params(params, cfg, mesh):
     return jax.tree.map(leaf, params, param_shardings(cfg, mesh), is_leaf=is_fp8)
 
 
-def create_sharded(make, cfg, mesh):
+def create_sharded(make, cfg, mesh, rules: dict | None = None):
     """make() -> a device state (cache, SlotState, ...), created by one jitted call whose outputs
-    have the table shardings (each device allocates only its shard)."""
+    have the table shardings (each device allocates only its shard; rules: another table)."""
     abstract = jax.eval_shape(make)
-    return jax.jit(make, out_shardings=state_shardings(abstract, cfg, mesh))()
+    return jax.jit(make, out_shardings=state_shardings(abstract, cfg, mesh, rules))()
 
 
 def replicate(tree, mesh):

@@ -104,13 +104,14 @@ def _is_struct(x) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
-def state_shardings(state, cfg, mesh: Mesh):
+def state_shardings(state, cfg, mesh: Mesh, rules: dict | None = None):
     """Tree of NamedSharding shaped like a device state (arrays or ShapeDtypeStructs): a
-    KVCache's pages by their type's AXES, the fields of STATE_AXES by name, the rest replicated."""
+    KVCache's pages by their type's AXES, the fields of STATE_AXES by name, the rest replicated.
+    rules: another table than RULES (the DP-attention layout's)."""
     rep = NamedSharding(mesh, P())
 
     def leaf(axes, a):
-        return NamedSharding(mesh, partition_spec(axes, a.shape, cfg, mesh))
+        return NamedSharding(mesh, partition_spec(axes, a.shape, cfg, mesh, rules))
 
     def walk(x):
         axes = getattr(type(x), "AXES", None)
