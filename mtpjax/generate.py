@@ -23,6 +23,7 @@ from mtpjax.config import ModelConfig, SamplingParams, SpecConfig, check_seed
 from mtpjax.model.backend import resolve_backend
 from mtpjax.model.fused import check_fusable, fuse_projections as fuse, fusion_groups
 from mtpjax.parallel import check_mesh, sharded_inputs, to_host
+from mtpjax.parallel.dp_attention import check_dp_attention, check_layout
 from mtpjax.parallel.sharding import pin
 from mtpjax.sampling import (Limits, SamplingArrays, is_stop, stop_id_array,
                              validate_sampling_params)
@@ -275,7 +276,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
              num_pages: int | None = None, attention_impl="auto",
              cache_dtype=None, draft_source: str = "model",
              forced_drafts=None, mesh=None, steps_per_check: int = 4,
-             draft_vocab=None, fuse_projections: bool | str = False) -> GenerateOutput:
+             draft_vocab=None, fuse_projections: bool | str = False,
+             layout: str | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt (fewer when `SamplingParams.max_tokens` is
     smaller or a stop token is produced; the stop token is included in the output).
 
@@ -303,6 +305,10 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     or ranked ids of which the first N are taken; speculative/draft_vocab.py).
     fuse_projections: run with q/k/v and gate/up weights concatenated once (model/fused.py;
     one device only): True / "all" both groups, "qkv" only q/k/v (less memory), False none.
+    layout: None (the sharding table) or "dp_attention" (MLA + MoE models on a (d, 1) mesh:
+    each device runs attention for its own B / d requests over its own latent pages, the
+    routed experts split over the devices; num_pages then counts every device's pages;
+    docs/parallel.md "DP attention").
     Params holding NaN or inf give a `NonFiniteParamsWarning` naming the first such leaf (the
     check runs beside the generation, one reduction over the weights per call).
     """
@@ -313,6 +319,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
         raise ValueError(f"steps_per_check must be a positive int, got {steps_per_check!r}")
     seed = check_seed("seed", seed)
     mesh = check_mesh(mesh)
+    layout = check_layout(layout)
     fused_groups = fusion_groups(fuse_projections)
     if fused_groups:
         check_fusable(mesh)
@@ -330,6 +337,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     # chain drafting writes module KV up to position N + 2K - 1 (docs/spec_decoding.md)
     lookahead = 0 if spec is None else 2 * spec.num_speculative_tokens + 1
     num_requests = len(prompts)
+    if layout == "dp_attention":
+        check_dp_attention(cfg, mesh, num_requests)
     max_new = [min(max_new_tokens, s.max_tokens or max_new_tokens) for s in sps]
     if num_requests == 1:
         # One request runs as two rows, the second a one-token request that finishes at
@@ -346,8 +355,9 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
             forced_drafts = np.asarray(forced_drafts)
             forced_drafts = np.concatenate([forced_drafts, np.zeros_like(forced_drafts)])
     lens = [len(p) for p in prompts]
-    tables, num_pages = plan_pages([n + m + lookahead for n, m in zip(lens, max_new)],
-                                   page_size, num_pages, seed)
+    needed_tokens = [n + m + lookahead for n, m in zip(lens, max_new)]
+    if layout is None:
+        tables, num_pages = plan_pages(needed_tokens, page_size, num_pages, seed)
     dtype = cache_dtype or params["embed"].dtype
     sp_arrays = SamplingArrays.build(sps, seed)
     limits = Limits(max_new=jnp.asarray(max_new, jnp.int32),
@@ -357,6 +367,17 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     ks = [K if sp.num_speculative_tokens is None else sp.num_speculative_tokens for sp in sps]
     num_drafts = jnp.asarray(ks, jnp.int32) if any(k != K for k in ks) else None
     draft_source, forced = _draft_override(draft_source, forced_drafts, len(prompts))
+    if layout == "dp_attention":
+        from mtpjax.parallel.dp_generate import generate_dp_attention
+        params = attach_draft_vocab(params, vocab_ids, mesh)
+        finite = finite_flags(params)
+        state = generate_dp_attention(
+            params, cfg, spec, prompts, mesh=mesh, needed_tokens=needed_tokens,
+            page_size=page_size, num_pages=num_pages, seed=seed, dtype=dtype,
+            sampling=sp_arrays, limits=limits, forced=forced, num_drafts=num_drafts,
+            max_new=max(max_new), backend=resolve_backend(attention_impl, mesh=mesh),
+            draft_source=draft_source, steps_per_check=steps_per_check)
+        return _outputs(state, finite, num_requests, spec)
     batch, F = prefill_batch(prompts, spec, sp_arrays, tables)
     B = len(prompts)
     backend = resolve_backend(attention_impl, mesh=mesh)
@@ -378,6 +399,11 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     loop = _loop if loop_in_cuda_graph(cfg, spec) else _loop_host_checked
     state = loop(params, cfg, spec, state, sp_arrays, limits, forced, num_drafts,
                   backend=backend, draft_source=draft_source, steps_per_check=steps_per_check)
+    return _outputs(state, finite, num_requests, spec)
+
+
+def _outputs(state: GenerateState, finite, num_requests: int, spec) -> GenerateOutput:
+    """The finished loop's tokens (the first num_requests rows) and statistics."""
     num_out = to_host(state.num_out)
     warn_non_finite(finite, "mtpjax.generate")
     out = to_host(state.out_tokens)
