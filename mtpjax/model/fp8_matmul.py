@@ -10,6 +10,10 @@ and under a mesh the projections are sharded, which a pallas_call would not be.
 `MTPJAX_FP8_MATMUL=kernel|xla` forces a path (read when the step is traced; `kernel` is
 interpreted off the GPU, for tests); `auto` (the default) picks as above.
 
+`MTPJAX_FP8_KERNEL=tiles|stream` picks the kernel's variant for weight-only calls (read when
+traced): `tiles` (the default) or `stream`, the decode GEMV that streams the weight through
+registers (`pallas_kernels/fp8_matmul/stream.py`). e4m3 activations always take `tiles`.
+
 `MTPJAX_FP8_ACTIVATIONS=bf16|fp8` picks the kernel's mode (read when traced): `bf16` (the
 default) widens each e4m3 weight tile and keeps x as it is; `fp8` quantizes x to e4m3 per
 (token, 128 columns), DeepSeek-V3's recipe, and dots e4m3 x e4m3 (adds x's rounding, at most
@@ -30,6 +34,8 @@ ENV = "MTPJAX_FP8_MATMUL"
 CHOICES = ("auto", "kernel", "xla")
 ACTIVATIONS_ENV = "MTPJAX_FP8_ACTIVATIONS"
 ACTIVATIONS_CHOICES = ("bf16", "fp8")
+VARIANT_ENV = "MTPJAX_FP8_KERNEL"
+VARIANT_CHOICES = ("tiles", "stream")
 
 
 def fp8_matmul_choice(rows: int, w: Fp8Weight) -> str:
@@ -57,6 +63,15 @@ def fp8_activations_choice(rows: int, w: Fp8Weight) -> str:
     return mode
 
 
+def fp8_kernel_variant(activations: str) -> str:
+    """The kernel's variant for a call in `activations` mode: MTPJAX_FP8_KERNEL (default
+    "tiles") for weight-only calls, "tiles" for e4m3 activations (stream is weight-only)."""
+    variant = os.environ.get(VARIANT_ENV, "tiles").strip().lower()
+    if variant not in VARIANT_CHOICES:
+        raise ValueError(f"{VARIANT_ENV}={variant!r}: expected one of {VARIANT_CHOICES}")
+    return variant if activations == "bf16" else "tiles"
+
+
 def fp8_kernel_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array | None:
     """x [..., E] @ w by the kernel when `fp8_matmul_choice` picks it, else None (the caller
     dequantizes)."""
@@ -64,8 +79,9 @@ def fp8_kernel_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array | None:
     if fp8_matmul_choice(rows, w) != "kernel":
         return None
     from pallas_kernels.fp8_matmul import fp8_weight_matmul
+    activations = fp8_activations_choice(rows, w)
     y = fp8_weight_matmul(x.reshape(rows, x.shape[-1]), w.values, w.scale, block=w.block,
-                          activations=fp8_activations_choice(rows, w),
+                          activations=activations, variant=fp8_kernel_variant(activations),
                           interpret=jax.default_backend() != "gpu")
     return y.reshape(*x.shape[:-1], w.shape[-1])
 
@@ -73,6 +89,11 @@ def fp8_kernel_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array | None:
 def forced_fp8_matmul(path: str | None):
     """`MTPJAX_FP8_MATMUL=path` inside the block (None: left as it is)."""
     return env_override(ENV, path)
+
+
+def forced_fp8_kernel(variant: str | None):
+    """`MTPJAX_FP8_KERNEL=variant` inside the block (None: left as it is)."""
+    return env_override(VARIANT_ENV, variant)
 
 
 def forced_fp8_activations(mode: str | None):

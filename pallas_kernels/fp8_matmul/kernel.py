@@ -47,10 +47,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._device import num_sms
 from pallas_kernels.fp8_matmul.activations import GROUP, quantize_activations
+from pallas_kernels.fp8_matmul.stream import (MODES as STREAM_MODES, stream_block_k,
+                                              stream_call, stream_mode, stream_rows,
+                                              stream_splits)
 
 MAX_ROWS = 128                   # decode batches: a verify of 32 requests x (K + 1) tokens
 FP8_DTYPE = jnp.float8_e4m3fn
 ACTIVATIONS = ("bf16", "fp8")    # x as given (widened f16 / bf16 dot), or e4m3 per group
+VARIANTS = ("tiles", "stream")   # this module's kernel, or stream.py's decode GEMV
 
 
 def _rows(M: int) -> int:
@@ -97,6 +101,56 @@ def _splits(n_cols: int, k_steps: int, Mp: int) -> int:
            and s * 2 * Mp <= 256):
         s *= 2
     return s
+
+
+def _dot_input(x: jax.Array, compute: str) -> tuple[jax.Array, jax.Array | None]:
+    """x for a widened dot in `compute`, and the per-row factor to divide the output by."""
+    if compute != "float16" or x.dtype == jnp.float32:
+        return x, None
+    # e4m3 -> f16 is one conversion per two values, -> bf16 three (via f16 and f32): the
+    # widening bounds the kernel's rate. x goes to f16 scaled per row by a power of two that
+    # puts its largest |x| in [2^14, 2^15): exact for every bf16 value down to 2^-10 of the
+    # row's largest, and no overflow; the output is scaled back per row.
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)
+    exponent = jnp.where(amax > 0, jnp.floor(jnp.log2(jnp.maximum(amax, 1e-30))), 0.0)
+    row_scale = jnp.exp2(14.0 - exponent)                                      # [M, 1]
+    return (x.astype(jnp.float32) * row_scale).astype(jnp.float16), row_scale
+
+
+def _stream(x, values, scale, *, block, block_n, block_k, splits, num_warps, num_stages,
+            compute, mode, prefetch, interpret):
+    """fp8_weight_matmul's variant="stream" (stream.py), operands already checked."""
+    M, K = x.shape
+    N = values.shape[1]
+    bK, bN = block
+    mode = mode or stream_mode(M)
+    if mode not in STREAM_MODES:
+        raise ValueError(f"mode must be one of {STREAM_MODES} (or None), got {mode!r}")
+    if prefetch not in (0, 1, 2):
+        raise ValueError(f"prefetch must be 0, 1 or 2 steps, got {prefetch}")
+    Mp = stream_rows(M, mode)
+    sub = _block_k(K, bK)
+    bn = block_n or _block_n(N, bN)
+    bk = block_k or stream_block_k(sub, Mp, bn, mode)
+    if (bk & (bk - 1) or sub % bk or (mode == "dot" and bk < 16) or N % bn or bn & (bn - 1)
+            or (bN != 1 and bN % bn)):
+        raise ValueError(f"stream: block_k={bk} must be a power of two dividing {sub} (>= 16 "
+                         f"for a dot), block_n={bn} a power of two dividing N={N} and the "
+                         f"scale block {bN}")
+    splits = splits or stream_splits(N // bn, K // bk, M, K, num_sms())
+    if (K // bk) % splits:
+        raise ValueError(f"splits={splits} must divide the {K // bk} K steps")
+    if mode == "fma":
+        x_in, row_scale = x.astype(jnp.float32), None
+    else:
+        x_in, row_scale = _dot_input(x, compute)
+    xp = jnp.pad(x_in, ((0, Mp - M), (0, 0))) if Mp != M else x_in
+    partials = stream_call(xp, values, scale.astype(jnp.float32), rows=M, scale_block=(bK, bN),
+                           mode=mode, block_k=bk, block_n=bn, splits=splits,
+                           prefetch=prefetch, num_warps=num_warps, num_stages=num_stages,
+                           interpret=interpret)
+    y = partials.sum(0) if splits > 1 else partials[0]
+    return (y / row_scale if row_scale is not None else y).astype(x.dtype)
 
 
 def fp8_matmul_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k: int, block_n: int, sub_k: int,
@@ -162,16 +216,23 @@ def fp8_act_matmul_kernel(x_ref, xs_ref, w_ref, s_ref, o_ref, *, block_k: int, b
 
 @functools.partial(jax.jit, static_argnames=("block", "block_n", "block_k", "splits",
                                              "num_warps", "num_stages", "compute",
-                                             "activations", "interpret"))
+                                             "activations", "variant", "mode", "prefetch",
+                                             "interpret"))
 def fp8_weight_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *,
                       block: tuple[int, int], block_n: int | None = None,
                       block_k: int | None = None, splits: int | None = None,
-                      num_warps: int = 4, num_stages: int = 4, compute: str = "float16",
-                      activations: str = "bf16", interpret: bool = False) -> jax.Array:
+                      num_warps: int | None = None, num_stages: int = 4,
+                      compute: str = "float16", activations: str = "bf16",
+                      variant: str = "tiles", mode: str | None = None, prefetch: int = 1,
+                      interpret: bool = False) -> jax.Array:
     """x [M, K] @ (values [K, N] * scale) -> [M, N] in x.dtype (see the module docstring).
     block_n / block_k (a multiple of the dot's rows) / splits override the defaults.
     activations: "bf16" (x as given, dot in `compute`) or "fp8" (x to e4m3 per row and
     128-column group, e4m3 x e4m3 dots; `compute` unused).
+    variant: "tiles" (this module's kernel) or "stream" (`stream.py`, weight-only: `mode`
+    "fma" | "dot" | None for the row count's default, `prefetch` steps loaded ahead; block_k
+    there is any power of two dividing the scale-aligned step). num_warps: 4 for tiles, 8 for
+    stream by default.
     ValueError for operands the kernel cannot take (`kernel_takes` says which it can)."""
     if x.ndim != 2 or values.ndim != 2 or x.shape[1] != values.shape[0]:
         raise ValueError(f"x must be [M, K] and values [K, N], got {tuple(x.shape)} and "
@@ -189,6 +250,19 @@ def fp8_weight_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *,
     if not kernel_takes(M, K, N, block):
         raise ValueError(f"fp8_weight_matmul takes 1..{MAX_ROWS} rows and K, N in whole tiles "
                          f"of the scale block; got M={M}, K={K}, N={N}, block {block}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if compute not in ("float16", "bfloat16"):
+        raise ValueError(f"compute must be 'float16' or 'bfloat16', got {compute!r}")
+    if variant == "stream":
+        if activations != "bf16":
+            raise ValueError('variant="stream" is weight-only: activations must be "bf16", '
+                             f"got {activations!r}")
+        return _stream(x, values, scale, block=block, block_n=block_n, block_k=block_k,
+                       splits=splits, num_warps=8 if num_warps is None else num_warps,
+                       num_stages=num_stages, compute=compute, mode=mode, prefetch=prefetch,
+                       interpret=interpret)
+    num_warps = 4 if num_warps is None else num_warps
     Mp = _rows(M)
     sub = _block_k(K, bK)
     bk, bn = block_k or sub, block_n or _block_n(N, bN)
@@ -200,8 +274,6 @@ def fp8_weight_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *,
     if (K // bk) % splits:
         raise ValueError(f"splits={splits} must divide the {K // bk} K steps")
     k_steps = K // bk // splits
-    if compute not in ("float16", "bfloat16"):
-        raise ValueError(f"compute must be 'float16' or 'bfloat16', got {compute!r}")
     row_scale = None
     if activations == "fp8":
         if not kernel_takes(M, K, N, block, activations):
@@ -214,18 +286,7 @@ def fp8_weight_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *,
         kernel_fn, x_inputs = fp8_act_matmul_kernel, (xp, xs)
         x_specs = [pl.BlockSpec((Mp, K), lambda n, s: (0, 0)), pl.BlockSpec(memory_space=pl.ANY)]
     else:
-        if compute == "float16" and x.dtype != jnp.float32:
-            # e4m3 -> f16 is one conversion per two values, -> bf16 three (via f16 and f32):
-            # the widening bounds the kernel's rate. x goes to f16 scaled per row by a power
-            # of two that puts its largest |x| in [2^14, 2^15): exact for every bf16 value
-            # down to 2^-10 of the row's largest, and no overflow; the output is scaled back
-            # per row.
-            amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)
-            exponent = jnp.where(amax > 0, jnp.floor(jnp.log2(jnp.maximum(amax, 1e-30))), 0.0)
-            row_scale = jnp.exp2(14.0 - exponent)                              # [M, 1]
-            x_in = (x.astype(jnp.float32) * row_scale).astype(jnp.float16)
-        else:
-            x_in = x
+        x_in, row_scale = _dot_input(x, compute)
         xp = jnp.pad(x_in, ((0, Mp - M), (0, 0))) if Mp != M else x_in
         kernel_fn, x_inputs = fp8_matmul_kernel, (xp,)
         x_specs = [pl.BlockSpec((Mp, K), lambda n, s: (0, 0))]
