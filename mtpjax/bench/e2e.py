@@ -265,7 +265,14 @@ _MESHES: dict = {}
 
 
 def mesh_of(args):
-    """The ("data", "model") mesh of --data-parallel x --tensor-parallel, None for one device."""
+    """The ("data", "model") mesh of --data-parallel x --tensor-parallel (or --dp-attention N x
+    1), None for one device."""
+    if args.dp_attention:
+        key = (args.dp_attention, 1, "dp_attention")
+        if key not in _MESHES:
+            import mtpjax
+            _MESHES[key] = mtpjax.make_mesh(data_parallel=args.dp_attention)
+        return _MESHES[key]
     key = (args.data_parallel, args.tensor_parallel)
     if key == (1, 1):
         return None
@@ -274,6 +281,17 @@ def mesh_of(args):
         _MESHES[key] = mtpjax.make_mesh(tensor_parallel=args.tensor_parallel,
                                         data_parallel=args.data_parallel)
     return _MESHES[key]
+
+
+def layout_of(args):
+    """generate's layout=: "dp_attention" under --dp-attention, else the sharding table's."""
+    return "dp_attention" if args.dp_attention else None
+
+
+def no_engine_dp_attention(args) -> None:
+    if args.dp_attention:
+        raise NotImplementedError("--dp-attention times the generate rows only: the engine "
+                                  "(mtpjax.LLM) is not built for layout='dp_attention'")
 
 
 def engine_kwargs(args, batch: int) -> dict:
@@ -306,7 +324,7 @@ def time_generate(params, cfg, spec, prompts, args) -> dict:
                               page_size=PAGE_SIZE, sampling=sampling, mesh=mesh_of(args),
                               steps_per_check=args.steps_per_check,
                               fuse_projections=args.fuse_projections,
-                              draft_vocab=draft_vocab_of(spec))
+                              draft_vocab=draft_vocab_of(spec), layout=layout_of(args))
         return out, time.perf_counter() - t0
 
     out, _ = call()                                  # compiles; greedy first tokens
@@ -363,6 +381,7 @@ def engine_pass(llm, prompts, new_tokens: int) -> dict:
 
 def time_engine(params, cfg, spec, prompts, args) -> dict:
     import mtpjax
+    no_engine_dp_attention(args)
     common = dict(warmup=False, fuse_projections=args.fuse_projections,
                   draft_vocab=draft_vocab_of(spec))
     if args.replicas > 1:            # independent engines (DataParallelLLM): batch per replica
@@ -382,6 +401,9 @@ def time_engine(params, cfg, spec, prompts, args) -> dict:
         used = llm._loop.passes_used                   # over every pass, the first included
         out["note"] = (out.get("note", "") + " draft passes per step: " + ", ".join(
             f"{p}: {n}" for p, n in sorted(used.items()))).strip()
+        timed = llm._loop.step_times.summary()       # the step times the rule decided on
+        out["note"] += "; step ms (times timed) by passes: " + ", ".join(
+            f"b{b} p{p}: {1e3 * t:.2f} ({n})" for (b, p), (t, n) in timed.items())
     return out
 
 
@@ -415,6 +437,7 @@ def time_startup(params, cfg, spec, args, batch: int, warmup=True) -> dict:
     warmup="background" also the seconds until every bucket is compiled (all_buckets_s, from
     the same start; waited for at most --child-timeout)."""
     import mtpjax
+    no_engine_dp_attention(args)
     _listen()
     prompt = prompts_for(cfg, 1, args.prompt_len, seed=99)[0]
     before = collections.Counter(_EVENTS)
@@ -631,6 +654,9 @@ def parse_args(argv):
                     help="devices on the mesh's 'model' axis (heads, MLP columns, experts, vocab)")
     ap.add_argument("--data-parallel", type=int, default=1,
                     help="devices on the mesh's 'data' axis (replicas)")
+    ap.add_argument("--dp-attention", type=int, default=0, metavar="N",
+                    help="generate rows in the DP-attention layout on N devices (MLA + MoE "
+                         "shapes; batch divisible by N; engine and start-up rows not built)")
     ap.add_argument("--out", default=None, help="folder for e2e.json")
     ap.add_argument("--child", choices=["startup", "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--startup-warmup", choices=["blocking", "background"], default="blocking",
@@ -646,6 +672,11 @@ def parse_args(argv):
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.adaptive_k and args.replicas > 1:
         ap.error(f"--adaptive-k runs one engine; got --replicas {args.replicas}")
+    if args.dp_attention < 0 or args.dp_attention and (
+            args.tensor_parallel > 1 or args.data_parallel > 1 or args.replicas > 1):
+        ap.error(f"--dp-attention N (N >= 1) is its own (N, 1) mesh: got --dp-attention "
+                 f"{args.dp_attention} with --tensor-parallel {args.tensor_parallel}, "
+                 f"--data-parallel {args.data_parallel}, --replicas {args.replicas}")
     return args
 
 
@@ -665,7 +696,12 @@ def _placed_params(cfg, args):
         from mtpjax.model.quantize import quantize_fp8
         params = jax.block_until_ready(quantize_fp8(params, fp8_block(args)))
     mesh = mesh_of(args)
-    if mesh is not None:
+    if mesh is not None and args.dp_attention:      # the layout's placement (experts split)
+        import jax
+        from mtpjax.parallel.dp_attention import param_shardings_like
+        from mtpjax.parallel.placement import place
+        params = jax_ready(jax.tree.map(place, params, param_shardings_like(params, cfg, mesh)))
+    elif mesh is not None:
         from mtpjax.parallel import shard_params
         params = jax_ready(shard_params(params, cfg, mesh))
     return params
@@ -728,7 +764,8 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
     log(f"device {dev.device_kind} ({jax.default_backend()}), JAX {jax.__version__}; shape "
         f"{args.model_shape}; batches {args.batches}; prompt {args.prompt_len}, new tokens "
         f"{args.new_tokens}, K={K}, synthetic acceptance {args.accept_rate}; mesh "
-        f"data={args.data_parallel} x model={args.tensor_parallel} of {len(jax.devices())} devices")
+        f"data={args.data_parallel} x model={args.tensor_parallel} of {len(jax.devices())} devices"
+        + (f"; DP attention on {args.dp_attention}" if args.dp_attention else ""))
     log(f"compilation cache: {cache_dir or 'off'}"
         + (f" ({'fresh' if fresh else 'given'}, {cache_files} entries at start)"
            if cache_dir else ""))

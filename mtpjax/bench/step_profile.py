@@ -75,6 +75,10 @@ def summarize(trace_dir: str, layers: int, name: str, top: int = 12) -> dict:
                          and lo <= e["ts"] < hi), key=lambda e: -e["dur"])[:5]
         for e in inside:
             print(f"    host in the biggest gap: {e['dur']:.0f} us {e['name'][:70]}")
+    coll = sum(us for k, us in per.items() if "nccl" in k.lower())
+    if coll:
+        print(f"  collectives (NCCL kernels): {coll / 1e3:.3f} ms/step, "
+              f"{sum('nccl' in e['name'].lower() for e in window) / steps:.0f} per step")
     for kname, us in per.most_common(top):
         print(f"  {us / 1e3:8.3f} ms/step  {kname}")
     return {"name": name, "steps": steps, "busy_ms_per_step": busy / steps / 1e3,
@@ -112,6 +116,9 @@ def main(argv=None) -> int:
                     help="profile generate's loop as it ships (one CUDA graph: the profiler "
                          "sees none of its kernels); default: compiled without the WHILE / "
                          "CONDITIONAL command buffers, same kernels, visible one by one")
+    ap.add_argument("--tensor-parallel", type=int, default=1,
+                    help="devices on the mesh's model axis (the trace's busiest GPU stream is "
+                         "reported; NCCL kernels are the collectives)")
     a = ap.parse_args(argv)
 
     import jax
@@ -121,17 +128,23 @@ def main(argv=None) -> int:
     from mtpjax.bench import e2e
     cfg = dataclasses.replace(e2e.model_config(a.model_shape), num_layers=a.layers)
     params = mtpjax.init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16, std=0.02)
+    mesh = None
+    if a.tensor_parallel > 1:
+        from mtpjax.parallel import shard_params
+        mesh = mtpjax.make_mesh(tensor_parallel=a.tensor_parallel)
+        params = jax.block_until_ready(shard_params(params, cfg, mesh))
     prompts = e2e.prompts_for(cfg, a.batch, 128, 0)
     spec = None if a.k == 0 else mtpjax.SpecConfig(
         num_speculative_tokens=a.k, acceptance="synthetic", synthetic_accept_rate=0.8)
     engine_args = argparse.Namespace(k=max(a.k, 1), prompt_len=128, new_tokens=a.new_tokens,
                                      max_num_batched_tokens=None,
                                      min_token_bucket=None)    # the engine's default
-    llm = mtpjax.LLM(params, cfg, spec, warmup=False, **e2e.engine_kwargs(engine_args, a.batch))
+    llm = mtpjax.LLM(params, cfg, spec, warmup=False, mesh=mesh,
+                     **e2e.engine_kwargs(engine_args, a.batch))
     sp = mtpjax.SamplingParams(max_tokens=a.new_tokens)
     paths = {
         "generate": lambda: mtpjax.generate(params, cfg, prompts, max_new_tokens=a.new_tokens,
-                                            spec=spec, page_size=e2e.PAGE_SIZE),
+                                            spec=spec, page_size=e2e.PAGE_SIZE, mesh=mesh),
         "engine": lambda: llm.generate(prompts, sp),
     }
     restore = (lambda: None) if a.loop_graph else profile_loop_kernel_by_kernel()

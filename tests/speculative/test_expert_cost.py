@@ -190,3 +190,38 @@ def test_later_positions_shrink_toward_the_first():
     first = (80 + 1.4) / 102
     assert a[0] == pytest.approx(first)
     assert a[1] == pytest.approx(4 * first / 6) and a[2] == pytest.approx(first)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_step_times_expire_so_a_left_count_is_timed_again(seed):
+    """A count timed only early (slow first steps) and then left expires after max_age
+    records of other counts: it reads unmeasured, so the step rule times it again instead of
+    judging it by those early steps for ever."""
+    rng = np.random.default_rng(seed)
+    cost = ExpertStepCost.from_config(e2e.model_config("deepseek-v2-lite"), 3)
+    times = StepTimes(window=4, max_age=int(rng.integers(20, 60)))
+    slow_early = (4.7e-3, 7.6e-3, 7.7e-3, 6.2e-3)       # the first steps of a fresh engine
+    for p, t in enumerate(slow_early):
+        for _ in range(adaptive.MEASURED_STEPS):
+            times.record(1, p, t * rng.uniform(0.98, 1.02))
+    pol = AdaptiveK(step_probe_interval=0)
+    trials = np.full((1, 3), 1e6)
+    hits = trials * 0.5
+    assert pol.choose_step(trials, hits, np.zeros(1, np.int64), [3], 1, cost, times, 0)[1] == 3
+    steps, passes_seen = 0, []
+    truth = (3.2e-3, 4.0e-3, 5.3e-3, 6.0e-3)
+    while steps < 4 * times.max_age:
+        _, p = pol.choose_step(trials, hits, np.zeros(1, np.int64), [3], 1, cost, times, steps)
+        times.record(1, p, truth[p])
+        passes_seen.append(p)
+        steps += 1
+    # after the early samples expire every count is timed again, and one pass (1.5 tokens /
+    # 4.0 ms beats 1.75 / 5.3 and 1.875 / 6.0) wins from then on
+    assert set(passes_seen) == {0, 1, 2, 3}
+    assert passes_seen[-times.max_age:].count(1) >= times.max_age - 4 * adaptive.MEASURED_STEPS
+    assert times.measured(1, 1) == pytest.approx(truth[1])
+
+
+def test_step_times_reject_a_max_age_below_the_window():
+    with pytest.raises(ValueError, match="max_age"):
+        StepTimes(window=8, max_age=4)
