@@ -115,3 +115,13 @@ def test_unknown_layout_is_refused():
     with pytest.raises(ValueError, match=r"layout must be one of \(None, 'dp_attention'\), "
                                          r"got 'dp'"):
         mtpjax.generate(None, tiny_config(), [[1, 2]], max_new_tokens=1, layout="dp")
+
+
+def test_bench_flag_is_its_own_mesh():
+    from mtpjax.bench.e2e import layout_of, parse_args
+    args = parse_args(["--model-shape", "tiny-mla-moe", "--dp-attention", "4"])
+    assert layout_of(args) == "dp_attention"
+    assert layout_of(parse_args(["--model-shape", "tiny-mla-moe"])) is None
+    for bad in (["--tensor-parallel", "2"], ["--replicas", "2"], ["--data-parallel", "2"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-shape", "tiny-mla-moe", "--dp-attention", "2", *bad])
