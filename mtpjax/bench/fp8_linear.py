@@ -11,7 +11,8 @@ is the layer's weight bytes (FP8: values + float32 scales) / the copy bandwidth 
 run. FP8 rows go through the FP8 kernel where `model/fp8_matmul.py` picks it (decode-sized
 batches on one GPU); `fp8-block-xla` forces XLA's dequantize-then-GEMM on the same weights,
 the kernel's same-run peer; `-act8` rows run the kernel with x quantized to e4m3 per 128
-columns and e4m3 x e4m3 dots (MTPJAX_FP8_ACTIVATIONS=fp8), the others with x as it is.
+columns and e4m3 x e4m3 dots (MTPJAX_FP8_ACTIVATIONS=fp8), the others with x as it is;
+`-stream` rows run the kernel's stream variant (MTPJAX_FP8_KERNEL=stream, stream.py).
 The optimized HLO of each FP8 program is checked for a separate dequantization: a fusion that
 writes a bf16 weight-sized array means the FP8 bytes are read, widened and written back before
 the GEMM reads them again (three passes instead of one).
@@ -29,22 +30,24 @@ import time
 import jax
 import jax.numpy as jnp
 
-from mtpjax.model.fp8_matmul import forced_fp8_activations, forced_fp8_matmul
+from mtpjax.model.fp8_matmul import (forced_fp8_activations, forced_fp8_kernel,
+                                     forced_fp8_matmul)
 from mtpjax.model.linear import linear
 from mtpjax.model.quantize import quantize_fp8
 
 # "-xla": the same weights through XLA's dequantize-then-GEMM (the kernel's peer);
-# "-act8": the kernel with e4m3 activations
+# "-act8": the kernel with e4m3 activations; "-stream": the kernel's stream variant
 VARIANTS = ("bf16", "fp8-block", "fp8-channel", "fp8-block-xla", "fp8-block-act8",
-            "fp8-channel-act8")
+            "fp8-channel-act8", "fp8-block-stream", "fp8-channel-stream")
 
 
 @contextlib.contextmanager
 def variant_paths(variant: str):
-    """The variant's FP8 path (forced to XLA for "-xla") and the kernel's activations mode
-    inside the block."""
+    """The variant's FP8 path (forced to XLA for "-xla"), the kernel's activations mode and
+    its variant (MTPJAX_FP8_KERNEL) inside the block."""
     with forced_fp8_matmul("xla" if variant.endswith("-xla") else None), \
-            forced_fp8_activations("fp8" if variant.endswith("-act8") else "bf16"):
+            forced_fp8_activations("fp8" if variant.endswith("-act8") else "bf16"), \
+            forced_fp8_kernel("stream" if variant.endswith("-stream") else "tiles"):
         yield
 
 
@@ -95,63 +98,146 @@ def separate_dequant(hlo: str, E: int, I: int) -> list[str]:
     return out
 
 
+def pipelined_wall(fn, args, repeats: int) -> float:
+    """Seconds per call of `repeats` calls dispatched back to back and waited for once: the
+    host's dispatch overlaps the device's work, so a call of a few hundred us is timed as the
+    device runs it (launch gaps inside the program included)."""
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(repeats):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / repeats
+
+
+def stream_configs(M: int) -> list[dict]:
+    """The stream variant's sweep around its defaults (dot, prefetch 1, 8 warps, default
+    splits): prefetch depth, warps, Triton's own pipelining instead of the prefetch, narrower
+    programs, fewer / more splits; fma mode for a few rows."""
+    base = dict(variant="stream")
+    configs = [dict(base, prefetch=0), dict(base, prefetch=2), dict(base, num_warps=4),
+               dict(base, num_warps=4, prefetch=2), dict(base, prefetch=0, num_stages=3),
+               dict(base, block_n=64), dict(base, splits=2), dict(base, splits=8)]
+    if M <= 4:
+        configs += [dict(base, mode="fma", prefetch=2), dict(base, mode="fma", num_warps=4)]
+    return configs
+
+
+def _config_name(c: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in c.items()
+                    if k not in ("variant", "interpret", "activations")) or "default"
+
+
 def sweep(a, bw) -> None:
-    """The kernel alone over its block / split / stage choices: for each K x N of
-    --sweep-shapes and each token count, microseconds per call (8 distinct weights in one jit,
-    wall / 8: launch gaps included) and % of the FP8 bytes' floor; prints each activations
-    mode's (--sweep-activations) defaults row and best."""
+    """The kernel alone on each K x N of --sweep-shapes at each token count: microseconds per
+    call (8 distinct weights in one jit, 20 such calls dispatched back to back: device time,
+    launch gaps inside the program included), as a multiple of the weight bytes' floor, and
+    against XLA's bf16 matmul on the same shape (`bf16`: its own, twice as large, floor).
+    Rows of --sweep-variants: `bf16` the XLA peer; `tiles` kernel.py's kernel in each
+    --sweep-activations mode (default config; its old block / split / warp / stage grid with
+    --sweep-tiles-grid); `stream` stream.py's decode GEMV (`stream-fma` its fma mode): the
+    defaults first, for every shape and token count, then the variations of `stream_configs`
+    while --sweep-budget-s lasts (compiles dominate). Ends with each variant's best."""
     import itertools
     from pallas_kernels.fp8_matmul import fp8_weight_matmul
     from mtpjax.model.fp8_weight import quantize
+    t_start = time.perf_counter()
     key = jax.random.PRNGKey(1)
-    print("| K x N | tokens | config | us | % floor |\n|---|---|---|---|---|", flush=True)
+    variants = a.sweep_variants.split(",")
+    bad = [v for v in variants if v not in ("bf16", "tiles", "stream")]
+    if bad:
+        raise SystemExit(f"--sweep-variants takes bf16, tiles, stream; got {bad}")
     shapes = [tuple(int(d) for d in kn.split("x")) for kn in a.sweep_shapes.split(",")]
+    tokens = [int(t) for t in a.tokens.split(",")]
+    print(f"device {jax.devices()[0].device_kind}, JAX {jax.__version__}; copy "
+          f"{bw / 1e12:.3f} TB/s; floor = weight bytes / copy rate", flush=True)
+    print("| K x N | tokens | variant | config | us | x floor | vs bf16 |\n"
+          "|---|---|---|---|---|---|---|", flush=True)
+    weights, results = {}, {}
+
+    def fp8_weights(K, N):
+        if (K, N) not in weights:
+            weights[(K, N)] = [quantize((0.02 * jax.random.normal(
+                jax.random.fold_in(key, i), (K, N))).astype(jnp.bfloat16), (128, 128))
+                for i in range(8)]
+        return weights[(K, N)]
+
+    def bf16_calls(x, ws):
+        return sum((x @ w).astype(jnp.float32).sum() for w in ws)
+
+    def run(K, N, M, label, config):
+        """Times one row and prints it; None where the config does not compile."""
+        x = jax.random.normal(key, (M, K)).astype(jnp.bfloat16)
+        if label == "bf16":
+            ws = [jax.random.normal(jax.random.fold_in(key, 100 + i), (K, N), jnp.bfloat16)
+                  for i in range(8)]
+            fn, floor = jax.jit(bf16_calls), ws[0].nbytes / bw
+        else:
+            ws = fp8_weights(K, N)
+            floor = ws[0].nbytes / bw
+
+            if a.sweep_interpret:
+                config = dict(config, interpret=True)
+
+            def calls(x, ws, kw=config):
+                return sum(fp8_weight_matmul(x, w.values, w.scale, block=w.block, **kw)
+                           .astype(jnp.float32).sum() for w in ws)
+            fn = jax.jit(calls)
+        try:
+            t = pipelined_wall(fn, (x, ws), 20) / len(ws)
+        except Exception as e:                          # a config Triton cannot take
+            print(f"  {label} {_config_name(config)}: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:160]}", flush=True)
+            return None
+        base = results.get((K, N, M, "bf16"), [(None, None)])[0][0]
+        vs = f"{base / t:.2f}x" if base else ""
+        print(f"| {K} x {N} | {M} | {label} | {_config_name(config)} | {t * 1e6:.1f} | "
+              f"{t / floor:.2f} | {vs} |", flush=True)
+        results.setdefault((K, N, M, label), []).append((t, config, floor))
+        return t
+
+    first, rest = [], []
     for K, N in shapes:
-        ws = [quantize((0.02 * jax.random.normal(jax.random.fold_in(key, i), (K, N))
-                        ).astype(jnp.bfloat16), (128, 128)) for i in range(8)]
-        floor = ws[0].nbytes / bw
-        for M in (int(t) for t in a.tokens.split(",")):
-            x = jax.random.normal(key, (M, K)).astype(jnp.bfloat16)
-            configs = []
-            for act in a.sweep_activations.split(","):
-                configs.append(dict(activations=act))                   # the defaults
-                if a.sweep_defaults_only:
-                    continue
-                # `compute` is the widened dot's dtype: the fp8 mode widens nothing
-                computes = ("float16", "bfloat16") if act == "bf16" else (None,)
-                configs += [dict(block_n=n, block_k=k, splits=sp, num_warps=w, num_stages=st,
-                                 activations=act, **({"compute": c} if c else {}))
+        for M in tokens:
+            if "bf16" in variants:
+                first.append((K, N, M, "bf16", {}))
+            if "tiles" in variants:
+                for act in a.sweep_activations.split(","):
+                    label = "tiles" if act == "bf16" else f"tiles-{act}"
+                    first.append((K, N, M, label, dict(activations=act)))
+                    if a.sweep_tiles_grid and not a.sweep_defaults_only:
+                        computes = ("float16", "bfloat16") if act == "bf16" else (None,)
+                        rest += [(K, N, M, label, dict(
+                            block_n=n, block_k=k, splits=sp, num_warps=w, num_stages=st,
+                            activations=act, **({"compute": c} if c else {})))
                             for n, k, sp, w, st, c in itertools.product(
                                 (64, 128), (128, 256), (2, 4), (4, 8), (3, 4), computes)]
-            results = []
-            for c in configs:
-                kw = c
-
-                def calls(x, ws, kw=kw):
-                    return sum(fp8_weight_matmul(x, w.values, w.scale, block=w.block, **kw)
-                               .astype(jnp.float32).sum() for w in ws)
-                try:
-                    t = wall(jax.jit(calls), (x, ws), 10) / len(ws)
-                except Exception as e:                  # a config Triton cannot take
-                    print(f"  {c}: {type(e).__name__}", flush=True)
-                    continue
-                results.append((t, c))
-                if len(c) == 1:
-                    print(f"| {K} x {N} | {M} | default {c['activations']} | {t * 1e6:.1f} | "
-                          f"{100 * floor / t:.1f} |", flush=True)
-            for act in a.sweep_activations.split(","):
-                ours = sorted((r for r in results if r[1]["activations"] == act),
-                              key=lambda r: r[0])
-                if not ours:
-                    continue
-                t, c = ours[0]
-                print(f"| {K} x {N} | {M} | best {c} | {t * 1e6:.1f} | "
-                      f"{100 * floor / t:.1f} |", flush=True)
-                for t, c in ours[:5]:
-                    print(f"  top: {c} {t * 1e6:.1f} us", flush=True)
+            if "stream" in variants:
+                first.append((K, N, M, "stream", dict(variant="stream")))
+                if M <= 4:
+                    first.append((K, N, M, "stream-fma", dict(variant="stream", mode="fma")))
+                if not a.sweep_defaults_only:
+                    rest += [(K, N, M, "stream-fma" if c.get("mode") == "fma" else "stream", c)
+                             for c in stream_configs(M)]
+    for i, (K, N, M, label, config) in enumerate(first + rest):
+        if i >= len(first) and time.perf_counter() - t_start > a.sweep_budget_s:
+            print(f"  budget of {a.sweep_budget_s:.0f} s spent: {len(first) + len(rest) - i} "
+                  f"configs not run", flush=True)
+            break
+        run(K, N, M, label, config)
+    print("\nbest of each variant:\n| K x N | tokens | variant | config | us | x floor | "
+          "vs bf16 |\n|---|---|---|---|---|---|---|")
+    for (K, N, M, label), rows in results.items():
+        t, config, floor = min(rows, key=lambda r: r[0])
+        base = results.get((K, N, M, "bf16"), [(None, None)])[0][0]
+        vs = f"{base / t:.2f}x" if base else ""
+        print(f"| {K} x {N} | {M} | {label} | {_config_name(config)} | {t * 1e6:.1f} | "
+              f"{t / floor:.2f} | {vs} |")
+    print(f"sweep took {time.perf_counter() - t_start:.0f} s", flush=True)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,8,32,128")
     ap.add_argument("--layers", type=int, default=8)
@@ -165,12 +251,26 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-shapes", default="4096x14336,14336x4096",
                     help="K x N of the swept weights (8B: MLP up 4096x14336, down 14336x4096)")
     ap.add_argument("--sweep-defaults-only", action="store_true",
-                    help="--sweep times each activations mode's default config only (the "
-                         "modes side by side, kernel alone, in seconds)")
-    ap.add_argument("--sweep-activations", default="bf16,fp8",
-                    help="the kernel's activations modes to sweep (bf16: x as given; fp8: x "
-                         "to e4m3 per 128 columns)")
-    a = ap.parse_args(argv)
+                    help="--sweep times each variant's default config only")
+    ap.add_argument("--sweep-activations", default="bf16",
+                    help="the tiles kernel's activations modes to sweep (bf16: x as given; "
+                         "fp8: x to e4m3 per 128 columns)")
+    ap.add_argument("--sweep-variants", default="bf16,tiles,stream",
+                    help="--sweep's rows: bf16 (XLA's matmul on bf16 weights, the peer), "
+                         "tiles (kernel.py), stream (stream.py)")
+    ap.add_argument("--sweep-tiles-grid", action="store_true",
+                    help="--sweep also times the tiles kernel's block / split / warp / stage "
+                         "grid (64 configs per shape and token count)")
+    ap.add_argument("--sweep-budget-s", type=float, default=150.0,
+                    help="--sweep stops starting variations (not defaults) after this long")
+    ap.add_argument("--sweep-interpret", action="store_true",
+                    help="--sweep runs the kernels interpreted (a CPU smoke test; times "
+                         "mean nothing)")
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     variants = a.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
