@@ -114,9 +114,11 @@ def pipelined_wall(fn, args, repeats: int) -> float:
 def stream_configs(M: int) -> list[dict]:
     """The stream variant's sweep around its defaults (dot, prefetch 1, 8 warps, default
     splits): prefetch depth, warps, Triton's own pipelining instead of the prefetch, narrower
-    programs, fewer / more splits; fma mode for a few rows."""
+    programs, fewer / more splits; fma mode for a few rows. (compute=bfloat16 at the default
+    prefetch runs in the first pass, `sweep`.)"""
     base = dict(variant="stream")
-    configs = [dict(base, prefetch=0), dict(base, prefetch=2), dict(base, num_warps=4),
+    configs = [dict(base, compute="bfloat16", prefetch=2), dict(base, prefetch=0),
+               dict(base, prefetch=2), dict(base, num_warps=4),
                dict(base, num_warps=4, prefetch=2), dict(base, prefetch=0, num_stages=3),
                dict(base, block_n=64), dict(base, splits=2), dict(base, splits=8)]
     if M <= 4:
@@ -131,13 +133,16 @@ def _config_name(c: dict) -> str:
 
 def sweep(a, bw) -> None:
     """The kernel alone on each K x N of --sweep-shapes at each token count: microseconds per
-    call (8 distinct weights in one jit, 20 such calls dispatched back to back: device time,
-    launch gaps inside the program included), as a multiple of the weight bytes' floor, and
+    call (8 distinct weights and x's in one jit, so x's preparation is not shared; 20 such
+    calls dispatched back to back: device time, launch gaps inside the program included;
+    the XLA ops around the pallas_call, x's f16 scaling and the split-K sum, included),
+    as a multiple of the weight bytes' floor, and
     against XLA's bf16 matmul on the same shape (`bf16`: its own, twice as large, floor).
     Rows of --sweep-variants: `bf16` the XLA peer; `tiles` kernel.py's kernel in each
     --sweep-activations mode (default config; its old block / split / warp / stage grid with
     --sweep-tiles-grid); `stream` stream.py's decode GEMV (`stream-fma` its fma mode): the
-    defaults first, for every shape and token count, then the variations of `stream_configs`
+    defaults (and stream with compute=bfloat16: x straight into the kernel, no XLA op before
+    it) first, for every shape and token count, then the variations of `stream_configs`
     while --sweep-budget-s lasts (compiles dominate). Ends with each variant's best."""
     import itertools
     from pallas_kernels.fp8_matmul import fp8_weight_matmul
@@ -163,12 +168,13 @@ def sweep(a, bw) -> None:
                 for i in range(8)]
         return weights[(K, N)]
 
-    def bf16_calls(x, ws):
-        return sum((x @ w).astype(jnp.float32).sum() for w in ws)
+    def bf16_calls(xs, ws):
+        return sum((x @ w).astype(jnp.float32).sum() for x, w in zip(xs, ws))
 
     def run(K, N, M, label, config):
         """Times one row and prints it; None where the config does not compile."""
-        x = jax.random.normal(key, (M, K)).astype(jnp.bfloat16)
+        xs = [jax.random.normal(jax.random.fold_in(key, 200 + i), (M, K)).astype(jnp.bfloat16)
+              for i in range(8)]
         if label == "bf16":
             ws = [jax.random.normal(jax.random.fold_in(key, 100 + i), (K, N), jnp.bfloat16)
                   for i in range(8)]
@@ -180,12 +186,12 @@ def sweep(a, bw) -> None:
             if a.sweep_interpret:
                 config = dict(config, interpret=True)
 
-            def calls(x, ws, kw=config):
+            def calls(xs, ws, kw=config):
                 return sum(fp8_weight_matmul(x, w.values, w.scale, block=w.block, **kw)
-                           .astype(jnp.float32).sum() for w in ws)
+                           .astype(jnp.float32).sum() for x, w in zip(xs, ws))
             fn = jax.jit(calls)
         try:
-            t = pipelined_wall(fn, (x, ws), 20) / len(ws)
+            t = pipelined_wall(fn, (xs, ws), 20) / len(ws)
         except Exception as e:                          # a config Triton cannot take
             print(f"  {label} {_config_name(config)}: {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:160]}", flush=True)
@@ -215,6 +221,7 @@ def sweep(a, bw) -> None:
                                 (64, 128), (128, 256), (2, 4), (4, 8), (3, 4), computes)]
             if "stream" in variants:
                 first.append((K, N, M, "stream", dict(variant="stream")))
+                first.append((K, N, M, "stream", dict(variant="stream", compute="bfloat16")))
                 if M <= 4:
                     first.append((K, N, M, "stream-fma", dict(variant="stream", mode="fma")))
                 if not a.sweep_defaults_only:

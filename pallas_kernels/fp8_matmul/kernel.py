@@ -140,12 +140,9 @@ def _stream(x, values, scale, *, block, block_n, block_k, splits, num_warps, num
     splits = splits or stream_splits(N // bn, K // bk, M, K, num_sms())
     if (K // bk) % splits:
         raise ValueError(f"splits={splits} must divide the {K // bk} K steps")
-    if mode == "fma":
-        x_in, row_scale = x.astype(jnp.float32), None
-    else:
-        x_in, row_scale = _dot_input(x, compute)
-    xp = jnp.pad(x_in, ((0, Mp - M), (0, 0))) if Mp != M else x_in
-    partials = stream_call(xp, values, scale.astype(jnp.float32), rows=M, scale_block=(bK, bN),
+    # fma widens x in the kernel; a dot takes x as it is or (f16) scaled per row
+    x_in, row_scale = (x, None) if mode == "fma" else _dot_input(x, compute)
+    partials = stream_call(x_in, values, scale.astype(jnp.float32), scale_block=(bK, bN),
                            mode=mode, block_k=bk, block_n=bn, splits=splits,
                            prefetch=prefetch, num_warps=num_warps, num_stages=num_stages,
                            interpret=interpret)

@@ -1,7 +1,8 @@
 """The "stream" variant of the FP8 weight-only matmul: a decode GEMV that streams the e4m3 weight
 through registers at the memory's rate.
 
-    x        [Mp, K]   float32 (fma) or f16 / bf16 (dot), rows padded to a power of two
+    x        [M, K]    bf16 / f16 / float32, unpadded: a dot's rows past M load as zeros,
+                       fma reads only the real rows (no XLA op pads or converts x)
     values   [K, N]    float8_e4m3fn
     scale    [ceil(K / bK), ceil(N / bN)] float32
     partials [splits, M, N] float32 (the real rows only), summed by the caller
@@ -84,7 +85,7 @@ def stream_splits(n_cols: int, k_steps: int, M: int, K: int, num_sms: int) -> in
 def fp8_stream_kernel(x_ref, w_ref, s_ref, o_ref, *, rows: int, block_k: int, block_n: int,
                       k_steps: int, scale_block: tuple[int, int], mode: str, prefetch: int):
     """Program (n, s): o_ref [Mp, block_n] = float32 partial over the s-th K range; only its
-    first `rows` rows are stored (the partials hold the real rows, not the padding).
+    first `rows` rows are loaded from x and stored (x and the partials hold the real rows).
     fma keeps one [block_k, block_n] accumulator per row, in the tile's own register layout (a
     3-D [Mp, block_k, block_n] one made Triton re-layout every tile through shared memory)."""
     n, s = pl.program_id(0), pl.program_id(1)
@@ -98,15 +99,16 @@ def fp8_stream_kernel(x_ref, w_ref, s_ref, o_ref, *, rows: int, block_k: int, bl
 
     def load(i):
         """Step i's (x, e4m3 tile, scale); steps past the range re-read the last one (the
-        prefetch's tail: loaded, never used). fma: x is a tuple of Mp rows [bk]."""
+        prefetch's tail: loaded, never used). fma: x is a tuple of the real rows [bk]."""
         i = jnp.minimum(i, k_steps - 1)
         k0 = pl.multiple_of((first + i) * block_k, block_k)
-        rows = pl.ds(k0, block_k)
+        ks = pl.ds(k0, block_k)
         if mode == "fma":
-            x = tuple(x_ref[m, rows] for m in range(Mp))                  # Mp x [bk]
+            x = tuple(x_ref[m, ks].astype(jnp.float32) for m in range(rows))   # [bk] each
         else:
-            x = x_ref[:, rows]                                            # [Mp, bk]
-        w = w_ref[rows, cols]                                             # [bk, bn] e4m3
+            real = lax.broadcasted_iota(jnp.int32, (Mp, block_k), 0) < rows
+            x = plgpu.load(x_ref.at[:, ks], mask=real, other=0)           # [Mp, bk]
+        w = w_ref[ks, cols]                                               # [bk, bn] e4m3
         if bN == 1:
             scale = s_ref[k0 // bK, cols]                                 # [bn] per column
         else:
@@ -134,7 +136,7 @@ def fp8_stream_kernel(x_ref, w_ref, s_ref, o_ref, *, rows: int, block_k: int, bl
         return accumulate(acc, x, w, scale), ahead
 
     if mode == "fma":
-        acc = tuple(jnp.zeros((block_k, block_n), jnp.float32) for _ in range(Mp))
+        acc = tuple(jnp.zeros((block_k, block_n), jnp.float32) for _ in range(rows))
     else:
         acc = jnp.zeros((Mp, block_n), jnp.float32)
     if prefetch == 0:
@@ -154,17 +156,16 @@ def fp8_stream_kernel(x_ref, w_ref, s_ref, o_ref, *, rows: int, block_k: int, bl
         plgpu.store(o_ref, acc, mask=real)
 
 
-def stream_call(x: jax.Array, values: jax.Array, scale: jax.Array, *, rows: int,
-                scale_block: tuple[int, int], mode: str, block_k: int, block_n: int,
+def stream_call(x: jax.Array, values: jax.Array, scale: jax.Array, *, scale_block: tuple[int, int], mode: str, block_k: int, block_n: int,
                 splits: int, prefetch: int, num_warps: int, num_stages: int,
                 interpret: bool) -> jax.Array:
-    """partials [splits, rows, N] float32 of x [Mp, K] (already padded and typed for `mode`;
-    its first `rows` rows are real)."""
-    Mp, K = x.shape
+    """partials [splits, M, N] float32 of x [M, K] (dot: in the dot's dtype)."""
+    M, K = x.shape
+    Mp = stream_rows(M, mode)
     N = values.shape[1]
     k_steps = K // block_k // splits
     kernel = lambda *refs: fp8_stream_kernel(                              # noqa: E731
-        *refs, rows=rows, block_k=block_k, block_n=block_n, k_steps=k_steps,
+        *refs, rows=M, block_k=block_k, block_n=block_n, k_steps=k_steps,
         scale_block=scale_block, mode=mode, prefetch=prefetch)
     return pl.pallas_call(
         kernel,
@@ -172,7 +173,7 @@ def stream_call(x: jax.Array, values: jax.Array, scale: jax.Array, *, rows: int,
         in_specs=[pl.BlockSpec((Mp, K), lambda n, s: (0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((None, Mp, block_n), lambda n, s: (s, 0, n)),
-        out_shape=jax.ShapeDtypeStruct((splits, rows, N), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, M, N), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="fp8_stream_matmul",
