@@ -203,9 +203,11 @@ def sweep(a, bw) -> None:
         results.setdefault((K, N, M, label), []).append((t, config, floor))
         return t
 
-    first, rest = [], []
+    first, rests = [], []
     for K, N in shapes:
         for M in tokens:
+            rest = []
+            rests.append(rest)
             if "bf16" in variants:
                 first.append((K, N, M, "bf16", {}))
             if "tiles" in variants:
@@ -227,6 +229,9 @@ def sweep(a, bw) -> None:
                 if not a.sweep_defaults_only:
                     rest += [(K, N, M, "stream-fma" if c.get("mode") == "fma" else "stream", c)
                              for c in stream_configs(M)]
+    # the variations round-robin over the shapes and token counts, so a spent budget cuts
+    # the least important variation of each, not a whole shape
+    rest = [r[j] for j in range(max(map(len, rests), default=0)) for r in rests if j < len(r)]
     for i, (K, N, M, label, config) in enumerate(first + rest):
         if i >= len(first) and time.perf_counter() - t_start > a.sweep_budget_s:
             print(f"  budget of {a.sweep_budget_s:.0f} s spent: {len(first) + len(rest) - i} "
