@@ -114,13 +114,15 @@ def pipelined_wall(fn, args, repeats: int) -> float:
 def stream_configs(M: int) -> list[dict]:
     """The stream variant's sweep around its defaults (dot, prefetch 1, 8 warps, default
     splits): prefetch depth, warps, Triton's own pipelining instead of the prefetch, narrower
-    programs, fewer / more splits; fma mode for a few rows. (compute=bfloat16 at the default
-    prefetch runs in the first pass, `sweep`.)"""
+    programs, fewer / more splits, one split with bf16 x (the kernel then writes the bf16
+    output itself: no XLA op before or after it); fma mode for a few rows. (compute=bfloat16
+    at the default prefetch runs in the first pass, `sweep`.)"""
     base = dict(variant="stream")
     configs = [dict(base, compute="bfloat16", prefetch=2), dict(base, prefetch=0),
                dict(base, prefetch=2), dict(base, num_warps=4),
                dict(base, num_warps=4, prefetch=2), dict(base, prefetch=0, num_stages=3),
-               dict(base, block_n=64), dict(base, splits=2), dict(base, splits=8)]
+               dict(base, block_n=64), dict(base, splits=2), dict(base, splits=8),
+               dict(base, compute="bfloat16", splits=1, block_n=64, prefetch=2)]
     if M <= 4:
         configs += [dict(base, mode="fma", prefetch=2), dict(base, mode="fma", num_warps=4)]
     return configs

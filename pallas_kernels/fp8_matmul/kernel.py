@@ -142,10 +142,14 @@ def _stream(x, values, scale, *, block, block_n, block_k, splits, num_warps, num
         raise ValueError(f"splits={splits} must divide the {K // bk} K steps")
     # fma widens x in the kernel; a dot takes x as it is or (f16) scaled per row
     x_in, row_scale = (x, None) if mode == "fma" else _dot_input(x, compute)
+    # one split with nothing to undo per row: the kernel writes the output itself
+    direct = splits == 1 and row_scale is None
     partials = stream_call(x_in, values, scale.astype(jnp.float32), scale_block=(bK, bN),
                            mode=mode, block_k=bk, block_n=bn, splits=splits,
                            prefetch=prefetch, num_warps=num_warps, num_stages=num_stages,
-                           interpret=interpret)
+                           interpret=interpret, out_dtype=x.dtype if direct else jnp.float32)
+    if direct:
+        return partials[0]
     y = partials.sum(0) if splits > 1 else partials[0]
     return (y / row_scale if row_scale is not None else y).astype(x.dtype)
 

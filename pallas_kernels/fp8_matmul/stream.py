@@ -5,7 +5,8 @@ through registers at the memory's rate.
                        fma reads only the real rows (no XLA op pads or converts x)
     values   [K, N]    float8_e4m3fn
     scale    [ceil(K / bK), ceil(N / bN)] float32
-    partials [splits, M, N] float32 (the real rows only), summed by the caller
+    partials [splits, M, N] float32 (the real rows only), summed by the caller; with one
+             split and no per-row factor, the output itself in x's dtype (no XLA op after)
 
 Why a second kernel: the "tiles" kernel (kernel.py) hands each e4m3 tile to Triton's dot as a
 load. Compiled for sm_90 (`pallas_kernels/_triton_inspect.py`: the TTIR that Pallas emits, run
@@ -149,17 +150,20 @@ def fp8_stream_kernel(x_ref, w_ref, s_ref, o_ref, *, rows: int, block_k: int, bl
     if mode == "fma":
         for m in range(rows):
             row = acc[m].sum(axis=0)                                      # [bn]
-            o_ref[m, :] = row * after if after is not None else row
+            row = row * after if after is not None else row
+            o_ref[m, :] = row.astype(o_ref.dtype)
     else:
         acc = acc * after[None, :] if after is not None else acc
         real = lax.broadcasted_iota(jnp.int32, (Mp, block_n), 0) < rows
-        plgpu.store(o_ref, acc, mask=real)
+        plgpu.store(o_ref, acc.astype(o_ref.dtype), mask=real)
 
 
-def stream_call(x: jax.Array, values: jax.Array, scale: jax.Array, *, scale_block: tuple[int, int], mode: str, block_k: int, block_n: int,
+def stream_call(x: jax.Array, values: jax.Array, scale: jax.Array, *,
+                scale_block: tuple[int, int], mode: str, block_k: int, block_n: int,
                 splits: int, prefetch: int, num_warps: int, num_stages: int,
-                interpret: bool) -> jax.Array:
-    """partials [splits, M, N] float32 of x [M, K] (dot: in the dot's dtype)."""
+                interpret: bool, out_dtype=jnp.float32) -> jax.Array:
+    """partials [splits, M, N] out_dtype of x [M, K] (dot: in the dot's dtype). With one
+    split and out_dtype x's, the one partial is the product: the call is the whole matmul."""
     M, K = x.shape
     Mp = stream_rows(M, mode)
     N = values.shape[1]
@@ -173,7 +177,7 @@ def stream_call(x: jax.Array, values: jax.Array, scale: jax.Array, *, scale_bloc
         in_specs=[pl.BlockSpec((Mp, K), lambda n, s: (0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((None, Mp, block_n), lambda n, s: (s, 0, n)),
-        out_shape=jax.ShapeDtypeStruct((splits, M, N), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, M, N), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="fp8_stream_matmul",

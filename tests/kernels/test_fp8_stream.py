@@ -41,6 +41,8 @@ def _within_output_rounding(y, ref):
     (5, 256, 192, (128, 64), dict(mode="fma")),                     # 8 rows: 32-row steps
     (3, 384, 128, (384, 1), dict(mode="fma", prefetch=2)),
     (2, 256, 128, (64, 1), dict(mode="fma", block_k=16)),
+    (5, 256, 128, (128, 128), dict(compute="bfloat16", splits=1)),  # writes bf16 itself
+    (3, 256, 192, (64, 1), dict(mode="fma", splits=1, block_n=64)),
 ])
 def test_stream_equals_float32_math_within_output_rounding(M, K, N, block, kw):
     for seed in range(2):
@@ -72,6 +74,25 @@ def test_stream_rows_of_very_different_size():
     assert np.all(np.isfinite(y))
     for r in range(4):
         assert np.max(np.abs(y[r] - ref[r])) <= 5e-3 * np.max(np.abs(ref[r])), r
+
+
+@pytest.mark.parametrize("kw,direct", [(dict(compute="bfloat16", splits=1), True),
+                                       (dict(mode="fma", splits=1), True),
+                                       (dict(splits=1), False),            # f16: x scaled per row
+                                       (dict(compute="bfloat16", splits=2), False)])
+def test_stream_with_one_split_and_bf16_x_is_the_kernel_alone(kw, direct):
+    """bf16 x straight into the kernel and one split: no XLA op before or after the
+    pallas_call (each is a kernel launch at decode sizes)."""
+    x, w, _ = _case(0, 3, 256, 128, (128, 128))
+    jaxpr = jax.make_jaxpr(lambda x, v, s: fp8_weight_matmul(
+        x, v, s, block=w.block, variant="stream", interpret=True, **kw))(x, w.values, w.scale)
+    eqns = jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns          # inside fp8_weight_matmul's jit
+    names = [e.primitive.name for e in eqns]
+    compute = [n for n in names if n not in ("pallas_call", "squeeze", "slice", "reshape",
+                                             "convert_element_type")]
+    assert ("reduce_sum" in names or bool(compute)) != direct, names
+    if direct:      # the scale's astype(float32) is a no-op on float32 scales
+        assert names.count("pallas_call") == 1 and not compute, names
 
 
 def test_stream_bad_config_names_the_value():
