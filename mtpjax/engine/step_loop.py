@@ -45,6 +45,11 @@ class StepLoop:
         self.step_times = StepTimes()   # measured pure-decode steps, for adaptive K
         self.passes_used: collections.Counter = collections.Counter()    # passes -> steps
         self.last_done = 0.0            # perf_counter when the last step's result was read
+        self.last_passes = None         # draft passes of the last step read
+        # seconds of steady-looking steps right after a change of passes (not timed for the
+        # rule: the first run of the other program after a switch is slower; reported by
+        # the e2e bench)
+        self.switch_step_times: collections.deque = collections.deque(maxlen=64)
         # (SchedulerOutput, result, ks, passes, dispatched at, compiled, runner.num_compiles
         # after it) dispatched, unread
         self.inflight = None
@@ -151,9 +156,17 @@ class StepLoop:
             # after a change of passes costs neither count's time), from when the device
             # could start it (its dispatch, or the previous step's end when it queued behind
             # it) to its result
-            self.step_times.record(len(out.decodes), passes,
-                                   done - max(dispatched, self.last_done))
+            seconds = done - max(dispatched, self.last_done)
+            if passes == self.last_passes:
+                self.step_times.record(len(out.decodes), passes, seconds)
+            else:
+                # the previous step ran another program, which may leave this one slower
+                # than in steady running (a GPU program's first run after another's can
+                # re-record its command buffers): timing it would judge the counts the rule
+                # switches among by their switching cost
+                self.switch_step_times.append((passes, seconds))
         self.last_done = done
+        self.last_passes = passes
         lps, lp_row = None, {}
         if self.max_logprobs:
             asked = [i for i, r in enumerate(out.requests) if r.seq.logprobs is not None]

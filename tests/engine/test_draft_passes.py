@@ -102,3 +102,36 @@ def test_step_times_skip_steps_delayed_by_a_compile(monkeypatch):
     samples = [t for d in llm._loop.step_times.samples.values() for t in d]
     assert llm.runner.num_compiles >= 3 and samples
     assert max(samples) < 1.5, sorted(samples)[-3:]
+
+
+def test_step_times_skip_the_step_after_a_change_of_passes(monkeypatch):
+    """The first step on another pass count runs another program (slower on a GPU, here a
+    0.4 s sleep in its dispatch): it is kept apart from the rule's step times."""
+    import time
+    cfg = tiny_mla_moe_config(71)
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(7), std=0.05)
+    rng = np.random.default_rng(7)
+    # a new count every ~4 steps, so both switches and steady runs occur
+    choice = [3]
+    def best(*a, **k):
+        if rng.uniform() < 0.25:
+            choice[0] = int(rng.integers(0, 4))
+        return choice[0]
+    monkeypatch.setattr(adaptive, "_best_passes", best)
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=3), num_pages=32,
+                     adaptive_k=AdaptiveK(probe_interval=0, step_probe_interval=0),
+                     async_scheduling=False)
+    llm.generate(_prompts(cfg, 7, n=1), SamplingParams(max_tokens=40))   # compiles
+    dispatch, last = llm.runner.dispatch, [None]
+
+    def slow_switches(out, ks=None, passes=None):
+        if last[0] is not None and passes != last[0]:
+            time.sleep(0.4)
+        last[0] = passes
+        return dispatch(out, ks, passes)
+    llm.runner.dispatch = slow_switches
+    llm._loop.step_times.__init__()                       # only the steps below
+    llm.generate(_prompts(cfg, 8, n=1), SamplingParams(max_tokens=60))
+    samples = [t for d in llm._loop.step_times.samples.values() for t in d]
+    assert samples and max(samples) < 0.4, sorted(samples)[-3:]
+    assert any(t >= 0.4 for _, t in llm._loop.switch_step_times)
