@@ -71,8 +71,9 @@ def case_moe() -> dict:
             if f is None:                                # one program per mesh (same shapes)
                 f = jax.jit(shard_map_compat(
                     lambda p, x, v: MOE(p, x, cfg, v, split), mesh=mesh,
-                    in_specs=(specs, P("data"), P("data")), out_specs=P("data")))
-                hlo = f.lower(p, x, valid).compile().as_text()
+                    in_specs=(specs, P("data"), P("data")), out_specs=P("data"))).lower(
+                    p, x, valid).compile()
+                hlo = f.as_text()
             got = np.asarray(f(p, x, valid))
             out.append({"d": d, "seed": seed, "max_err": float(np.max(np.abs(got - ref))),
                         "scale": float(np.max(np.abs(ref))),
@@ -92,29 +93,51 @@ NEW = 6
 def case_generate() -> dict:
     """mtpjax.generate with layout="dp_attention" against one device's tokens and statistics:
     plain on (2, 1); chain MTP (K = 2) on (4, 1) with every other request's drafts forced to
-    the plain continuation (accepted: multi-token steps) and the others the MTP module's. 8
-    prompts of uneven lengths (devices hold different token counts), one request stopping
-    early by max_tokens; and the errors for bad batches."""
+    the plain continuation (accepted: multi-token steps) and the others the MTP module's, one
+    request sampled with its own seed. 8 prompts of uneven lengths (devices hold different
+    token counts), one request stopping early by max_tokens; and the errors for bad batches.
+    The decode loop's compiled collectives of both runs."""
     cfg, params = ds_model(0)
-    sps = [SamplingParams(max_tokens=3 if i == 2 else NEW) for i in range(len(PROMPTS))]
+    greedy = [SamplingParams(max_tokens=3 if i == 2 else NEW) for i in range(len(PROMPTS))]
+    # chain: request 5 samples (temperature 1, top-k 20, its own seed) on its device
+    sampled = [SamplingParams(max_tokens=NEW, temperature=1.0, top_k=20, seed=7) if i == 5
+               else sp for i, sp in enumerate(greedy)]
     out = {}
-    plain = mtpjax.generate(params, cfg, PROMPTS, max_new_tokens=NEW, sampling=sps, page_size=4)
+    plain = mtpjax.generate(params, cfg, PROMPTS, max_new_tokens=NEW, sampling=greedy,
+                            page_size=4)
     L = max(len(p) for p in PROMPTS) + NEW + 8
     forced = np.zeros((len(PROMPTS), L), np.int32)
     for b, (p, t) in enumerate(zip(PROMPTS, plain.tokens)):
         forced[b, :len(p) + len(t)] = p + t
     chain = dict(spec=SpecConfig(num_speculative_tokens=2), forced_drafts=forced,
                  draft_source=["forced" if b % 2 == 0 else "model" for b in range(len(PROMPTS))])
-    for mode, d, kw, ref in (("plain", 2, {}, plain), ("chain", 4, chain, None)):
+    from mtpjax.parallel import dp_generate
+    loop, hlo = dp_generate._loop, []
+
+    def spy(*args, **kw):                      # the decode loop's compiled collectives
+        compiled = loop.lower(*args, **kw).compile()
+        hlo.append(compiled.as_text())
+        return compiled(args[0], *args[3:])     # the statics (cfg, spec, keywords) are in it
+
+    for mode, d, kw, sps, ref in (("plain", 2, {}, greedy, plain),
+                                  ("chain", 4, chain, sampled, None)):
         if ref is None:
             ref = mtpjax.generate(params, cfg, PROMPTS, max_new_tokens=NEW, sampling=sps,
                                   page_size=4, **kw)
-        got = mtpjax.generate(params, cfg, PROMPTS, max_new_tokens=NEW, sampling=sps,
-                              page_size=4, mesh=mtpjax.make_mesh(data_parallel=d),
-                              layout="dp_attention", **kw)
+        dp_generate._loop, hlo[:] = spy, []
+        try:
+            got = mtpjax.generate(params, cfg, PROMPTS, max_new_tokens=NEW, sampling=sps,
+                                  page_size=4, mesh=mtpjax.make_mesh(data_parallel=d),
+                                  layout="dp_attention", **kw)
+        finally:
+            dp_generate._loop = loop
+        rows = [b for b, sp in enumerate(sps) if sp.temperature == 0]
         out[f"{mode} d={d}"] = {"equal": got.tokens == ref.tokens,
-                                "equal_plain": got.tokens == plain.tokens,
-                                "stats_equal": got.stats == ref.stats, "stats": got.stats}
+                                "equal_plain": all(got.tokens[b] == plain.tokens[b]
+                                                   for b in rows),
+                                "sampled_rows": len(sps) - len(rows),
+                                "stats_equal": got.stats == ref.stats, "stats": got.stats,
+                                "loop_collectives": collectives(hlo[0])}
     errors = {}
     mesh = mtpjax.make_mesh(data_parallel=2)
     for name, kw in (("odd batch", dict(prompts=PROMPTS[:3])),

@@ -97,8 +97,9 @@ def test_params_pages_and_rows_are_placed_by_the_layout(cases):
 def test_generate_gives_the_tokens_and_statistics_of_one_device(cases, run):
     r = cases["generate"][run]
     assert r["equal"] and r["stats_equal"], r
-    assert r["equal_plain"]                      # speculative decoding is exact
+    assert r["equal_plain"]                      # speculative decoding is exact (greedy rows)
     if run.startswith("chain"):                  # forced drafts were accepted: multi-token steps
+        assert r["sampled_rows"] == 1            # a sampled row gave one device's tokens too
         assert r["stats"]["accepted_draft_tokens"] > 0
         assert sum(r["stats"]["num_accepted_histogram"][2:]) > 0
 
@@ -125,3 +126,25 @@ def test_bench_flag_is_its_own_mesh():
     for bad in (["--tensor-parallel", "2"], ["--replicas", "2"], ["--data-parallel", "2"]):
         with pytest.raises(SystemExit):
             parse_args(["--model-shape", "tiny-mla-moe", "--dp-attention", "2", *bad])
+
+
+def _moe_pass(d: int, n: int, E: int = 32, k: int = 2) -> list:
+    """One DP-attention MoE pass over n tokens per device: tokens, ids, weights gathered,
+    outputs scattered back."""
+    N = d * n
+    return [["all-gather", f"f32[{N},{E}]{{1,0}}"], ["all-gather", f"s32[{N},{k}]{{1,0}}"],
+            ["all-gather", f"f32[{N},{k}]{{1,0}}"], ["reduce-scatter", f"f32[{n},{E}]{{1,0}}"]]
+
+
+def test_decode_loop_has_only_the_moe_collectives_and_one_stop_check(cases):
+    """The compiled decode loop: attention, dense layers, sampling and acceptance run per device
+    with no collective; each MoE pass gathers and scatters its tokens; one all-reduce of the
+    live count decides whether to stop."""
+    stop = [["all-reduce", "s32[]"]]
+    # plain, 2 devices x 4 rows: the target's one MoE layer over 4 tokens per device
+    got = cases["generate"]["plain d=2"]["loop_collectives"]
+    assert sorted(got) == sorted(_moe_pass(2, 4) + stop)
+    # chain K=2, 4 devices x 2 rows: target layer over 2 x 3 verify tokens, the MTP block over
+    # the 2 x 3 first-pass window, the MTP block again in the one later draft step (2 rows)
+    got = cases["generate"]["chain d=4"]["loop_collectives"]
+    assert sorted(got) == sorted(_moe_pass(4, 6) + _moe_pass(4, 6) + _moe_pass(4, 2) + stop)
