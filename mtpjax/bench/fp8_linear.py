@@ -112,17 +112,17 @@ def pipelined_wall(fn, args, repeats: int) -> float:
 
 
 def stream_configs(M: int) -> list[dict]:
-    """The stream variant's sweep around its defaults (dot, prefetch 1, 8 warps, default
-    splits): prefetch depth, warps, Triton's own pipelining instead of the prefetch, narrower
-    programs, fewer / more splits, one split with bf16 x (the kernel then writes the bf16
-    output itself: no XLA op before or after it); fma mode for a few rows. (compute=bfloat16
-    at the default prefetch runs in the first pass, `sweep`.)"""
+    """The stream variant's sweep around its defaults (dot, bf16 x, prefetch 1, 8 warps,
+    default splits): prefetch depth, warps, Triton's own pipelining instead of the prefetch,
+    narrower programs, fewer / more splits, one split (the kernel then writes the bf16 output
+    itself: no XLA op before or after it), f16 x; fma mode for a few rows. (compute=float16 at
+    the default prefetch runs in the first pass, `sweep`.)"""
     base = dict(variant="stream")
-    configs = [dict(base, compute="bfloat16", prefetch=2), dict(base, prefetch=0),
-               dict(base, prefetch=2), dict(base, num_warps=4),
+    configs = [dict(base, prefetch=2), dict(base, prefetch=0), dict(base, num_warps=4),
                dict(base, num_warps=4, prefetch=2), dict(base, prefetch=0, num_stages=3),
                dict(base, block_n=64), dict(base, splits=2), dict(base, splits=8),
-               dict(base, compute="bfloat16", splits=1, block_n=64, prefetch=2)]
+               dict(base, splits=1, block_n=64, prefetch=2),
+               dict(base, compute="float16", prefetch=2)]
     if M <= 4:
         configs += [dict(base, mode="fma", prefetch=2), dict(base, mode="fma", num_warps=4)]
     return configs
@@ -143,8 +143,8 @@ def sweep(a, bw) -> None:
     Rows of --sweep-variants: `bf16` the XLA peer; `tiles` kernel.py's kernel in each
     --sweep-activations mode (default config; its old block / split / warp / stage grid with
     --sweep-tiles-grid); `stream` stream.py's decode GEMV (`stream-fma` its fma mode): the
-    defaults (and stream with compute=bfloat16: x straight into the kernel, no XLA op before
-    it) first, for every shape and token count, then the variations of `stream_configs`
+    defaults (and stream with compute=float16: x scaled per row into f16 by XLA, as the
+    tiles kernel takes it) first, for every shape and token count, then the variations of `stream_configs`
     while --sweep-budget-s lasts (compiles dominate). Ends with each variant's best."""
     import itertools
     from pallas_kernels.fp8_matmul import fp8_weight_matmul
@@ -225,7 +225,7 @@ def sweep(a, bw) -> None:
                                 (64, 128), (128, 256), (2, 4), (4, 8), (3, 4), computes)]
             if "stream" in variants:
                 first.append((K, N, M, "stream", dict(variant="stream")))
-                first.append((K, N, M, "stream", dict(variant="stream", compute="bfloat16")))
+                first.append((K, N, M, "stream", dict(variant="stream", compute="float16")))
                 if M <= 4:
                     first.append((K, N, M, "stream-fma", dict(variant="stream", mode="fma")))
                 if not a.sweep_defaults_only:

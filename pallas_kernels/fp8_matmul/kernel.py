@@ -223,7 +223,7 @@ def fp8_weight_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *,
                       block: tuple[int, int], block_n: int | None = None,
                       block_k: int | None = None, splits: int | None = None,
                       num_warps: int | None = None, num_stages: int = 4,
-                      compute: str = "float16", activations: str = "bf16",
+                      compute: str | None = None, activations: str = "bf16",
                       variant: str = "tiles", mode: str | None = None, prefetch: int = 1,
                       interpret: bool = False) -> jax.Array:
     """x [M, K] @ (values [K, N] * scale) -> [M, N] in x.dtype (see the module docstring).
@@ -231,9 +231,10 @@ def fp8_weight_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *,
     activations: "bf16" (x as given, dot in `compute`) or "fp8" (x to e4m3 per row and
     128-column group, e4m3 x e4m3 dots; `compute` unused).
     variant: "tiles" (this module's kernel) or "stream" (`stream.py`, weight-only: `mode`
-    "fma" | "dot" | None for the row count's default, `prefetch` steps loaded ahead; block_k
-    there is any power of two dividing the scale-aligned step). num_warps: 4 for tiles, 8 for
-    stream by default.
+    "dot" | "fma" | None for the default, `prefetch` steps loaded ahead; block_k there is any
+    power of two dividing the scale-aligned step). Defaults per variant: num_warps 4 for
+    tiles, 8 for stream; compute "float16" for tiles (x scaled per row into f16, the cheaper
+    widening), "bfloat16" for stream (x straight into the kernel: no XLA op before it).
     ValueError for operands the kernel cannot take (`kernel_takes` says which it can)."""
     if x.ndim != 2 or values.ndim != 2 or x.shape[1] != values.shape[0]:
         raise ValueError(f"x must be [M, K] and values [K, N], got {tuple(x.shape)} and "
@@ -253,7 +254,7 @@ def fp8_weight_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *,
                          f"of the scale block; got M={M}, K={K}, N={N}, block {block}")
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    if compute not in ("float16", "bfloat16"):
+    if compute not in (None, "float16", "bfloat16"):
         raise ValueError(f"compute must be 'float16' or 'bfloat16', got {compute!r}")
     if variant == "stream":
         if activations != "bf16":
@@ -261,9 +262,10 @@ def fp8_weight_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *,
                              f"got {activations!r}")
         return _stream(x, values, scale, block=block, block_n=block_n, block_k=block_k,
                        splits=splits, num_warps=8 if num_warps is None else num_warps,
-                       num_stages=num_stages, compute=compute, mode=mode, prefetch=prefetch,
-                       interpret=interpret)
+                       num_stages=num_stages, compute=compute or "bfloat16", mode=mode,
+                       prefetch=prefetch, interpret=interpret)
     num_warps = 4 if num_warps is None else num_warps
+    compute = compute or "float16"
     Mp = _rows(M)
     sub = _block_k(K, bK)
     bk, bn = block_k or sub, block_n or _block_n(N, bN)

@@ -21,11 +21,12 @@ Program (n, s) owns `block_n` output columns and the s-th of `splits` ranges of 
 `block_k`-row steps that each lie in one scale row. Each step's tile goes global -> registers with
 16-byte loads (N contiguous; the loaded tile is a loop-carried value, so Triton's pipeliner
 leaves it alone) and is used in one of two modes:
-  dot: the tile widens in registers to f16 (two values per instruction), is written to shared
-       memory as 16-byte rows and read back by ldmatrix.trans into the MMA's fragments; one dot
-       of the step against x (f16 scaled per row, or bf16), times the block's scale. The
-       default at every M (`stream_mode`): 263 instructions a thread per 128 x 128 step at 8
-       warps.
+  dot: the tile widens in registers to x's dtype, is written to shared memory as 16-byte
+       rows and read back by ldmatrix.trans into the MMA's fragments; one dot of the step
+       against x, times the block's scale. The default at every M (`stream_mode`). x bf16 (the
+       default compute): 362 instructions a thread per 128 x 128 step at 8 warps and 1 row, and
+       no XLA op before the kernel; compute="float16" (x scaled per row into f16 by XLA, two
+       small kernels before this one): 265, e4m3 -> f16 being one conversion per two values.
   fma: acc_m [block_k, block_n] += (x[m, k] * block scale) * w[k, n] for each row m, plain
        float32 FMAs in the tile's own register layout; each acc_m is summed over its K axis
        once, after the loop: no shared memory and no barrier at all, but the widening to
