@@ -1,6 +1,7 @@
 """Several devices with jax.sharding: the ("data", "model") mesh, the sharding table from logical
-axes to mesh axes, placement of params and state, the per-device kernels under shard_map, and
-multi-process helpers. See docs/parallel.md."""
+axes to mesh axes, placement of params and state, the per-device kernels under shard_map, the
+DP-attention layout for MLA + MoE models (dp_attention.py, dp_expert_parallel.py,
+dp_generate.py), and multi-process helpers. See docs/parallel.md."""
 
 from mtpjax.parallel.mesh import AXES, check_mesh, make_mesh, replicated
 from mtpjax.parallel.sharding import (RULES, param_shardings, partition_spec, pin,

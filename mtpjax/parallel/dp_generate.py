@@ -23,6 +23,7 @@ from mtpjax.cache import init_cache
 from mtpjax.generate import (GenerateState, generate_prefill, generate_step, plan_pages,
                              prefill_batch)
 from mtpjax.model.backend import SplitTokens
+from mtpjax.parallel.distributed import to_host
 from mtpjax.parallel.dp_attention import (DP_ATTENTION_RULES, check_dp_attention,
                                           param_partition_specs, rows_spec,
                                           state_partition_specs)
@@ -175,6 +176,6 @@ def generate_dp_attention(params, cfg, spec, prompts, *, mesh, needed_tokens, pa
                   backend=backend, draft_source=draft_source, steps_per_check=steps_per_check)
     # each device counted its own requests; the loop ran the same steps on all of them, and a
     # device's steps with a live request are a prefix of those: the run's steps are the most
-    per_device = jax.tree.map(np.asarray, state.stats)
+    per_device = jax.tree.map(to_host, state.stats)
     stats = jax.tree.map(lambda x: x.sum(0), per_device).replace(steps=per_device.steps.max(0))
     return state.replace(stats=stats)
