@@ -82,7 +82,23 @@ def case_moe() -> dict:
                         "w_gate_local": list(specs["w_gate"]),
                         "n_local": n_local, "E": cfg.hidden_size,
                         "k": cfg.moe.num_experts_per_tok})
-    return {"moe": out}
+    # FP8 weights (16 x 16 blocks): the experts' values and scales split alike
+    from mtpjax import quantize_fp8
+    cfg, params = ds_model(0)
+    params = quantize_fp8(params, (16, 16))
+    mesh = mtpjax.make_mesh(data_parallel=2)
+    p = params["layers"][1]
+    x = jax.random.normal(jax.random.PRNGKey(3), (8, cfg.hidden_size))
+    valid = np.arange(8) % 4 != 3
+    ref = np.asarray(MOE(p, x, cfg, valid))
+    specs = param_partition_specs(params, cfg, mesh)["layers"][1]
+    split = SplitTokens("data", 2)
+    got = np.asarray(jax.jit(shard_map_compat(
+        lambda p, x, v: MOE(p, x, cfg, v, split), mesh=mesh,
+        in_specs=(specs, P("data"), P("data")), out_specs=P("data")))(p, x, valid))
+    fp8 = {"max_err": float(np.max(np.abs(got - ref))), "scale": float(np.max(np.abs(ref))),
+           "w_gate_specs": [list(specs["w_gate"].values), list(specs["w_gate"].scale)]}
+    return {"moe": out, "moe_fp8": fp8}
 
 
 PROMPTS = [[3, 5, 7, 9, 11], [2, 4, 6], [1, 2, 3, 4, 5, 6, 7], [8, 9], [4, 4, 4, 4, 4, 4],

@@ -81,6 +81,12 @@ def test_moe_layer_equals_one_device_with_gather_and_scatter_only(cases, d):
             ["all-gather", f"s32[{N},{k}]{{1,0}}"], ["reduce-scatter", f"f32[{n},{E}]{{1,0}}"]])
 
 
+def test_moe_layer_with_fp8_experts_equals_one_device(cases):
+    r = cases["moe_fp8"]
+    assert r["w_gate_specs"] == [["data"], ["data"]]       # values and scales split alike
+    assert r["max_err"] <= 1e-5 * r["scale"] + 1e-5, r
+
+
 def test_params_pages_and_rows_are_placed_by_the_layout(cases):
     got = cases["placement"]          # [global shape, one device's shape] on (4, 1)
     # routed experts split 4 ways (target layer and MTP block); attention and router whole
