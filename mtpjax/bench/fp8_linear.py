@@ -37,6 +37,7 @@ from mtpjax.model.quantize import quantize_fp8
 
 # "-xla": the same weights through XLA's dequantize-then-GEMM (the kernel's peer);
 # "-act8": the kernel with e4m3 activations; "-stream": the kernel's stream variant
+SWEEP_VARIANTS = ("bf16", "probe", "tiles", "stream")   # --sweep's rows
 VARIANTS = ("bf16", "fp8-block", "fp8-channel", "fp8-block-xla", "fp8-block-act8",
             "fp8-channel-act8", "fp8-block-stream", "fp8-channel-stream")
 
@@ -115,14 +116,16 @@ def stream_configs(M: int) -> list[dict]:
     """The stream variant's sweep around its defaults (dot, bf16 x, prefetch 1, 8 warps,
     default splits): prefetch depth, warps, Triton's own pipelining instead of the prefetch,
     narrower programs, fewer / more splits, one split (the kernel then writes the bf16 output
-    itself: no XLA op before or after it), f16 x; fma mode for a few rows. (compute=float16 at
-    the default prefetch runs in the first pass, `sweep`.)"""
+    itself: no XLA op before or after it), f16 x; fma mode for a few rows. Most telling
+    first: a spent --sweep-budget-s cuts the last. (compute=float16 at the default prefetch
+    runs in the first pass, `sweep`.)"""
     base = dict(variant="stream")
-    configs = [dict(base, prefetch=2), dict(base, prefetch=0), dict(base, num_warps=4),
-               dict(base, num_warps=4, prefetch=2), dict(base, prefetch=0, num_stages=3),
-               dict(base, block_n=64), dict(base, splits=2), dict(base, splits=8),
-               dict(base, splits=1, block_n=64, prefetch=2),
-               dict(base, compute="float16", prefetch=2)]
+    configs = [dict(base, prefetch=2),
+               dict(base, prefetch=0, num_stages=3),      # Triton's pipeliner: byte reads back
+               dict(base, splits=1, block_n=64, prefetch=2),          # one launch in all
+               dict(base, prefetch=0), dict(base, num_warps=4), dict(base, block_n=64),
+               dict(base, splits=2), dict(base, splits=8),
+               dict(base, compute="float16", prefetch=2), dict(base, num_warps=4, prefetch=2)]
     if M <= 4:
         configs += [dict(base, mode="fma", prefetch=2), dict(base, mode="fma", num_warps=4)]
     return configs
@@ -140,21 +143,26 @@ def sweep(a, bw) -> None:
     the XLA ops around the pallas_call, x's f16 scaling and the split-K sum, included),
     as a multiple of the weight bytes' floor, and
     against XLA's bf16 matmul on the same shape (`bf16`: its own, twice as large, floor).
-    Rows of --sweep-variants: `bf16` the XLA peer; `tiles` kernel.py's kernel in each
+    Rows of --sweep-variants: `bf16` the XLA peer; `probe` a kernel that only reads the e4m3
+    bytes along the stream kernel's load path (`weight_read_probe.py`, the stream's default
+    splits at 1 row, its values' bytes only: the path's ceiling); `tiles` kernel.py's kernel in each
     --sweep-activations mode (default config; its old block / split / warp / stage grid with
     --sweep-tiles-grid); `stream` stream.py's decode GEMV (`stream-fma` its fma mode): the
     defaults (and stream with compute=float16: x scaled per row into f16 by XLA, as the
     tiles kernel takes it) first, for every shape and token count, then the variations of `stream_configs`
     while --sweep-budget-s lasts (compiles dominate). Ends with each variant's best."""
     import itertools
-    from pallas_kernels.fp8_matmul import fp8_weight_matmul
+    from mtpjax.bench.weight_read_probe import read_probe
     from mtpjax.model.fp8_weight import quantize
+    from pallas_kernels._device import num_sms
+    from pallas_kernels.fp8_matmul import fp8_weight_matmul
+    from pallas_kernels.fp8_matmul.stream import stream_splits
     t_start = time.perf_counter()
     key = jax.random.PRNGKey(1)
     variants = a.sweep_variants.split(",")
-    bad = [v for v in variants if v not in ("bf16", "tiles", "stream")]
+    bad = [v for v in variants if v not in SWEEP_VARIANTS]
     if bad:
-        raise SystemExit(f"--sweep-variants takes bf16, tiles, stream; got {bad}")
+        raise SystemExit(f"--sweep-variants takes {SWEEP_VARIANTS}; got {bad}")
     shapes = [tuple(int(d) for d in kn.split("x")) for kn in a.sweep_shapes.split(",")]
     tokens = [int(t) for t in a.tokens.split(",")]
     print(f"device {jax.devices()[0].device_kind}, JAX {jax.__version__}; copy "
@@ -181,6 +189,15 @@ def sweep(a, bw) -> None:
             ws = [jax.random.normal(jax.random.fold_in(key, 100 + i), (K, N), jnp.bfloat16)
                   for i in range(8)]
             fn, floor = jax.jit(bf16_calls), ws[0].nbytes / bw
+        elif label == "probe":
+            ws = fp8_weights(K, N)
+            floor = ws[0].values.nbytes / bw
+            kw = dict(config, interpret=True) if a.sweep_interpret else config
+
+            def reads(xs, ws, kw=kw):
+                del xs
+                return sum(read_probe(w.values, **kw).sum() for w in ws)
+            fn = jax.jit(reads)
         else:
             ws = fp8_weights(K, N)
             floor = ws[0].nbytes / bw
@@ -212,6 +229,9 @@ def sweep(a, bw) -> None:
             rests.append(rest)
             if "bf16" in variants:
                 first.append((K, N, M, "bf16", {}))
+            if "probe" in variants and M == tokens[0]:     # reads only: no rows
+                splits = stream_splits(N // 128, K // 128, 1, K, num_sms())
+                first += [(K, N, M, "probe", dict(splits=splits, prefetch=p)) for p in (1, 2)]
             if "tiles" in variants:
                 for act in a.sweep_activations.split(","):
                     label = "tiles" if act == "bf16" else f"tiles-{act}"
@@ -269,8 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep-activations", default="bf16",
                     help="the tiles kernel's activations modes to sweep (bf16: x as given; "
                          "fp8: x to e4m3 per 128 columns)")
-    ap.add_argument("--sweep-variants", default="bf16,tiles,stream",
+    ap.add_argument("--sweep-variants", default=",".join(SWEEP_VARIANTS),
                     help="--sweep's rows: bf16 (XLA's matmul on bf16 weights, the peer), "
+                         "probe (reads the e4m3 bytes only, along stream's load path), "
                          "tiles (kernel.py), stream (stream.py)")
     ap.add_argument("--sweep-tiles-grid", action="store_true",
                     help="--sweep also times the tiles kernel's block / split / warp / stage "
