@@ -25,7 +25,8 @@ from mtpjax.model.params import param_specs
 from mtpjax.parallel.sharding import partition_spec, state_shardings
 
 __all__ = ["LAYOUTS", "DP_ATTENTION_RULES", "check_layout", "check_dp_attention",
-           "param_partition_specs", "state_partition_specs", "rows_spec"]
+           "param_partition_specs", "param_shardings_like", "state_partition_specs",
+           "rows_spec"]
 
 LAYOUTS = (None, "dp_attention")
 
