@@ -35,6 +35,27 @@ from pallas_kernels.grouped_matmul.fused_ffn import MAX_TOKENS as FUSED_MAX_TOKE
 from pallas_kernels.grouped_matmul.grouped_matmul import pad_rows, tile_layout
 
 ENV = "MTPJAX_MOE_MATMUL"
+FUSED_TOKENS_ENV = "MTPJAX_FUSED_MOE_TOKENS"
+# the most tokens the MoE layer sends through the fused one-launch kernel: a batch-1 decode
+# (one row, or generate's two)
+DEFAULT_FUSED_TOKENS = 2
+
+
+def fused_moe_tokens() -> int:
+    """Up to this many tokens (static) the Pallas path runs the routed FFN as `fused_moe_ffn`
+    (one launch, each pair reading its expert), beyond it as expert tiles (one tile per
+    touched expert). `MTPJAX_FUSED_MOE_TOKENS=n` (0..FUSED_MAX_TOKENS) overrides the default;
+    read when the layer is traced."""
+    raw = os.environ.get(FUSED_TOKENS_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_FUSED_TOKENS
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= FUSED_MAX_TOKENS:
+        raise ValueError(f"{FUSED_TOKENS_ENV}={raw!r}: expected an int 0..{FUSED_MAX_TOKENS}")
+    return n
 
 
 def tile_rows(M: int, G: int) -> int:
@@ -140,7 +161,7 @@ def fused_moe_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.
                   w_up: jax.Array, w_down: jax.Array, activation) -> jax.Array:
     """`pallas_kernels.grouped_matmul.fused_moe_ffn` (a token or two's routed experts and
     their weighted sum in one kernel and one reduction), interpreted off the GPU (there only
-    when forced): x [N, E] (N <= FUSED_MAX_TOKENS), ids int32[N, k] (-1: none), weights
+    when forced): x [N, E] (N <= FUSED_MAX_TOKENS: the kernel's limit), ids int32[N, k] (-1: none), weights
     f32[N, k] -> float32 [N, E]."""
     from pallas_kernels.grouped_matmul.fused_ffn import fused_moe_ffn as kernel_ffn
     return kernel_ffn(x, ids, weights, w_gate, w_up, w_down, activation=activation,

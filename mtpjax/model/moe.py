@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from mtpjax.model.backend import SplitTokens
 from mtpjax.model.dense_ffn import swiglu, swiglu_fused
-from mtpjax.model.grouped_matmul import (FUSED_MAX_TOKENS, expert_tile_swiglu, fused_moe_ffn,
+from mtpjax.model.grouped_matmul import (expert_tile_swiglu, fused_moe_ffn, fused_moe_tokens,
                                          grouped_swiglu, matmul_choice, moe_swiglu,
                                          uses_expert_tiles)
 from mtpjax.model.fp8_weight import dequantize_in_step, is_fp8
@@ -43,7 +43,7 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     sizes) for each of the three projections (the MoE bench passes one). per_device: inside
     the expert-parallel `shard_map` (this device's experts only).
     expert_tiles: on the Pallas path, up to 16 tokens go through `expert_tile_swiglu` (one tile
-    per touched expert), and up to FUSED_MAX_TOKENS (2) through `fused_moe_ffn` (the FFN and
+    per touched expert), and up to `fused_moe_tokens()` (2) through `fused_moe_ffn` (the FFN and
     the weighted sum in one kernel); False takes `moe_swiglu` at every size (the MoE bench
     compares them).
     swiglu: None for the model's, or the whole routed SwiGLU over the sorted rows,
@@ -64,7 +64,7 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     model_path = matmul is None and swiglu is None
     if model_path and expert_tiles and uses_expert_tiles(N, X, per_device):
         ids = jnp.where(~valid[:, None] | (ids >= X), -1, ids)     # -1: routed nowhere
-        if N <= FUSED_MAX_TOKENS and tile_swiglu is None:   # batch-1 decode: FFN + sum in one
+        if N <= fused_moe_tokens() and tile_swiglu is None:   # batch-1 decode: FFN + sum in one
             y = fused_moe_ffn(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"],
                               activation)                         # f32 [N, E]
             return y.astype(out_dtype or x.dtype)

@@ -17,10 +17,12 @@ per H100 SM) read 104 MB in one wave, where the two-kernel form (`expert_tile_sw
 each kernel's ramp-up and tail and the split-K sums between them (docs/kernels.md; its
 measured rate is in docs/benchmarks.md).
 
-Two tokens because `generate` runs a batch of one as two rows (the second a padding row:
-mtpjax/generate.py); the padding row's pairs are routed nowhere and cost a zero write. Each
-pair reads its expert on its own, so two tokens that chose one expert read it twice: beyond
-a few tokens `expert_tile_swiglu` (one tile per touched expert) reads fewer bytes.
+Up to MAX_TOKENS tokens; the model takes it up to `mtpjax.model.grouped_matmul.
+fused_moe_tokens()` (a batch of one decoding, or `generate`'s two rows of which the second
+pads; with drafts, a verify's K+1 tokens). A padding token's pairs are routed nowhere and
+cost a zero write. Each pair reads its expert on its own, so tokens that chose one expert
+read it once each: beyond a few tokens `expert_tile_swiglu` (one tile per touched expert)
+reads fewer bytes.
 
 Triton's dot takes at least 16 rows, so each x block is widened in registers to 16 rows, x
 then 15 zero rows (no padding kernel before the launch): their hidden values are
@@ -42,7 +44,7 @@ from pallas_kernels.grouped_matmul.grouped_matmul import (SUPPORTED_DTYPES, chec
                                                           largest_block)
 
 DOT_ROWS = 16                   # Triton's smallest dot: x's one row, then zero rows
-MAX_TOKENS = 2                  # batch-1 decode: one row, or `generate`'s two
+MAX_TOKENS = 8                  # the kernel's limit (the model's choice: fused_moe_tokens)
 STAGE_BYTES = 64 * 1024         # gate + up weight bytes per pipeline step (bf16)
 
 

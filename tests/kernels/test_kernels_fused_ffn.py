@@ -19,6 +19,7 @@ from tests.kernels.test_kernels_expert_tiles import case, reference
     (1, 3, 8, 64, 64, dict(block_n=16, block_k=16, block_e=32)),    # many steps in both loops
     (1, 4, 4, 128, 64, dict(block_n=32, block_k=64, block_e=128)),  # every expert touched
     (2, 3, 4, 64, 32, {}),                # two tokens, some expert chosen by both
+    (4, 3, 8, 64, 32, {}),                # a K=3 verify's four tokens
 ])
 def test_equals_per_pair_reference(seed, N, k, G, E, I, blocks):
     x, ids, wg, wu, wd = case(seed, N, k, G, E, I, none_frac=0.3)
@@ -72,9 +73,9 @@ def test_default_blocks_fill_the_gpu():
 
 def test_bad_inputs_name_the_value():
     x, ids, wg, wu, wd = case(0, 2, 2, 8, 64, 32)
-    with pytest.raises(ValueError, match=r"x must be \[N, E=64\] with 1 <= N <= 2 tokens, "
-                                         r"got \(3, 64\)"):
-        fused_expert_ffn(jnp.concatenate([x, x[:1]]), jnp.asarray(ids[:1]), wg, wu, wd,
+    with pytest.raises(ValueError, match=r"x must be \[N, E=64\] with 1 <= N <= 8 tokens, "
+                                         r"got \(9, 64\)"):
+        fused_expert_ffn(jnp.concatenate([x] * 4 + [x[:1]]), jnp.asarray(ids[:1]), wg, wu, wd,
                          interpret=True)
     with pytest.raises(ValueError, match=r"ids must be integers \[N=2, k\], got int32\[1, 2\]"):
         fused_expert_ffn(x, jnp.asarray(ids[:1]), wg, wu, wd, interpret=True)
@@ -137,6 +138,36 @@ def test_moe_layer_takes_the_fused_kernel_up_to_two_tokens(seed, N):
         np.testing.assert_allclose(np.asarray(fused), np.asarray(sorted_), rtol=1e-4,
                                    atol=1e-4)
         np.testing.assert_array_equal(np.asarray(fused)[~np.asarray(valid)], 0.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_token_limit_is_a_setting(monkeypatch, seed):
+    """MTPJAX_FUSED_MOE_TOKENS moves the fused kernel's token limit (a K=3 verify's four
+    tokens at batch 1): the layer then takes it for four tokens, with the sorted layout's
+    output; a value outside 0..8 is refused by name."""
+    from mtpjax.model.grouped_matmul import FUSED_TOKENS_ENV, forced_path, fused_moe_tokens
+    from mtpjax.model.moe import routed_experts
+    N = 4
+    x, ids, wg, wu, wd = case(seed, N, 3, 8, 64, 32, none_frac=0.2)
+    p = {"w_gate": wg, "w_up": wu, "w_down": wd}
+    w = jax.random.uniform(jax.random.PRNGKey(seed), (N, 3))
+    valid = jnp.arange(N) < 3
+    for limit, fused_expected in (("4", True), ("3", False)):
+        monkeypatch.setenv(FUSED_TOKENS_ENV, limit)
+        with forced_path("pallas"):
+            f = lambda x: routed_experts(p, x, jnp.asarray(ids), w, valid, jax.nn.silu)  # noqa
+            text = str(jax.make_jaxpr(f)(x))
+            got = f(x)
+            want = routed_experts(p, x, jnp.asarray(ids), w, valid, jax.nn.silu,
+                                  expert_tiles=False)
+        assert ("fused_expert_ffn" in text) == fused_expected
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    for bad in ("9", "-1", "two"):
+        monkeypatch.setenv(FUSED_TOKENS_ENV, bad)
+        with pytest.raises(ValueError, match=f"{FUSED_TOKENS_ENV}='{bad}': expected an int 0..8"):
+            fused_moe_tokens()
+    monkeypatch.delenv(FUSED_TOKENS_ENV)
+    assert fused_moe_tokens() == 2
 
 
 def test_generate_at_batch_one_decodes_through_the_fused_kernel(monkeypatch):
