@@ -34,6 +34,11 @@ Pallas' Triton lowering emits such a dot as `tt.dot` f8E4M3FN x f8E4M3FN -> f32 
 maxNumImpreciseAcc = 0; Triton takes Hopper's wgmma only for result blocks of >= 64 rows and,
 for FP8 with a float32 result, only with maxNumImpreciseAcc >= 32, so this dot runs as mma.sync
 (MMAv2) on an H100 / H200, as the f16 dot does at decode rows.
+
+variant="stream" (weight-only) runs stream.py's decode GEMV on the same operands instead: its
+tiles go to registers with 16-byte loads and are prefetched through the K loop, where this
+kernel's e4m3 tile is staged in shared memory and read back one byte at a time into the dot
+(stream.py says what each compiles to).
 """
 from __future__ import annotations
 
