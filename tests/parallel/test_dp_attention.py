@@ -19,7 +19,7 @@ import pytest
 from mtpjax.parallel import make_mesh
 from mtpjax.parallel.dp_attention import check_dp_attention, param_partition_specs
 from tests.conftest import tiny_config, tiny_mla_moe_config
-from tests.parallel.test_parallel import HERE, _env
+from tests.parallel.test_parallel import HERE, _cli, _env, slow
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +154,18 @@ def test_decode_loop_has_only_the_moe_collectives_and_one_stop_check(cases):
     # the 2 x 3 first-pass window, the MTP block again in the one later draft step (2 rows)
     got = cases["generate"]["chain d=4"]["loop_collectives"]
     assert sorted(got) == sorted(_moe_pass(4, 6) + _moe_pass(4, 6) + _moe_pass(4, 2) + stop)
+
+
+@slow
+def test_bench_e2e_dp_attention_runs_generate_rows(tmp_path):
+    """`mtpjax bench e2e --dp-attention 2` on 2 fake CPU devices, tiny MLA + MoE shape: the
+    generate rows run in the layout; the engine row says it is not built."""
+    out = _cli(["bench", "e2e", "--model-shape", "tiny-mla-moe", "--batch", "2",
+                "--prompt-len", "4", "--new-tokens", "8", "--k", "2", "--copy-mib", "4",
+                "--repeats", "1", "--no-startup", "--rows", "generate plain,generate MTP,"
+                "engine plain", "--dp-attention", "2", "--out", str(tmp_path)], devices=2)
+    assert "DP attention on 2" in out.stdout
+    rows = {r["row"]: r for r in json.loads((tmp_path / "e2e.json").read_text())["rows"]}
+    for name in ("generate plain", "generate MTP K=2"):
+        assert "error" not in rows[name] and rows[name]["steps"] > 0, rows[name]
+    assert "not built for layout='dp_attention'" in rows["engine plain"]["error"]
