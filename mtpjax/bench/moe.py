@@ -29,7 +29,7 @@ Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pai
               pallas_ffn:bm=128/bn=64/w=8/dbn=128/dw=8/st=4 (keys: `parse_ffn_tuning`)
   pallas_tiles:KEY=V/...  up to 16 tokens, the expert tiles with explicit tuning (the same
               keys but bm and cf), e.g. pallas_tiles:s=8/st=4
-  pallas_fused  one or two tokens: the model's path with `fused_expert_ffn` (the whole FFN in
+  pallas_fused  up to fused_moe_tokens() tokens: the model's path with `fused_expert_ffn` (the whole FFN in
               one kernel: each program a block of one expert's hidden columns, through down)
   pallas_fused:KEY=V/...  the same with explicit blocks, e.g.
               pallas_fused:bn=32/bk=128/be=256/w=4/st=3 (keys: FUSED_TUNING_KEYS)

@@ -43,13 +43,13 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     sizes) for each of the three projections (the MoE bench passes one). per_device: inside
     the expert-parallel `shard_map` (this device's experts only).
     expert_tiles: on the Pallas path, up to 16 tokens go through `expert_tile_swiglu` (one tile
-    per touched expert), and up to `fused_moe_tokens()` (2) through `fused_moe_ffn` (the FFN and
+    per touched expert), and up to `fused_moe_tokens()` (4) through `fused_moe_ffn` (the FFN and
     the weighted sum in one kernel); False takes `moe_swiglu` at every size (the MoE bench
     compares them).
     swiglu: None for the model's, or the whole routed SwiGLU over the sorted rows,
     swiglu(rows, w_gate, w_up, w_down, sizes) (the MoE bench passes tuned kernels).
     tile_swiglu: None for `expert_tile_swiglu`, or a function of its arguments (x, ids,
-    w_gate, w_up, w_down, activation) used in its place, at one or two tokens too (the MoE
+    w_gate, w_up, w_down, activation) used in its place, at up to four tokens too (the MoE
     bench's tuned tiles)."""
     N, k = ids.shape
     X = p["w_gate"].shape[0]

@@ -1,4 +1,4 @@
-"""`fused_expert_ffn` / `fused_moe_ffn` (one or two tokens' routed experts, the whole SwiGLU
+"""`fused_expert_ffn` / `fused_moe_ffn` (a few tokens' routed experts, the whole SwiGLU
 FFN in one kernel; interpret mode here, compiled on a GPU with MTPJAX_KERNELS_ON_DEVICE=1)
 against a per-pair float64 reference, their errors, their one launch, and the MoE layer and
 `generate` on them."""
@@ -116,11 +116,12 @@ def test_one_launch_and_no_layout_ops():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("N", [1, 2, 3])
-def test_moe_layer_takes_the_fused_kernel_up_to_two_tokens(seed, N):
-    """The MoE layer (forced onto the Pallas path, interpreted) runs the fused kernel for one
-    or two tokens and the expert tiles for three, equal to the sorted layout's output either
-    way; a padding token (valid False, as `generate`'s second row at batch 1) gives 0."""
+@pytest.mark.parametrize("N", [1, 2, 4, 5])
+def test_moe_layer_takes_the_fused_kernel_up_to_four_tokens(seed, N):
+    """The MoE layer (forced onto the Pallas path, interpreted) runs the fused kernel for up
+    to four tokens (a K=3 verify at batch 1) and the expert tiles for five, equal to the
+    sorted layout's output either way; a padding token (valid False, as `generate`'s second
+    row at batch 1) gives 0."""
     from mtpjax.model.grouped_matmul import forced_path
     from mtpjax.model.moe import routed_experts
     x, ids, wg, wu, wd = case(seed, N, 3, 8, 64, 32, none_frac=0.0)
@@ -133,8 +134,8 @@ def test_moe_layer_takes_the_fused_kernel_up_to_two_tokens(seed, N):
                                                                jax.nn.silu))(x))
             sorted_ = routed_experts(p, x, jnp.asarray(ids), w, valid, jax.nn.silu,
                                      expert_tiles=False)
-        assert ("fused_expert_ffn" in text) == (N <= 2)
-        assert ("expert_tiles_gate_up" in text) == (N > 2)
+        assert ("fused_expert_ffn" in text) == (N <= 4)
+        assert ("expert_tiles_gate_up" in text) == (N > 4)
         np.testing.assert_allclose(np.asarray(fused), np.asarray(sorted_), rtol=1e-4,
                                    atol=1e-4)
         np.testing.assert_array_equal(np.asarray(fused)[~np.asarray(valid)], 0.0)
@@ -167,7 +168,7 @@ def test_fused_token_limit_is_a_setting(monkeypatch, seed):
         with pytest.raises(ValueError, match=f"{FUSED_TOKENS_ENV}='{bad}': expected an int 0..8"):
             fused_moe_tokens()
     monkeypatch.delenv(FUSED_TOKENS_ENV)
-    assert fused_moe_tokens() == 2
+    assert fused_moe_tokens() == 4
 
 
 def test_generate_at_batch_one_decodes_through_the_fused_kernel(monkeypatch):
