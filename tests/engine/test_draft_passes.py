@@ -121,7 +121,6 @@ def test_step_times_skip_the_step_after_a_change_of_passes(monkeypatch):
     llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=3), num_pages=32,
                      adaptive_k=AdaptiveK(probe_interval=0, step_probe_interval=0),
                      async_scheduling=False)
-    llm.generate(_prompts(cfg, 7, n=1), SamplingParams(max_tokens=40))   # compiles
     dispatch, last = llm.runner.dispatch, [None]
 
     def slow_switches(out, ks=None, passes=None):
@@ -130,7 +129,7 @@ def test_step_times_skip_the_step_after_a_change_of_passes(monkeypatch):
         last[0] = passes
         return dispatch(out, ks, passes)
     llm.runner.dispatch = slow_switches
-    llm._loop.step_times.__init__()                       # only the steps below
+    # steps that compiled are never timed (another test); the others after a switch sleep
     llm.generate(_prompts(cfg, 8, n=1), SamplingParams(max_tokens=60))
     samples = [t for d in llm._loop.step_times.samples.values() for t in d]
     assert samples and max(samples) < 0.4, sorted(samples)[-3:]
