@@ -406,10 +406,10 @@ def time_engine(params, cfg, spec, prompts, args) -> dict:
             f"b{b} p{p}: {1e3 * t:.2f} ({n})" for (b, p), (t, n) in timed.items())
         switched = llm._loop.switch_step_times          # steps right after a change of passes
         if switched:
-            import numpy as np
             by_p = dict(collections.Counter(p for p, _ in switched))
-            out["note"] += (f"; after a switch: {1e3 * np.median([t for _, t in switched]):.2f}"
-                            f" ms median of {len(switched)} (passes: {by_p})")
+            median = statistics.median(t for _, t in switched)
+            out["note"] += (f"; after a switch: {1e3 * median:.2f} ms median of "
+                            f"{len(switched)} (passes: {by_p})")
     return out
 
 

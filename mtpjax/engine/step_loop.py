@@ -46,9 +46,8 @@ class StepLoop:
         self.passes_used: collections.Counter = collections.Counter()    # passes -> steps
         self.last_done = 0.0            # perf_counter when the last step's result was read
         self.last_passes = None         # draft passes of the last step read
-        # seconds of steady-looking steps right after a change of passes (not timed for the
-        # rule: the first run of the other program after a switch is slower; reported by
-        # the e2e bench)
+        # (passes, seconds) of steady-looking steps right after a change of passes: kept
+        # apart from the rule's step times (see _complete), reported by the e2e bench
         self.switch_step_times: collections.deque = collections.deque(maxlen=64)
         # (SchedulerOutput, result, ks, passes, dispatched at, compiled, runner.num_compiles
         # after it) dispatched, unread

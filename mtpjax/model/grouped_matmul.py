@@ -160,10 +160,10 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
 
 def fused_moe_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
                   w_up: jax.Array, w_down: jax.Array, activation) -> jax.Array:
-    """`pallas_kernels.grouped_matmul.fused_moe_ffn` (a token or two's routed experts and
-    their weighted sum in one kernel and one reduction), interpreted off the GPU (there only
-    when forced): x [N, E] (N <= FUSED_MAX_TOKENS: the kernel's limit), ids int32[N, k] (-1: none), weights
-    f32[N, k] -> float32 [N, E]."""
+    """`pallas_kernels.grouped_matmul.fused_moe_ffn` (a few tokens' routed experts and their
+    weighted sum in one kernel and one reduction), interpreted off the GPU (there only when
+    forced): x [N, E] (N <= FUSED_MAX_TOKENS, the kernel's limit), ids int32[N, k] (-1: none),
+    weights f32[N, k] -> float32 [N, E]."""
     from pallas_kernels.grouped_matmul.fused_ffn import fused_moe_ffn as kernel_ffn
     return kernel_ffn(x, ids, weights, w_gate, w_up, w_down, activation=activation,
                       interpret=jax.default_backend() != "gpu")

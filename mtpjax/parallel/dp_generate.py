@@ -25,8 +25,8 @@ from mtpjax.generate import (GenerateState, generate_prefill, generate_step, pla
 from mtpjax.model.backend import SplitTokens
 from mtpjax.parallel.distributed import to_host
 from mtpjax.parallel.dp_attention import (DP_ATTENTION_RULES, check_dp_attention,
-                                          param_partition_specs, rows_spec,
-                                          state_partition_specs)
+                                          param_partition_specs, param_shardings_like,
+                                          rows_spec, state_partition_specs)
 from mtpjax.parallel.kernels import shard_map_compat
 from mtpjax.parallel.placement import create_sharded, place
 from mtpjax.speculative.metrics import SpecStats
@@ -161,10 +161,7 @@ def generate_dp_attention(params, cfg, spec, prompts, *, mesh, needed_tokens, pa
     tables, per_device = plan_device_pages(needed_tokens, d, page_size, num_pages, seed)
     batch, F = device_prefill_batches(prompts, spec, sampling, tables, d)
     rows = NamedSharding(mesh, P(AXIS))
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
-                             param_partition_specs(params, cfg, mesh),
-                             is_leaf=lambda x: isinstance(x, P))
-    params = jax.tree.map(place, params, shardings)
+    params = jax.tree.map(place, params, param_shardings_like(params, cfg, mesh))
     slots = create_sharded(lambda: SlotState.create(
         cfg, spec, init_cache(cfg, d * per_device, page_size, dtype), B, dtype), cfg, mesh,
         DP_ATTENTION_RULES)
