@@ -81,6 +81,8 @@ import tempfile
 import time
 import traceback
 
+_PROCESS_START = time.perf_counter()     # a child's limit counts from its start
+
 from mtpjax.model.fused import MODES as FUSION_MODES
 
 SHAPES = {
@@ -456,8 +458,10 @@ def time_startup(params, cfg, spec, args, batch: int, warmup=True) -> dict:
     t2 = time.perf_counter()
     extra = {}
     if warmup == "background":
+        # wait for the rest within the parent's limit on this process (it kills it at the limit)
+        left = args.child_timeout - (time.perf_counter() - _PROCESS_START) - 15
         extra = dict(buckets_at_first_token=len(llm.warmup_times),
-                     all_buckets_done=llm.wait_for_warmup(args.child_timeout),
+                     all_buckets_done=llm.wait_for_warmup(max(left, 1.0)),
                      all_buckets_s=time.perf_counter() - t0)
     ev = _EVENTS - before
     store = llm.runner.store
@@ -637,11 +641,16 @@ def parse_args(argv):
     ap.add_argument("--rows", default=",".join(ROWS),
                     help=f"comma-separated subset of: {', '.join(ROWS)}")
     ap.add_argument("--no-startup", action="store_true", help="skip the start-up rows")
-    ap.add_argument("--warm-start", action="store_true",
-                    help="also time start-up in a second process with the cache filled")
+    ap.add_argument("--warm-start", nargs="?", type=int, const=1, default=0, metavar="N",
+                    help="also time start-up in N (default 1) more processes, one after the "
+                         "other, with the cache filled (the first after a background start "
+                         "also fills the executable store)")
     ap.add_argument("--background-startup", action="store_true",
                     help="also time start-up with LLM(warmup='background') in a fresh process "
                          "with an empty cache: first token, and all buckets compiled")
+    ap.add_argument("--no-blocking-startup", action="store_true",
+                    help="skip the in-process blocking cold start (then --background-startup "
+                         "with --cache-dir fills the cache that --warm-start reads)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=0,
                     help="engine token budget (default: the largest of batch x (K+1), "
                          "min(batch x prompt, 2048) and the prompt, rounded up to a power of "
@@ -831,14 +840,15 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
 
     top = max(args.batches)
     if not args.no_startup:
-        attempt(f"start-up cold (engine MTP K={K})", top,
-                lambda: _startup_row(params, cfg, spec, args, top, cache_dir, fresh))
-        if args.warm_start:
-            attempt("start-up warm (2nd process)", top,
-                    lambda: _warm_row(args, top, cache_dir))
+        if not args.no_blocking_startup:
+            attempt(f"start-up cold (engine MTP K={K})", top,
+                    lambda: _startup_row(params, cfg, spec, args, top, cache_dir, fresh))
         if args.background_startup:
             attempt(f"start-up background (engine MTP K={K})", top,
                     lambda: _background_row(args, top))
+        for n in range(args.warm_start):
+            attempt(f"start-up warm (process {n + 2})", top,
+                    lambda: _warm_row(args, top, cache_dir))
     reps = f" x{args.replicas} replicas" if args.replicas > 1 else ""
     names = {"generate plain": "generate plain", "generate MTP": f"generate MTP K={K}",
              "engine plain": f"engine plain{reps}", "engine MTP": f"engine MTP K={K}{reps}"}
@@ -903,14 +913,16 @@ def _warm_row(args, batch, cache_dir) -> dict:
 
 
 def _background_row(args, batch) -> dict:
-    """LLM(warmup="background") in a fresh process with a fresh, empty cache folder."""
-    folder = tempfile.mkdtemp(prefix="mtpjax_e2e_background_")
+    """LLM(warmup="background") in a fresh process with a fresh, empty cache folder, or with
+    --cache-dir's (kept, so that a warm start can follow: --no-blocking-startup --warm-start)."""
+    folder = args.cache_dir or tempfile.mkdtemp(prefix="mtpjax_e2e_background_")
     try:
         r = run_child(args, "startup", batch, {"MTPJAX_CACHE_DIR": folder},
                       ("--startup-warmup", "background"))
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.rmtree(folder + "_executables", ignore_errors=True)   # its executable store
+        if not args.cache_dir:
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(folder + "_executables", ignore_errors=True)   # its executable store
     done = "" if r.get("all_buckets_done") else " (not all done: timed out)"
     r["note"] = (f"first token after {r['startup_s']:.1f} s (LLM() {r['construct_s']:.1f} s, "
                  f"{r['buckets_at_first_token']} of {r['buckets']} step buckets compiled); every "
