@@ -1,0 +1,211 @@
+"""y = x @ W for an FP8 weight W = values * scale at decode sizes, in Mosaic GPU (Hopper):
+the weight tiles stream through shared memory by TMA, several stages deep.
+
+    x       [M, K]  bf16, M <= MAX_ROWS
+    values  [K, N]  float8_e4m3fn
+    scale   [K / 128, N / 128] float32 (block (128, 128)) or [1, N] (block (K, 1): per column)
+    y       [M, N]  bf16
+
+Why Mosaic GPU: the Triton kernels of this package read the e4m3 bytes at 2.2-3x their byte
+floor on an H200, and a Triton probe that only loads them stays at 1.5x (docs/fp8.md). Here
+the loads are TMA bulk copies completing on mbarriers (`plgpu.emit_pipeline`), so the copy
+engine, not the threads, moves the weight.
+
+CTA (n, s) owns output columns [n * block_n, (n + 1) * block_n) and the s-th of `splits` equal
+K ranges (split-K fills the SMs when N / block_n is small). Per block_k-row step:
+
+    e4m3 tile [block_k, block_n] --TMA--> SMEM --registers: widen, x block scale--> bf16 SMEM
+    then one wgmma per step, in one of two orientations (`orientation`):
+      "wt": acc[block_n, Mp] += W^T x^T: the widened tile (read transposed) is wgmma's
+            64-row A operand and the Mp = 8..32 rows of x are its N dimension (x's tile
+            [Mp, block_k] by TMA); the kernel writes y^T partials.
+      "x64": acc[64, block_n] += x64 @ W: x padded to wgmma's 64 rows is A, the widened tile B.
+            Wastes the padding rows' loads from L2 and their MMA work; the fallback.
+
+Numerics: the 128 x 128 block scale multiplies the widened tile before it is rounded to bf16,
+which is exactly the dequantized reference's weight (`Fp8Weight.dequantize()`), so the products
+equal the reference's up to float32 accumulation order. Per-column scales multiply the float32
+sums after the K loop (outside the kernel, fused with the split-K sum).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._hopper import interpret_params
+
+MAX_ROWS = 32                     # decode batches; wgmma's N dimension in orientation "wt"
+FP8_DTYPE = jnp.float8_e4m3fn
+ORIENTATIONS = ("wt", "x64")
+SCALE_BLOCK = 128                 # the block scales' side (DeepSeek-V3's)
+
+
+def _num_sms() -> int:
+    try:
+        return int(jax.devices()[0].core_count)
+    except Exception:                          # CPU devices have no SM count: H200's
+        return 132
+
+
+def mosaic_rows(M: int, orientation: str) -> int:
+    """Rows x is padded to: a multiple of 8 (wgmma's N granule) in "wt", 64 in "x64"."""
+    return max(8, -(-M // 8) * 8) if orientation == "wt" else 64
+
+
+def mosaic_takes(M: int, K: int, N: int, block: tuple[int, int]) -> bool:
+    """Whether the Mosaic kernel runs x [M, K] @ W [K, N] with scale block `block`."""
+    bK, bN = block
+    scales_ok = (bK, bN) == (SCALE_BLOCK, SCALE_BLOCK) or (bK, bN) == (K, 1)
+    return 1 <= M <= MAX_ROWS and K % 128 == 0 and N % 128 == 0 and scales_ok
+
+
+def mosaic_splits(n_cols: int, k_steps: int) -> int:
+    """K splits: the fewest giving >= ~90% of the SMs one CTA each, each split >= 4 steps."""
+    target = _num_sms() - _num_sms() // 10
+    s = 1
+    while n_cols * s < target and k_steps % (s * 2) == 0 and k_steps // (s * 2) >= 4:
+        s *= 2
+    return s
+
+
+def _transforms(minor_bytes: int, itemsize: int) -> tuple:
+    """Tiling + swizzle for a tile whose rows are `minor_bytes` long (the widest swizzle)."""
+    swizzle = plgpu.find_swizzle(minor_bytes * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, block_k: int, block_n: int, k_steps: int,
+            rows: int, stages: int, block_scales: bool, orientation: str):
+    """CTA (n, s) writes o_gmem[s] (float32) at its columns: the partial over its K range,
+    [block_n, rows] of y^T in "wt", [64, block_n] of y in "x64". s_gmem [N / 128, KB]: row n
+    holds column block n's scales (block_scales; unused otherwise)."""
+    n, s = lax.axis_index("n"), lax.axis_index("s")
+    k_first = s * k_steps                                        # first step of this split
+    bk_per_scale = SCALE_BLOCK // block_k
+    w_transforms = _transforms(block_n, 1)
+    wide_transforms = _transforms(block_n * 2, 2)
+    x_transforms = _transforms(block_k * 2, 2)
+    acc_shape = (block_n, rows) if orientation == "wt" else (64, block_n)
+    cols = pl.ds(n * block_n, block_n)
+
+    def scoped(wide_smem, s_smem, o_smem, s_loaded):
+        pl.run_scoped(functools.partial(with_acc, wide_smem, s_smem, o_smem, s_loaded),
+                      plgpu.ACC(acc_shape, jnp.float32))
+
+    def with_acc(wide_smem, s_smem, o_smem, s_loaded, acc_ref):
+        if block_scales:
+            plgpu.copy_gmem_to_smem(s_gmem.at[pl.ds(n, 1)], s_smem, s_loaded)
+            plgpu.barrier_wait(s_loaded)
+        else:                                   # nothing to load: observe the barrier anyway
+            plgpu.barrier_arrive(s_loaded)
+            plgpu.barrier_wait(s_loaded)
+
+        def step(idx, x_smem, w_smem):
+            (i,) = idx
+            w = w_smem[...].astype(jnp.float32)                  # [block_k, block_n], exact
+            if block_scales:
+                w = w * s_smem[0, (k_first + i) // bk_per_scale]
+            wide_smem[...] = w.astype(jnp.bfloat16)
+            plgpu.commit_smem()                                  # visible to the wgmma
+            if orientation == "wt":
+                plgpu.wgmma(acc_ref, plgpu.transpose_ref(wide_smem, (1, 0)),
+                            plgpu.transpose_ref(x_smem, (1, 0)))
+            else:
+                plgpu.wgmma(acc_ref, x_smem, wide_smem)
+            plgpu.wgmma_wait(0)                                  # wide_smem is reused
+
+        ks = pl.ds(k_first * block_k, k_steps * block_k)
+        plgpu.emit_pipeline(
+            step,
+            grid=(k_steps,),
+            in_specs=[
+                plgpu.BlockSpec((rows, block_k), lambda i: (0, i), transforms=x_transforms),
+                plgpu.BlockSpec((block_k, block_n), lambda i: (i, 0), transforms=w_transforms),
+            ],
+            max_concurrent_steps=stages,
+        )(x_gmem.at[pl.ds(0, rows), ks], w_gmem.at[ks, cols])
+        o_smem[...] = acc_ref[...]
+        plgpu.commit_smem()
+        if orientation == "wt":
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, cols])
+        else:
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, :, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scoped,
+                  plgpu.SMEM((block_k, block_n), jnp.bfloat16, transforms=wide_transforms),
+                  plgpu.SMEM((1, s_gmem.shape[1]), jnp.float32),
+                  plgpu.SMEM(acc_shape, jnp.float32),
+                  plgpu.Barrier(num_arrivals=1))
+
+
+@functools.partial(jax.jit, static_argnames=("block", "block_n", "block_k", "splits", "stages",
+                                             "orientation", "interpret"))
+def fp8_weight_matmul_mosaic(x: jax.Array, values: jax.Array, scale: jax.Array, *,
+                             block: tuple[int, int], block_n: int = 128, block_k: int = 128,
+                             splits: int | None = None, stages: int = 4,
+                             orientation: str = "wt", interpret: bool = False) -> jax.Array:
+    """x [M, K] bf16 @ (values [K, N] e4m3 * scale) -> [M, N] bf16 (module docstring).
+    block: (128, 128) block scales or (K, 1) per column. block_n 64 or 128 (block scales:
+    128); block_k 64 or 128; splits divides K / block_k (None: `mosaic_splits`); stages: TMA
+    stages in flight; interpret: JAX's GPU interpreter (CPU tests). ValueError for operands it cannot take (`mosaic_takes`)."""
+    if x.ndim != 2 or values.ndim != 2 or x.shape[1] != values.shape[0]:
+        raise ValueError(f"x must be [M, K] and values [K, N], got {tuple(x.shape)} and "
+                         f"{tuple(values.shape)}")
+    if values.dtype != FP8_DTYPE:
+        raise ValueError(f"values must be float8_e4m3fn, got {values.dtype}")
+    if orientation not in ORIENTATIONS:
+        raise ValueError(f"orientation must be one of {ORIENTATIONS}, got {orientation!r}")
+    M, K = x.shape
+    N = values.shape[1]
+    block = tuple(block)
+    if not mosaic_takes(M, K, N, block):
+        raise ValueError(f"fp8_weight_matmul_mosaic takes 1..{MAX_ROWS} rows, K and N multiples "
+                         f"of 128 and block (128, 128) or (K, 1); got M={M}, K={K}, N={N}, "
+                         f"block {block}")
+    block_scales = block != (K, 1)
+    expected = (K // SCALE_BLOCK, N // SCALE_BLOCK) if block_scales else (1, N)
+    if scale.shape != expected:
+        raise ValueError(f"scale must be {list(expected)} for block {block}, got "
+                         f"{tuple(scale.shape)}")
+    if block_n not in (64, 128) or block_k not in (64, 128) or (block_scales and block_n != 128):
+        raise ValueError(f"block_n must be 64 or 128 (128 with block scales) and block_k 64 or "
+                         f"128; got block_n={block_n}, block_k={block_k}")
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
+    n_cols, k_total = N // block_n, K // block_k
+    splits = splits or mosaic_splits(n_cols, k_total)
+    if k_total % splits:
+        raise ValueError(f"splits={splits} must divide the {k_total} K steps")
+    rows = mosaic_rows(M, orientation)
+    # [rows + 8, K]: always a buffer of its own (Mosaic calls reject an operand XLA hands over
+    # as an unaligned slice of a larger array); the kernel reads the first `rows` rows
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, rows + 8 - M), (0, 0)))
+    if block_scales:
+        # each column block's scales as one row: [N / 128, K / 128], padded to 16 bytes
+        s_in = scale.astype(jnp.float32).T
+        s_in = jnp.pad(s_in, ((0, 0), (0, -s_in.shape[1] % 4)), constant_values=1.0)
+    else:
+        s_in = jnp.ones((1, 4), jnp.float32)                   # unused
+    out_shape = (splits, N, rows) if orientation == "wt" else (splits, 64, N)
+    kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n,
+                               k_steps=k_total // splits, rows=rows, stages=stages,
+                               block_scales=block_scales, orientation=orientation)
+    partials = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        grid=(n_cols, splits), grid_names=("n", "s"),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret_params() if interpret else None,
+    )(xp, values, s_in)
+    y = partials.sum(0)                                        # [N, rows] or [64, N]
+    y = y[:, :M].T if orientation == "wt" else y[:M]           # [M, N]
+    if not block_scales:
+        y = y * scale[0].astype(jnp.float32)[None, :]
+    return y.astype(jnp.bfloat16)
