@@ -60,7 +60,9 @@ def mosaic_rows(M: int, orientation: str) -> int:
 def mosaic_takes(M: int, K: int, N: int, block: tuple[int, int]) -> bool:
     """Whether the Mosaic kernel runs x [M, K] @ W [K, N] with scale block `block`."""
     bK, bN = block
-    scales_ok = (bK, bN) == (SCALE_BLOCK, SCALE_BLOCK) or (bK, bN) == (K, 1)
+    # block scales: all of a column's K / 128 scales in one TMA box (<= 256 rows)
+    scales_ok = ((bK, bN) == (SCALE_BLOCK, SCALE_BLOCK) and K <= SCALE_BLOCK * 256
+                 or (bK, bN) == (K, 1))
     return 1 <= M <= MAX_ROWS and K % 128 == 0 and N % 128 == 0 and scales_ok
 
 
@@ -80,10 +82,11 @@ def _transforms(minor_bytes: int, itemsize: int) -> tuple:
 
 
 def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, block_k: int, block_n: int, k_steps: int,
-            rows: int, stages: int, block_scales: bool, orientation: str):
+            rows: int, stages: int, block_scales: bool, orientation: str, interpret: bool):
     """CTA (n, s) writes o_gmem[s] (float32) at its columns: the partial over its K range,
-    [block_n, rows] of y^T in "wt", [64, block_n] of y in "x64". s_gmem [N / 128, KB]: row n
-    holds column block n's scales (block_scales; unused otherwise)."""
+    [block_n, rows] of y^T in "wt", [64, block_n] of y in "x64". s_gmem [K / 128, NB]: the
+    block scales, NB = N / 128 rounded up to 4 (block_scales; unused otherwise): the CTA
+    copies the 4 columns around its own (a TMA row is >= 16 bytes)."""
     n, s = lax.axis_index("n"), lax.axis_index("s")
     k_first = s * k_steps                                        # first step of this split
     bk_per_scale = SCALE_BLOCK // block_k
@@ -98,37 +101,50 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, block_k: int, block_n: int, k_ste
                       plgpu.ACC(acc_shape, jnp.float32))
 
     def with_acc(wide_smem, s_smem, o_smem, s_loaded, acc_ref):
-        if block_scales:
-            plgpu.copy_gmem_to_smem(s_gmem.at[pl.ds(n, 1)], s_smem, s_loaded)
-            plgpu.barrier_wait(s_loaded)
+        if block_scales:                        # waited for in the first step
+            plgpu.copy_gmem_to_smem(s_gmem.at[:, pl.ds(lax.div(n, 4) * 4, 4)], s_smem,
+                                    s_loaded)
         else:                                   # nothing to load: observe the barrier anyway
             plgpu.barrier_arrive(s_loaded)
             plgpu.barrier_wait(s_loaded)
 
         def step(idx, x_smem, w_smem):
             (i,) = idx
-            w = w_smem[...].astype(jnp.float32)                  # [block_k, block_n], exact
+            # 8 contiguous columns a thread: 8-byte loads of e4m3, 16-byte stores of bf16
+            w = w_smem[...]
+            if not interpret:                   # the interpreter has no register layouts
+                w = plgpu.layout_cast(w, plgpu.Layout.WGMMA_UPCAST_4X)
+            w = w.astype(jnp.float32)                            # [block_k, block_n], exact
             if block_scales:
-                w = w * s_smem[0, (k_first + i) // bk_per_scale]
-            wide_smem[...] = w.astype(jnp.bfloat16)
+                @pl.when(i == 0)
+                def _():
+                    plgpu.barrier_wait(s_loaded)
+
+                w = w * s_smem[(k_first + i) // bk_per_scale, lax.rem(n, 4)]
+            # two widened buffers: step i - 1's wgmma may still read the other one
+            wide = wide_smem.at[lax.rem(i, 2)]
+            wide[...] = w.astype(jnp.bfloat16)
             plgpu.commit_smem()                                  # visible to the wgmma
             if orientation == "wt":
-                plgpu.wgmma(acc_ref, plgpu.transpose_ref(wide_smem, (1, 0)),
+                plgpu.wgmma(acc_ref, plgpu.transpose_ref(wide, (1, 0)),
                             plgpu.transpose_ref(x_smem, (1, 0)))
             else:
-                plgpu.wgmma(acc_ref, x_smem, wide_smem)
-            plgpu.wgmma_wait(0)                                  # wide_smem is reused
+                plgpu.wgmma(acc_ref, x_smem, wide)
+            plgpu.wgmma_wait(1)             # step i - 1's is done: its buffers are free
 
         ks = pl.ds(k_first * block_k, k_steps * block_k)
         plgpu.emit_pipeline(
             step,
             grid=(k_steps,),
             in_specs=[
-                plgpu.BlockSpec((rows, block_k), lambda i: (0, i), transforms=x_transforms),
+                # x's slot stays until the next step, whose wgmma_wait(1) retires this one's
+                plgpu.BlockSpec((rows, block_k), lambda i: (0, i), transforms=x_transforms,
+                                delay_release=1),
                 plgpu.BlockSpec((block_k, block_n), lambda i: (i, 0), transforms=w_transforms),
             ],
             max_concurrent_steps=stages,
         )(x_gmem.at[pl.ds(0, rows), ks], w_gmem.at[ks, cols])
+        plgpu.wgmma_wait(0)
         o_smem[...] = acc_ref[...]
         plgpu.commit_smem()
         if orientation == "wt":
@@ -138,10 +154,74 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, block_k: int, block_n: int, k_ste
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(scoped,
-                  plgpu.SMEM((block_k, block_n), jnp.bfloat16, transforms=wide_transforms),
-                  plgpu.SMEM((1, s_gmem.shape[1]), jnp.float32),
+                  plgpu.SMEM((2, block_k, block_n), jnp.bfloat16, transforms=wide_transforms),
+                  plgpu.SMEM((s_gmem.shape[0], 4), jnp.float32),
                   plgpu.SMEM(acc_shape, jnp.float32),
                   plgpu.Barrier(num_arrivals=1))
+
+
+def mosaic_operands(x: jax.Array, scale: jax.Array, *, block_scales: bool,
+                    orientation: str) -> tuple[jax.Array, jax.Array]:
+    """The kernel's x and scale operands: x [M, K] padded to [rows + 8, K] bf16, always a
+    buffer of its own (Mosaic calls reject an operand XLA hands over as an unaligned slice of
+    a larger array; the kernel reads the first `rows` rows); the block scales with their
+    columns padded to a multiple of 4 (as they are for N a multiple of 512), or a dummy."""
+    M = x.shape[0]
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, mosaic_rows(M, orientation) + 8 - M), (0, 0)))
+    if not block_scales:
+        return xp, jnp.ones((1, 4), jnp.float32)
+    s_in = scale.astype(jnp.float32)
+    pad = -s_in.shape[1] % 4
+    return xp, (jnp.pad(s_in, ((0, 0), (0, pad)), constant_values=1.0) if pad else s_in)
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "block_scales", "block_n", "block_k",
+                                             "splits", "stages", "orientation", "interpret"))
+def mosaic_partials(xp: jax.Array, values: jax.Array, s_in: jax.Array, *, rows: int,
+                    block_scales: bool, block_n: int, block_k: int, splits: int, stages: int,
+                    orientation: str, interpret: bool = False) -> jax.Array:
+    """The kernel alone on `mosaic_operands`' outputs: float32 partials [splits, N, rows]
+    (y^T, "wt") or [splits, 64, N] ("x64"), per-column scales not applied."""
+    K, N = values.shape
+    k_total = K // block_k
+    out_shape = (splits, N, rows) if orientation == "wt" else (splits, 64, N)
+    kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n,
+                               k_steps=k_total // splits, rows=rows, stages=stages,
+                               block_scales=block_scales, orientation=orientation,
+                               interpret=interpret)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        grid=(N // block_n, splits), grid_names=("n", "s"),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret_params() if interpret else None,
+    )(xp, values, s_in)
+
+
+def mosaic_config(M: int, K: int, N: int, block: tuple[int, int], *, block_n: int = 128,
+                  block_k: int = 128, splits: int | None = None, stages: int = 4,
+                  orientation: str = "wt") -> dict:
+    """The checked static arguments of `mosaic_partials` for x [M, K] @ W [K, N]."""
+    if orientation not in ORIENTATIONS:
+        raise ValueError(f"orientation must be one of {ORIENTATIONS}, got {orientation!r}")
+    if not mosaic_takes(M, K, N, block):
+        raise ValueError(f"fp8_weight_matmul_mosaic takes 1..{MAX_ROWS} rows, K and N multiples "
+                         f"of 128 (K <= {SCALE_BLOCK * 256} with block scales) and block "
+                         f"(128, 128) or (K, 1); got M={M}, K={K}, N={N}, block {block}")
+    block_scales = block != (K, 1)
+    if block_n not in (64, 128) or block_k not in (64, 128) or (block_scales and block_n != 128):
+        raise ValueError(f"block_n must be 64 or 128 (128 with block scales) and block_k 64 or "
+                         f"128; got block_n={block_n}, block_k={block_k}")
+    if stages < 2:
+        raise ValueError(f"stages must be >= 2 (x's stage is held one step longer), got "
+                         f"{stages}")
+    k_total = K // block_k
+    splits = splits or mosaic_splits(N // block_n, k_total)
+    if k_total % splits:
+        raise ValueError(f"splits={splits} must divide the {k_total} K steps")
+    return dict(rows=mosaic_rows(M, orientation), block_scales=block_scales, block_n=block_n,
+                block_k=block_k, splits=splits, stages=stages, orientation=orientation)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "block_n", "block_k", "splits", "stages",
@@ -153,57 +233,25 @@ def fp8_weight_matmul_mosaic(x: jax.Array, values: jax.Array, scale: jax.Array, 
     """x [M, K] bf16 @ (values [K, N] e4m3 * scale) -> [M, N] bf16 (module docstring).
     block: (128, 128) block scales or (K, 1) per column. block_n 64 or 128 (block scales:
     128); block_k 64 or 128; splits divides K / block_k (None: `mosaic_splits`); stages: TMA
-    stages in flight; interpret: JAX's GPU interpreter (CPU tests). ValueError for operands it cannot take (`mosaic_takes`)."""
+    stages in flight (>= 2); interpret: JAX's GPU interpreter (CPU tests). ValueError for
+    operands it cannot take (`mosaic_takes`)."""
     if x.ndim != 2 or values.ndim != 2 or x.shape[1] != values.shape[0]:
         raise ValueError(f"x must be [M, K] and values [K, N], got {tuple(x.shape)} and "
                          f"{tuple(values.shape)}")
     if values.dtype != FP8_DTYPE:
         raise ValueError(f"values must be float8_e4m3fn, got {values.dtype}")
-    if orientation not in ORIENTATIONS:
-        raise ValueError(f"orientation must be one of {ORIENTATIONS}, got {orientation!r}")
     M, K = x.shape
     N = values.shape[1]
     block = tuple(block)
-    if not mosaic_takes(M, K, N, block):
-        raise ValueError(f"fp8_weight_matmul_mosaic takes 1..{MAX_ROWS} rows, K and N multiples "
-                         f"of 128 and block (128, 128) or (K, 1); got M={M}, K={K}, N={N}, "
-                         f"block {block}")
-    block_scales = block != (K, 1)
+    config = mosaic_config(M, K, N, block, block_n=block_n, block_k=block_k, splits=splits,
+                           stages=stages, orientation=orientation)
+    block_scales = config["block_scales"]
     expected = (K // SCALE_BLOCK, N // SCALE_BLOCK) if block_scales else (1, N)
     if scale.shape != expected:
         raise ValueError(f"scale must be {list(expected)} for block {block}, got "
                          f"{tuple(scale.shape)}")
-    if block_n not in (64, 128) or block_k not in (64, 128) or (block_scales and block_n != 128):
-        raise ValueError(f"block_n must be 64 or 128 (128 with block scales) and block_k 64 or "
-                         f"128; got block_n={block_n}, block_k={block_k}")
-    if stages < 1:
-        raise ValueError(f"stages must be >= 1, got {stages}")
-    n_cols, k_total = N // block_n, K // block_k
-    splits = splits or mosaic_splits(n_cols, k_total)
-    if k_total % splits:
-        raise ValueError(f"splits={splits} must divide the {k_total} K steps")
-    rows = mosaic_rows(M, orientation)
-    # [rows + 8, K]: always a buffer of its own (Mosaic calls reject an operand XLA hands over
-    # as an unaligned slice of a larger array); the kernel reads the first `rows` rows
-    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, rows + 8 - M), (0, 0)))
-    if block_scales:
-        # each column block's scales as one row: [N / 128, K / 128], padded to 16 bytes
-        s_in = scale.astype(jnp.float32).T
-        s_in = jnp.pad(s_in, ((0, 0), (0, -s_in.shape[1] % 4)), constant_values=1.0)
-    else:
-        s_in = jnp.ones((1, 4), jnp.float32)                   # unused
-    out_shape = (splits, N, rows) if orientation == "wt" else (splits, 64, N)
-    kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n,
-                               k_steps=k_total // splits, rows=rows, stages=stages,
-                               block_scales=block_scales, orientation=orientation)
-    partials = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
-        grid=(n_cols, splits), grid_names=("n", "s"),
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret_params() if interpret else None,
-    )(xp, values, s_in)
+    xp, s_in = mosaic_operands(x, scale, block_scales=block_scales, orientation=orientation)
+    partials = mosaic_partials(xp, values, s_in, interpret=interpret, **config)
     y = partials.sum(0)                                        # [N, rows] or [64, N]
     y = y[:, :M].T if orientation == "wt" else y[:M]           # [M, N]
     if not block_scales:
