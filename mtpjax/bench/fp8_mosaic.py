@@ -3,7 +3,7 @@ correctness on random inputs, then its time against its byte floor, the Triton F
 (`tiles`, `stream`) and XLA's bf16 matmul on the same shapes, in one process.
 
     python -u -m mtpjax.bench.fp8_mosaic [--shapes 4096x14336,14336x4096,4096x6144]
-        [--tokens 1,8,32] [--budget-s 120] [--out DIR]
+        [--tokens 1,8,32] [--budget-s 150] [--out DIR]
 
 Checks: each case's output against x @ dequantize(W) in float32 (max |y - ref| / max |ref|,
 FAIL above 1e-2), with a NaN-input call first so that an output element the kernel leaves
@@ -12,8 +12,11 @@ weight sets (so L2 holds none of them between calls) called in one jit, 20 such 
 dispatched back to back (`fp8_linear.pipelined_wall`): device time per call. Floor: the
 weight's bytes (values + scales; bf16: 2 bytes a weight) / the copy bandwidth measured in the
 same run. Each variant runs under try/except: a crash prints its error and the run goes on.
-The defaults of every variant run first; the Mosaic kernel's other configurations (stages,
-splits, block_k, the "x64" orientation, per-channel scales) follow while --budget-s lasts.
+Variants: `xla-bf16` (the peer), `mosaic` (the whole call: x's padding, the kernel, the
+split-K sum), `mosaic-kernel` (the kernel alone on prepared operands), `mosaic-reads` (its
+TMA pipeline's loads alone: the load path's ceiling), `tiles`, `stream`. The defaults of
+every variant run first; the Mosaic kernel's other configurations (stages, splits, block_k,
+the "x64" orientation, per-channel scales) follow while --budget-s lasts.
 """
 from __future__ import annotations
 
@@ -138,12 +141,13 @@ def main(argv=None) -> int:
         xs = [jax.random.normal(jax.random.fold_in(key, 300 + i), (M, K)).astype(jnp.bfloat16)
               for i in range(SETS)]
         try:
-            if label == "mosaic-kernel":
+            if label in ("mosaic-kernel", "mosaic-reads"):
                 from pallas_kernels.fp8_matmul.mosaic import (mosaic_config, mosaic_operands,
                                                               mosaic_partials)
                 ws = fp8_sets(K, N, "block")
                 floor, err = ws[0].nbytes / bw, float("nan")
-                kcfg = mosaic_config(M, K, N, ws[0].block, **cfg)
+                kcfg = dict(mosaic_config(M, K, N, ws[0].block, **cfg),
+                            reads_only=label == "mosaic-reads")
                 ops = [mosaic_operands(x, w.scale, block_scales=True,
                                        orientation=kcfg["orientation"]) for x, w in zip(xs, ws)]
                 xs = jax.block_until_ready([o[0] for o in ops])
@@ -190,8 +194,12 @@ def main(argv=None) -> int:
             first += [(K, N, M, "xla-bf16", {}), (K, N, M, "mosaic", {}),
                       (K, N, M, "mosaic-kernel", {}),
                       (K, N, M, "tiles", {}), (K, N, M, "stream", dict(variant="stream"))]
+            if M == tokens[0]:        # the TMA pipeline's loads alone: its ceiling
+                first.append((K, N, M, "mosaic-reads", {}))
             rest_lists.append([(K, N, M, v, c) for c in mosaic_configs(M)
                                for v in ("mosaic-kernel", "mosaic")]
+                              + ([(K, N, M, "mosaic-reads", dict(stages=s)) for s in (2, 6)]
+                                 if M == tokens[0] else [])
                               + [(K, N, M, "mosaic", dict(scales="channel"))])
     # variations round-robin over shapes and token counts: a spent budget cuts the least
     # telling variation of each, not a whole shape

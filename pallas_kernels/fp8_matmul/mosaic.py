@@ -82,11 +82,13 @@ def _transforms(minor_bytes: int, itemsize: int) -> tuple:
 
 
 def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, block_k: int, block_n: int, k_steps: int,
-            rows: int, stages: int, block_scales: bool, orientation: str, interpret: bool):
+            rows: int, stages: int, block_scales: bool, orientation: str, interpret: bool,
+            reads_only: bool = False):
     """CTA (n, s) writes o_gmem[s] (float32) at its columns: the partial over its K range,
     [block_n, rows] of y^T in "wt", [64, block_n] of y in "x64". s_gmem [K / 128, NB]: the
     block scales, NB = N / 128 rounded up to 4 (block_scales; unused otherwise): the CTA
-    copies the 4 columns around its own (a TMA row is >= 16 bytes)."""
+    copies the 4 columns around its own (a TMA row is >= 16 bytes). reads_only: the
+    pipeline's loads alone, no widening or products (the load path's ceiling; output 0)."""
     n, s = lax.axis_index("n"), lax.axis_index("s")
     k_first = s * k_steps                                        # first step of this split
     bk_per_scale = SCALE_BLOCK // block_k
@@ -110,6 +112,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, block_k: int, block_n: int, k_ste
 
         def step(idx, x_smem, w_smem):
             (i,) = idx
+            if reads_only:
+                return
             # 8 contiguous columns a thread: 8-byte loads of e4m3, 16-byte stores of bf16
             w = w_smem[...]
             if not interpret:                   # the interpreter has no register layouts
@@ -145,6 +149,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, block_k: int, block_n: int, k_ste
             max_concurrent_steps=stages,
         )(x_gmem.at[pl.ds(0, rows), ks], w_gmem.at[ks, cols])
         plgpu.wgmma_wait(0)
+        if reads_only and block_scales:
+            plgpu.barrier_wait(s_loaded)
         o_smem[...] = acc_ref[...]
         plgpu.commit_smem()
         if orientation == "wt":
@@ -176,19 +182,22 @@ def mosaic_operands(x: jax.Array, scale: jax.Array, *, block_scales: bool,
 
 
 @functools.partial(jax.jit, static_argnames=("rows", "block_scales", "block_n", "block_k",
-                                             "splits", "stages", "orientation", "interpret"))
+                                             "splits", "stages", "orientation", "interpret",
+                                             "reads_only"))
 def mosaic_partials(xp: jax.Array, values: jax.Array, s_in: jax.Array, *, rows: int,
                     block_scales: bool, block_n: int, block_k: int, splits: int, stages: int,
-                    orientation: str, interpret: bool = False) -> jax.Array:
+                    orientation: str, interpret: bool = False,
+                    reads_only: bool = False) -> jax.Array:
     """The kernel alone on `mosaic_operands`' outputs: float32 partials [splits, N, rows]
-    (y^T, "wt") or [splits, 64, N] ("x64"), per-column scales not applied."""
+    (y^T, "wt") or [splits, 64, N] ("x64"), per-column scales not applied. reads_only (a
+    benchmark probe): only the TMA pipeline's loads run; the partials are not the product."""
     K, N = values.shape
     k_total = K // block_k
     out_shape = (splits, N, rows) if orientation == "wt" else (splits, 64, N)
     kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n,
                                k_steps=k_total // splits, rows=rows, stages=stages,
                                block_scales=block_scales, orientation=orientation,
-                               interpret=interpret)
+                               interpret=interpret, reads_only=reads_only)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
