@@ -79,8 +79,10 @@ def check(cases, key) -> bool:
 
 
 def mosaic_configs(M: int) -> list[dict]:
-    """The Mosaic kernel's variations around its default (wt, 4 stages, 128-row steps)."""
-    return [dict(stages=2), dict(block_k=64, stages=4), dict(splits=4), dict(splits=1),
+    """The Mosaic kernel's variations around its default (wt, 4 stages, 128-row steps, one
+    compute warpgroup)."""
+    return [dict(compute_warpgroups=2, stages=6), dict(compute_warpgroups=2, splits=1),
+            dict(stages=2), dict(block_k=64, stages=4), dict(splits=4), dict(splits=1),
             dict(stages=3), dict(stages=2, splits=4), dict(orientation="x64"),
             dict(block_k=64, stages=8), dict(stages=6), dict(splits=8)]
 
@@ -119,6 +121,8 @@ def main(argv=None) -> int:
                  for sc in ("block", "channel") for cfg in ({}, dict(orientation="x64"))
                  if M != 8 or not cfg]
         cases += [(M, 4096, 14336, "block", {}) for M in (1, 32)]
+        cases += [(M, 1024, 384, sc, dict(compute_warpgroups=2))
+                  for M, sc in ((1, "block"), (8, "channel"), (32, "block"))]
         cases += [(5, 14336, 4096, "channel", {}), (8, 1024, 512, "block", dict(splits=1)),
                   (3, 1024, 512, "block", dict(block_k=64, stages=2)),
                   (32, 512, 256, "channel", dict(block_n=64))]
@@ -193,11 +197,13 @@ def main(argv=None) -> int:
         for M in tokens:
             first += [(K, N, M, "xla-bf16", {}), (K, N, M, "mosaic", {}),
                       (K, N, M, "mosaic-kernel", {}),
+                      (K, N, M, "mosaic-kernel", dict(compute_warpgroups=2)),
                       (K, N, M, "tiles", {}), (K, N, M, "stream", dict(variant="stream"))]
             if M == tokens[0]:        # the TMA pipeline's loads alone: its ceiling
                 first.append((K, N, M, "mosaic-reads", {}))
-            rest_lists.append([(K, N, M, v, c) for c in mosaic_configs(M)
-                               for v in ("mosaic-kernel", "mosaic")]
+            rest_lists.append([(K, N, M, "mosaic", dict(compute_warpgroups=2))]
+                              + [(K, N, M, v, c) for c in mosaic_configs(M)
+                                 for v in ("mosaic-kernel", "mosaic")]
                               + ([(K, N, M, "mosaic-reads", dict(stages=s)) for s in (2, 6)]
                                  if M == tokens[0] else [])
                               + [(K, N, M, "mosaic", dict(scales="channel"))])

@@ -21,6 +21,9 @@ K ranges (split-K fills the SMs when N / block_n is small). Per block_k-row step
             [Mp, block_k] by TMA); the kernel writes y^T partials.
       "x64": acc[64, block_n] += x64 @ W: x padded to wgmma's 64 rows is A, the widened tile B.
             Wastes the padding rows' loads from L2 and their MMA work; the fallback.
+    compute_warpgroups=2 ("wt" only): two compute warpgroups each widen half of every tile's
+    K rows into their own accumulator while a third issues the TMA copies
+    (`emit_pipeline_warp_specialized`): twice the threads on the widening.
 
 Numerics: the 128 x 128 block scale multiplies the widened tile before it is rounded to bf16,
 which is exactly the dequantized reference's weight (`Fp8Weight.dequantize()`), so the products
@@ -166,6 +169,83 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, block_k: int, block_n: int, k_ste
                   plgpu.Barrier(num_arrivals=1))
 
 
+def _kernel_two_warpgroups(x_gmem, w_gmem, s_gmem, o_gmem, *, block_k: int, k_steps: int,
+                           rows: int, stages: int, block_scales: bool):
+    """_kernel's "wt" orientation with the widening spread over two compute warpgroups and
+    the TMA copies issued by a third (`emit_pipeline_warp_specialized`): compute warpgroup g
+    widens K rows [g * block_k / 2, (g + 1) * block_k / 2) of each [block_k, 128] tile and
+    keeps its own accumulator [128, rows], written to o_gmem[2 s + g] (XLA sums them)."""
+    n, s = lax.axis_index("n"), lax.axis_index("s")
+    half = block_k // 2
+    k_first = s * k_steps
+    bk_per_scale = SCALE_BLOCK // block_k
+    cols = pl.ds(n * 128, 128)
+    ks = pl.ds(k_first * block_k, k_steps * block_k)
+
+    def scoped(wide_smem, s_smem, o_smem, s_loaded):
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 0)
+        def _():
+            if block_scales:
+                plgpu.copy_gmem_to_smem(s_gmem.at[:, pl.ds(lax.div(n, 4) * 4, 4)], s_smem,
+                                        s_loaded)
+            else:
+                plgpu.barrier_arrive(s_loaded)
+
+        def compute_context(eval_pipeline):
+            plgpu.barrier_wait(s_loaded)
+
+            def with_acc(acc_ref):
+                eval_pipeline(acc_ref)
+                plgpu.wgmma_wait(0)
+                out = o_smem.at[wg]
+                out[...] = acc_ref[...]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out, o_gmem.at[2 * s + wg, cols])
+                plgpu.wait_smem_to_gmem(0)
+
+            pl.run_scoped(with_acc, plgpu.ACC((128, rows), jnp.float32))
+
+        def step(idx, x_smem, w_smem, acc_ref):
+            (i,) = idx
+            mine = pl.ds(wg * half, half)
+            w = plgpu.layout_cast(w_smem.at[mine][...], plgpu.Layout.WGMMA_UPCAST_4X)
+            w = w.astype(jnp.float32)                            # [half, 128], exact
+            if block_scales:
+                w = w * s_smem[(k_first + i) // bk_per_scale, lax.rem(n, 4)]
+            wide = wide_smem.at[wg]
+            wide[...] = w.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.wgmma(acc_ref, plgpu.transpose_ref(wide, (1, 0)),
+                        plgpu.transpose_ref(x_smem.at[:, mine], (1, 0)))
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+        plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(k_steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((rows, block_k), lambda i: (0, i),
+                                transforms=_transforms(block_k * 2, 2)),
+                plgpu.BlockSpec((block_k, 128), lambda i: (i, 0),
+                                transforms=_transforms(128, 1)),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=stages,
+            compute_context=compute_context,
+        )(x_gmem.at[pl.ds(0, rows), ks], w_gmem.at[ks, cols])
+
+    pl.run_scoped(scoped,
+                  plgpu.SMEM((2, half, 128), jnp.bfloat16, transforms=_transforms(256, 2)),
+                  plgpu.SMEM((s_gmem.shape[0], 4), jnp.float32),
+                  plgpu.SMEM((2, 128, rows), jnp.float32),
+                  plgpu.Barrier(num_arrivals=1),
+                  collective_axes="wg")
+
+
 def mosaic_operands(x: jax.Array, scale: jax.Array, *, block_scales: bool,
                     orientation: str) -> tuple[jax.Array, jax.Array]:
     """The kernel's x and scale operands: x [M, K] padded to [rows + 8, K] bf16, always a
@@ -183,16 +263,30 @@ def mosaic_operands(x: jax.Array, scale: jax.Array, *, block_scales: bool,
 
 @functools.partial(jax.jit, static_argnames=("rows", "block_scales", "block_n", "block_k",
                                              "splits", "stages", "orientation", "interpret",
-                                             "reads_only"))
+                                             "reads_only", "compute_warpgroups"))
 def mosaic_partials(xp: jax.Array, values: jax.Array, s_in: jax.Array, *, rows: int,
                     block_scales: bool, block_n: int, block_k: int, splits: int, stages: int,
-                    orientation: str, interpret: bool = False,
+                    orientation: str, compute_warpgroups: int = 1, interpret: bool = False,
                     reads_only: bool = False) -> jax.Array:
     """The kernel alone on `mosaic_operands`' outputs: float32 partials [splits, N, rows]
-    (y^T, "wt") or [splits, 64, N] ("x64"), per-column scales not applied. reads_only (a
-    benchmark probe): only the TMA pipeline's loads run; the partials are not the product."""
+    (y^T, "wt") or [splits, 64, N] ("x64"), per-column scales not applied; [2 splits, N,
+    rows] with two compute warpgroups (`_kernel_two_warpgroups`). reads_only (a benchmark
+    probe): only the TMA pipeline's loads run; the partials are not the product."""
     K, N = values.shape
     k_total = K // block_k
+    if compute_warpgroups == 2:
+        kernel = functools.partial(_kernel_two_warpgroups, block_k=block_k,
+                                   k_steps=k_total // splits, rows=rows, stages=stages,
+                                   block_scales=block_scales)
+        return plgpu.kernel(
+            kernel,
+            out_type=jax.ShapeDtypeStruct((2 * splits, N, rows), jnp.float32),
+            grid=(N // block_n, splits), grid_names=("n", "s"),
+            num_threads=3, thread_name="wg",
+            compiler_params=plgpu.CompilerParams(
+                lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            interpret=interpret_params() if interpret else None,
+        )(xp, values, s_in)
     out_shape = (splits, N, rows) if orientation == "wt" else (splits, 64, N)
     kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n,
                                k_steps=k_total // splits, rows=rows, stages=stages,
@@ -210,7 +304,7 @@ def mosaic_partials(xp: jax.Array, values: jax.Array, s_in: jax.Array, *, rows: 
 
 def mosaic_config(M: int, K: int, N: int, block: tuple[int, int], *, block_n: int = 128,
                   block_k: int = 128, splits: int | None = None, stages: int = 4,
-                  orientation: str = "wt") -> dict:
+                  orientation: str = "wt", compute_warpgroups: int = 1) -> dict:
     """The checked static arguments of `mosaic_partials` for x [M, K] @ W [K, N]."""
     if orientation not in ORIENTATIONS:
         raise ValueError(f"orientation must be one of {ORIENTATIONS}, got {orientation!r}")
@@ -225,25 +319,33 @@ def mosaic_config(M: int, K: int, N: int, block: tuple[int, int], *, block_n: in
     if stages < 2:
         raise ValueError(f"stages must be >= 2 (x's stage is held one step longer), got "
                          f"{stages}")
+    if compute_warpgroups not in (1, 2) or (compute_warpgroups == 2 and (
+            orientation, block_n, block_k) != ("wt", 128, 128)):
+        raise ValueError(f"compute_warpgroups must be 1, or 2 with orientation 'wt' and 128 x "
+                         f"128 tiles; got {compute_warpgroups} ({orientation!r}, block_n="
+                         f"{block_n}, block_k={block_k})")
     k_total = K // block_k
     splits = splits or mosaic_splits(N // block_n, k_total)
     if k_total % splits:
         raise ValueError(f"splits={splits} must divide the {k_total} K steps")
     return dict(rows=mosaic_rows(M, orientation), block_scales=block_scales, block_n=block_n,
-                block_k=block_k, splits=splits, stages=stages, orientation=orientation)
+                block_k=block_k, splits=splits, stages=stages, orientation=orientation,
+                compute_warpgroups=compute_warpgroups)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "block_n", "block_k", "splits", "stages",
-                                             "orientation", "interpret"))
+                                             "orientation", "compute_warpgroups", "interpret"))
 def fp8_weight_matmul_mosaic(x: jax.Array, values: jax.Array, scale: jax.Array, *,
                              block: tuple[int, int], block_n: int = 128, block_k: int = 128,
                              splits: int | None = None, stages: int = 4,
-                             orientation: str = "wt", interpret: bool = False) -> jax.Array:
+                             orientation: str = "wt", compute_warpgroups: int = 1,
+                             interpret: bool = False) -> jax.Array:
     """x [M, K] bf16 @ (values [K, N] e4m3 * scale) -> [M, N] bf16 (module docstring).
     block: (128, 128) block scales or (K, 1) per column. block_n 64 or 128 (block scales:
     128); block_k 64 or 128; splits divides K / block_k (None: `mosaic_splits`); stages: TMA
-    stages in flight (>= 2); interpret: JAX's GPU interpreter (CPU tests). ValueError for
-    operands it cannot take (`mosaic_takes`)."""
+    stages in flight (>= 2); compute_warpgroups 2: the widening split over two warpgroups
+    and the copies issued by a third ("wt", 128 x 128 tiles); interpret: JAX's GPU
+    interpreter (CPU tests). ValueError for operands it cannot take (`mosaic_takes`)."""
     if x.ndim != 2 or values.ndim != 2 or x.shape[1] != values.shape[0]:
         raise ValueError(f"x must be [M, K] and values [K, N], got {tuple(x.shape)} and "
                          f"{tuple(values.shape)}")
@@ -253,7 +355,8 @@ def fp8_weight_matmul_mosaic(x: jax.Array, values: jax.Array, scale: jax.Array, 
     N = values.shape[1]
     block = tuple(block)
     config = mosaic_config(M, K, N, block, block_n=block_n, block_k=block_k, splits=splits,
-                           stages=stages, orientation=orientation)
+                           stages=stages, orientation=orientation,
+                           compute_warpgroups=compute_warpgroups)
     block_scales = config["block_scales"]
     expected = (K // SCALE_BLOCK, N // SCALE_BLOCK) if block_scales else (1, N)
     if scale.shape != expected:

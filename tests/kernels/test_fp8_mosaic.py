@@ -43,6 +43,7 @@ def _max_rel_err(x, w, ref, **kw) -> float:
     (32, 14336, 4096, "channel", {}, 32),                   # 8B MLP down, per column
     (8, 4096, 6144, "block", dict(orientation="x64", block_k=64, stages=3), 128),
     (5, 1024, 384, "channel", dict(block_n=64, splits=2), 8),   # ragged rows, 64 columns
+    (16, 4096, 14336, "block", dict(compute_warpgroups=2), 16),   # widening over 2 WGs
 ])
 def test_lowers_for_cuda_to_tma_and_wgmma(M, K, N, kind, kw, wgmma_n):
     scale = S((K // 128, N // 128) if kind == "block" else (1, N), jnp.float32)
@@ -69,13 +70,13 @@ def test_interpreted_x64_equals_dequantized_reference(seed, M, K, N, kind, kw):
 
 
 @pytest.mark.skipif(not on_hopper(), reason="compiled Mosaic GPU kernels need a Hopper GPU")
-@pytest.mark.parametrize("orientation", ["wt", "x64"])
+@pytest.mark.parametrize("kw", [{}, dict(orientation="x64"), dict(compute_warpgroups=2)])
 @pytest.mark.parametrize("kind", ["block", "channel"])
 @pytest.mark.parametrize("M,K,N", [(1, 256, 384), (8, 1024, 512), (32, 4096, 1408)])
-def test_compiled_equals_dequantized_reference(M, K, N, kind, orientation):
+def test_compiled_equals_dequantized_reference(M, K, N, kind, kw):
     for seed in range(3):
         x, w, ref = _case(seed, M, K, N, kind)
-        assert _max_rel_err(x, w, ref, orientation=orientation) < 1e-2
+        assert _max_rel_err(x, w, ref, **kw) < 1e-2
 
 
 def test_takes_and_names_bad_operands():
@@ -99,3 +100,5 @@ def test_takes_and_names_bad_operands():
         fp8_weight_matmul_mosaic(x, v, s, block=(128, 128), splits=3)
     with pytest.raises(ValueError, match="orientation"):
         fp8_weight_matmul_mosaic(x, v, s, block=(128, 128), orientation="nt")
+    with pytest.raises(ValueError, match="compute_warpgroups"):
+        fp8_weight_matmul_mosaic(x, v, s, block=(128, 128), compute_warpgroups=2, block_k=64)
