@@ -40,19 +40,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._device import HOPPER_SMEM_BYTES, num_sms
 from pallas_kernels._hopper import interpret_params
 
 MAX_ROWS = 32                     # decode batches; wgmma's N dimension in orientation "wt"
 FP8_DTYPE = jnp.float8_e4m3fn
 ORIENTATIONS = ("wt", "x64")
 SCALE_BLOCK = 128                 # the block scales' side (DeepSeek-V3's)
-
-
-def _num_sms() -> int:
-    try:
-        return int(jax.devices()[0].core_count)
-    except Exception:                          # CPU devices have no SM count: H200's
-        return 132
 
 
 def mosaic_rows(M: int, orientation: str) -> int:
@@ -71,7 +65,7 @@ def mosaic_takes(M: int, K: int, N: int, block: tuple[int, int]) -> bool:
 
 def mosaic_splits(n_cols: int, k_steps: int) -> int:
     """K splits: the fewest giving >= ~90% of the SMs one CTA each, each split >= 4 steps."""
-    target = _num_sms() - _num_sms() // 10
+    target = num_sms() - num_sms() // 10
     s = 1
     while n_cols * s < target and k_steps % (s * 2) == 0 and k_steps // (s * 2) >= 4:
         s *= 2
@@ -302,6 +296,18 @@ def mosaic_partials(xp: jax.Array, values: jax.Array, s_in: jax.Array, *, rows: 
     )(xp, values, s_in)
 
 
+def smem_bytes(rows: int, K: int, block_n: int, block_k: int, stages: int, orientation: str,
+               compute_warpgroups: int = 1) -> int:
+    """Shared memory of one CTA: the TMA stages (x's rows and the e4m3 tile), the two bf16
+    widened tiles, the float32 output stage, the scale column block (and 1 KB for the
+    barriers)."""
+    x_rows = rows if orientation == "wt" else 64
+    ring = stages * (x_rows * block_k * 2 + block_k * block_n)
+    out = (block_n * rows if orientation == "wt" else 64 * block_n) * 4 * compute_warpgroups
+    wide = (2 * block_k * block_n * 2 if compute_warpgroups == 1 else block_k * block_n * 2)
+    return ring + wide + out + (K // SCALE_BLOCK) * 16 + 1024
+
+
 def mosaic_config(M: int, K: int, N: int, block: tuple[int, int], *, block_n: int = 128,
                   block_k: int = 128, splits: int | None = None, stages: int = 4,
                   orientation: str = "wt", compute_warpgroups: int = 1) -> dict:
@@ -328,7 +334,13 @@ def mosaic_config(M: int, K: int, N: int, block: tuple[int, int], *, block_n: in
     splits = splits or mosaic_splits(N // block_n, k_total)
     if k_total % splits:
         raise ValueError(f"splits={splits} must divide the {k_total} K steps")
-    return dict(rows=mosaic_rows(M, orientation), block_scales=block_scales, block_n=block_n,
+    rows = mosaic_rows(M, orientation)
+    need = smem_bytes(rows, K, block_n, block_k, stages, orientation, compute_warpgroups)
+    if need > HOPPER_SMEM_BYTES:
+        raise ValueError(f"stages={stages} with block_k={block_k}, block_n={block_n} and "
+                         f"{rows} rows needs {need} B of shared memory, over the "
+                         f"{HOPPER_SMEM_BYTES} B a CTA may use: fewer stages")
+    return dict(rows=rows, block_scales=block_scales, block_n=block_n,
                 block_k=block_k, splits=splits, stages=stages, orientation=orientation,
                 compute_warpgroups=compute_warpgroups)
 

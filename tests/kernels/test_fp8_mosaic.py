@@ -100,5 +100,7 @@ def test_takes_and_names_bad_operands():
         fp8_weight_matmul_mosaic(x, v, s, block=(128, 128), splits=3)
     with pytest.raises(ValueError, match="orientation"):
         fp8_weight_matmul_mosaic(x, v, s, block=(128, 128), orientation="nt")
+    with pytest.raises(ValueError, match="shared memory"):
+        fp8_weight_matmul_mosaic(x, v, s, block=(128, 128), stages=20)
     with pytest.raises(ValueError, match="compute_warpgroups"):
         fp8_weight_matmul_mosaic(x, v, s, block=(128, 128), compute_warpgroups=2, block_k=64)
