@@ -14,7 +14,8 @@ weight's bytes (values + scales; bf16: 2 bytes a weight) / the copy bandwidth me
 same run. Each variant runs under try/except: a crash prints its error and the run goes on.
 Variants: `xla-bf16` (the peer), `mosaic` (the whole call: x's padding, the kernel, the
 split-K sum), `mosaic-kernel` (the kernel alone on prepared operands), `mosaic-reads` (its
-TMA pipeline's loads alone: the load path's ceiling), `tiles`, `stream`. The defaults of
+TMA pipeline's loads alone: the load path's ceiling), `mosaic-launch` (the same call doing
+nothing: its fixed cost), `tiles`, `stream`. The defaults of
 every variant run first; the Mosaic kernel's other configurations (stages, splits, block_k,
 the "x64" orientation, per-channel scales) follow while --budget-s lasts.
 """
@@ -145,13 +146,13 @@ def main(argv=None) -> int:
         xs = [jax.random.normal(jax.random.fold_in(key, 300 + i), (M, K)).astype(jnp.bfloat16)
               for i in range(SETS)]
         try:
-            if label in ("mosaic-kernel", "mosaic-reads"):
+            if label in ("mosaic-kernel", "mosaic-reads", "mosaic-launch"):
                 from pallas_kernels.fp8_matmul.mosaic import (mosaic_config, mosaic_operands,
                                                               mosaic_partials)
                 ws = fp8_sets(K, N, "block")
                 floor, err = ws[0].nbytes / bw, float("nan")
                 kcfg = dict(mosaic_config(M, K, N, ws[0].block, **cfg),
-                            reads_only=label == "mosaic-reads")
+                            probe={"mosaic-reads": "loads", "mosaic-launch": "launch"}.get(label))
                 ops = [mosaic_operands(x, w.scale, block_scales=True,
                                        orientation=kcfg["orientation"]) for x, w in zip(xs, ws)]
                 xs = jax.block_until_ready([o[0] for o in ops])
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
                       (K, N, M, "mosaic-kernel", dict(compute_warpgroups=2)),
                       (K, N, M, "tiles", {}), (K, N, M, "stream", dict(variant="stream"))]
             if M == tokens[0]:        # the TMA pipeline's loads alone: its ceiling
-                first.append((K, N, M, "mosaic-reads", {}))
+                first += [(K, N, M, "mosaic-reads", {}), (K, N, M, "mosaic-launch", {})]
             rest_lists.append([(K, N, M, "mosaic", dict(compute_warpgroups=2))]
                               + [(K, N, M, v, c) for c in mosaic_configs(M)
                                  for v in ("mosaic-kernel", "mosaic")]

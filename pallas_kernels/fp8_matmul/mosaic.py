@@ -80,12 +80,13 @@ def _transforms(minor_bytes: int, itemsize: int) -> tuple:
 
 def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, block_k: int, block_n: int, k_steps: int,
             rows: int, stages: int, block_scales: bool, orientation: str, interpret: bool,
-            reads_only: bool = False):
+            probe: str | None = None):
     """CTA (n, s) writes o_gmem[s] (float32) at its columns: the partial over its K range,
     [block_n, rows] of y^T in "wt", [64, block_n] of y in "x64". s_gmem [K / 128, NB]: the
     block scales, NB = N / 128 rounded up to 4 (block_scales; unused otherwise): the CTA
-    copies the 4 columns around its own (a TMA row is >= 16 bytes). reads_only: the
-    pipeline's loads alone, no widening or products (the load path's ceiling; output 0)."""
+    copies the 4 columns around its own (a TMA row is >= 16 bytes). probe (benchmarks;
+    output 0): "loads" runs the pipeline's loads alone, no widening or products (the load
+    path's ceiling); "launch" not even those (the cost of a call that does nothing)."""
     n, s = lax.axis_index("n"), lax.axis_index("s")
     k_first = s * k_steps                                        # first step of this split
     bk_per_scale = SCALE_BLOCK // block_k
@@ -109,7 +110,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, block_k: int, block_n: int, k_ste
 
         def step(idx, x_smem, w_smem):
             (i,) = idx
-            if reads_only:
+            if probe:
                 return
             # 8 contiguous columns a thread: 8-byte loads of e4m3, 16-byte stores of bf16
             w = w_smem[...]
@@ -134,7 +135,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, block_k: int, block_n: int, k_ste
             plgpu.wgmma_wait(1)             # step i - 1's is done: its buffers are free
 
         ks = pl.ds(k_first * block_k, k_steps * block_k)
-        plgpu.emit_pipeline(
+        pipeline = plgpu.emit_pipeline(
             step,
             grid=(k_steps,),
             in_specs=[
@@ -144,9 +145,11 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, block_k: int, block_n: int, k_ste
                 plgpu.BlockSpec((block_k, block_n), lambda i: (i, 0), transforms=w_transforms),
             ],
             max_concurrent_steps=stages,
-        )(x_gmem.at[pl.ds(0, rows), ks], w_gmem.at[ks, cols])
+        )
+        if probe != "launch":
+            pipeline(x_gmem.at[pl.ds(0, rows), ks], w_gmem.at[ks, cols])
         plgpu.wgmma_wait(0)
-        if reads_only and block_scales:
+        if probe and block_scales:
             plgpu.barrier_wait(s_loaded)
         o_smem[...] = acc_ref[...]
         plgpu.commit_smem()
@@ -257,15 +260,18 @@ def mosaic_operands(x: jax.Array, scale: jax.Array, *, block_scales: bool,
 
 @functools.partial(jax.jit, static_argnames=("rows", "block_scales", "block_n", "block_k",
                                              "splits", "stages", "orientation", "interpret",
-                                             "reads_only", "compute_warpgroups"))
+                                             "probe", "compute_warpgroups"))
 def mosaic_partials(xp: jax.Array, values: jax.Array, s_in: jax.Array, *, rows: int,
                     block_scales: bool, block_n: int, block_k: int, splits: int, stages: int,
                     orientation: str, compute_warpgroups: int = 1, interpret: bool = False,
-                    reads_only: bool = False) -> jax.Array:
+                    probe: str | None = None) -> jax.Array:
     """The kernel alone on `mosaic_operands`' outputs: float32 partials [splits, N, rows]
     (y^T, "wt") or [splits, 64, N] ("x64"), per-column scales not applied; [2 splits, N,
-    rows] with two compute warpgroups (`_kernel_two_warpgroups`). reads_only (a benchmark
-    probe): only the TMA pipeline's loads run; the partials are not the product."""
+    rows] with two compute warpgroups (`_kernel_two_warpgroups`). probe (benchmarks: the
+    partials are not the product): "loads", only the TMA pipeline's loads run; "launch",
+    nothing but the call."""
+    if probe not in (None, "loads", "launch"):
+        raise ValueError(f"probe must be None, 'loads' or 'launch', got {probe!r}")
     K, N = values.shape
     k_total = K // block_k
     if compute_warpgroups == 2:
@@ -285,7 +291,7 @@ def mosaic_partials(xp: jax.Array, values: jax.Array, s_in: jax.Array, *, rows: 
     kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n,
                                k_steps=k_total // splits, rows=rows, stages=stages,
                                block_scales=block_scales, orientation=orientation,
-                               interpret=interpret, reads_only=reads_only)
+                               interpret=interpret, probe=probe)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
