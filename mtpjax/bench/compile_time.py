@@ -49,7 +49,8 @@ def main(argv=None):
             args.k + 1)), max_num_batched_tokens=args.tokens, num_pages=256,
             executable_cache=False)
         runner = llm.runner
-        T, F = max(step_buckets(args.tokens, runner.max_num_seqs, runner.W, runner.min_bucket))
+        T, F = max(step_buckets(args.tokens, runner.max_num_seqs, runner.W, runner.min_bucket,
+                                  runner.decode_tokens))
         empty, _ = runner.pack(SchedulerOutput([], [], runner.K))
         batch = empty.replace(tokens=np.zeros(T, np.int32), seq_ids=np.zeros(T, np.int32),
                               positions=np.full(T, -1, np.int32))

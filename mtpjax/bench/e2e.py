@@ -566,8 +566,13 @@ def run_child(args, role: str, batch: int, env_extra: dict | None = None,
         cmd += ["--min-token-bucket", str(args.min_token_bucket)]
     cmd += list(extra_args)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=args.child_timeout)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=args.child_timeout)
+    except subprocess.TimeoutExpired as e:          # what it had done (warm-up progress lines)
+        out = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        raise RuntimeError(f"{role} process still running after {args.child_timeout:g} s; its "
+                           f"stderr ended:\n{(out or '')[-3000:]}") from None
     for line in proc.stdout.splitlines():
         if line.startswith("E2E_RESULT "):
             res = json.loads(line[len("E2E_RESULT "):])

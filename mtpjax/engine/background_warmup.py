@@ -147,7 +147,8 @@ def warm_up_background(runner, max_num_batched_tokens: int, max_num_seqs: int,
     then returns the `BackgroundWarmup` making the rest. threads: default
     `MTPJAX_WARMUP_THREADS`, else min(4, CPUs - 1) (a core stays with the serving thread)."""
     import os
-    buckets = step_buckets(max_num_batched_tokens, max_num_seqs, runner.W, runner.min_bucket)
+    buckets = step_buckets(max_num_batched_tokens, max_num_seqs, runner.W, runner.min_bucket,
+                           runner.decode_tokens)
     if threads is None:
         threads = int(os.environ.get("MTPJAX_WARMUP_THREADS",
                                      max(1, min(4, (os.cpu_count() or 1) - 1))))

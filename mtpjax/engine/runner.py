@@ -248,7 +248,13 @@ class ModelRunner:
         reqs = out.requests
         if len(reqs) > R:
             raise ValueError(f"step has {len(reqs)} requests, more than max_num_seqs={R}")
-        q = [r.num_query_tokens for r in reqs]
+        row_ks = [self._row_k(req, i, num_drafts) for i, req in enumerate(reqs)]
+        for req, k in zip(reqs, row_ks):           # before any slot is taken
+            held = self.drafted.get(req.seq.seq_id, K)
+            if not req.is_prefill and k > held:
+                raise ValueError(f"request {req.seq.seq_id} would verify {k} drafts, but its "
+                                 f"last step drew {held} (ModelRunner.verify_counts clips)")
+        q = [self._query_tokens(req, k) for req, k in zip(reqs, row_ks)]
         T = bucket_size(sum(q), self.min_bucket)
         tokens = np.zeros(T, np.int32)
         positions = np.full(T, -1, np.int32)
@@ -271,7 +277,7 @@ class ModelRunner:
         off = 0
         first_pass = 0
         for i, req in enumerate(reqs):
-            seq, n = req.seq, req.num_query_tokens
+            seq, n = req.seq, q[i]
             s = req.start_position
             seq_ids[off:off + n] = i
             if req.is_prefill:
@@ -293,7 +299,7 @@ class ModelRunner:
                 # positions, tokens and kv_len come from the slot's device state
                 positions[off:off + n] = 0
                 kinds[i] = KIND_DECODE
-                first_pass += self.W
+                first_pass += n if self.decode_tokens else self.W
             off += n
             cu[i + 1] = off
             if len(seq.block_table) > self.max_blocks:
@@ -309,12 +315,7 @@ class ModelRunner:
             row_sps[i] = sp
             temp[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, top_p_array(sp.top_p)
             keys[i] = self.keys[seq.seq_id]
-            row_k[i] = (num_drafts[i] if num_drafts is not None else
-                        K if sp.num_speculative_tokens is None else sp.num_speculative_tokens)
-            held = self.drafted.get(seq.seq_id, K)
-            if not req.is_prefill and row_k[i] > held:
-                raise ValueError(f"request {seq.seq_id} would verify {row_k[i]} drafts, but its "
-                                 f"last step drew {held} (ModelRunner.verify_counts clips)")
+            row_k[i] = row_ks[i]
             want_lp[i] = sp.logprobs is not None
         cu[len(reqs) + 1:] = off
         sampling = self._sampling(temp, top_k, top_p, keys, row_sps)
@@ -326,6 +327,27 @@ class ModelRunner:
             thinking=thinking, hist_from=hist_from, num_drafts=row_k, want_logprobs=want_lp,
             sampling=sampling)
         return batch, bucket_size(first_pass, self.min_bucket)
+
+    @property
+    def decode_tokens(self) -> int | None:
+        """A decode row's most query tokens when rows are packed as wide as the drafts they
+        verify (chain drafting: K + 1 = W), else None (every decode row K + 1 tokens, W
+        first-pass entries: multi_layer, or no speculation)."""
+        return self.K + 1 if self.K and self.spec.method == "chain" else None
+
+    def _row_k(self, req, i: int, num_drafts) -> int:
+        """Drafts row i verifies (prefill rows: what their SamplingParams ask, unused)."""
+        if num_drafts is not None:
+            return int(num_drafts[i])
+        sp = req.seq.sampling_params or SamplingParams()
+        return self.K if sp.num_speculative_tokens is None else sp.num_speculative_tokens
+
+    def _query_tokens(self, req, k: int) -> int:
+        """Row tokens: a chunk's own; a decode's k + 1 when decode rows are ragged (its
+        verify and first pass then cost only the drafts it checks), else K + 1."""
+        if req.is_prefill or not self.decode_tokens:
+            return req.num_query_tokens
+        return min(max(k, 0), self.K) + 1
 
     def _grammar_masks(self, reqs, kinds, row_k) -> np.ndarray:
         """Structured output: the step's token bitmasks int32[R, K+1, W], all ones except

@@ -12,7 +12,9 @@ speculation; a decode's K + 1 <= W), so for S tokens in m rows
     first_pass >= max(W, S)                               (one row)
     first_pass <= (m - 1) * W + max(W, S - m + 1)         (m - 1 one-token chunks + one row)
 
-and every value in between is reachable up to gaps smaller than a bucket. Each T bucket covers
+and every value in between is reachable up to gaps smaller than a bucket. With chain drafting
+a decode row is as wide as the drafts it verifies (1..K+1 tokens, as many first-pass entries),
+so a step of decodes only also reaches first_pass = S. Each T bucket covers
 S in (T/2, T] (S in 1..8 for T = 8); its F buckets run from bucket(max(W, S_min)) to
 bucket((m - 1) W + max(W, S_max - m + 1)) with m = min(max_num_seqs, S_max).
 `tests/engine/test_warmup.py` checks this against brute force over all row mixes.
@@ -28,22 +30,33 @@ from mtpjax.generate import MIN_TOKEN_BUCKET, bucket_size
 
 
 def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, window: int,
-                 minimum: int = MIN_TOKEN_BUCKET) -> list[tuple[int, int]]:
+                 minimum: int = MIN_TOKEN_BUCKET, decode_tokens: int | None = None
+                 ) -> list[tuple[int, int]]:
     """Every (T, F) step shape an engine with these limits can dispatch, sorted. minimum: the
-    smallest bucket (the engine's min_token_bucket)."""
+    smallest bucket (the engine's min_token_bucket). decode_tokens: a decode row's most tokens
+    when the runner packs decode rows as wide as their drafts (`ModelRunner.decode_tokens`:
+    1..K+1 tokens and as many first-pass entries); None: decode rows count as chunks."""
     B, R, W = max_num_batched_tokens, max_num_seqs, window
     out = []
     T = bucket_size(1, minimum)
     while True:
         lo, hi = (1 if T == bucket_size(1, minimum) else T // 2 + 1), min(T, B)
         if lo > hi:
-            return out
+            return sorted(out)
         m = min(R, hi)
         F = bucket_size(max(W, lo), minimum)
         f_hi = bucket_size((m - 1) * W + max(W, hi - m + 1), minimum)
+        found = set()
         while F <= f_hi:
-            out.append((T, F))
+            found.add(F)
             F *= 2
+        if decode_tokens and lo <= R * decode_tokens:
+            # decode rows only: F = S (a row with a chunk has F >= W, counted above)
+            F = bucket_size(lo, minimum)
+            while F <= bucket_size(min(hi, R * decode_tokens), minimum):
+                found.add(F)
+                F *= 2
+        out += [(T, F) for F in sorted(found)]
         T *= 2
 
 
@@ -51,7 +64,8 @@ def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int,
             times: list[tuple[int, int, float]]) -> None:
     """Compiles (or loads from the runner's executable store) the step of every bucket an engine
     with these limits can reach; appends (T, F, seconds) to `times` as each is done."""
-    buckets = step_buckets(max_num_batched_tokens, max_num_seqs, runner.W, runner.min_bucket)
+    buckets = step_buckets(max_num_batched_tokens, max_num_seqs, runner.W, runner.min_bucket,
+                           runner.decode_tokens)
     threads = int(os.environ.get("MTPJAX_WARMUP_THREADS", min(4, os.cpu_count() or 1)))
     # loading a stored executable is file reading and GPU module loading, not compiling:
     # more of them at once (measured at the 8B shape: 44 programs, 4 threads -> 14.6 s)

@@ -1,9 +1,11 @@
 """The engine's jitted step over a ragged batch mixing prefill chunks and speculative decodes.
 
 Each row r of a `MixedBatch` is one scheduled request, living in engine slot `slots[r]`:
-  KIND_DECODE      q_len = K+1: [pending token, d_1..d_K] at positions N..N+K. N, the pending
-                   token and the drafts come from the slot's device state, not from the host, so
-                   the host can pack step t+1 before it has read step t (async scheduling)
+  KIND_DECODE      q_len = k+1: [pending token, d_1..d_k] at positions N..N+k, k <= K the drafts
+                   the row verifies (chain drafting; the engine packs k+1 tokens, so a step
+                   verifying fewer drafts runs a narrower verify; multi_layer: K+1). N, the
+                   pending token and the drafts come from the slot's device state, not from the
+                   host, so the host can pack step t+1 before it has read step t (async scheduling)
   KIND_CHUNK       a non-final prefill chunk: writes KV, commits nothing
   KIND_LAST_CHUNK  the final prefill chunk: commits the first sampled token
   KIND_RESUME      the final chunk of a resuming request's re-prefill (x_0..x_{T-2}, after a
@@ -13,9 +15,10 @@ Each row r of a `MixedBatch` is one scheduled request, living in engine slot `sl
   KIND_PAD         padding row (q_len 0)
 One ragged target forward serves every row; acceptance treats a final chunk as a request with
 0 drafts. The MTP first pass is ragged too: for every row it covers the positions
-[N' - L, N' - 1], L = W for decodes and max(W, q_len) for chunks, taking inputs from this step's
-rows and, before them, from the slot's draft-input history. Its last W entries become the new
-history. Then the shared draft loop (`run_drafts`) drafts K tokens for decodes and final chunks.
+[N' - L, N' - 1], L = W for decodes (chain: their q_len <= W, which covers the <= q_len
+positions the step commits) and max(W, q_len) for chunks, taking inputs from this step's
+rows and, before them, from the slot's draft-input history. The history's last W positions
+become the new history (from the window where it covers them, else shifted from the old). Then the shared draft loop (`run_drafts`) drafts K tokens for decodes and final chunks.
 The host reads only `committed_tokens` and `num_committed`.
 """
 
@@ -211,6 +214,8 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
 
     with jax.named_scope("accept"):
         row_k = K if batch.num_drafts is None else jnp.clip(batch.num_drafts, 0, K)
+        # a decode row of q_len tokens verifies at most q_len - 1 drafts
+        row_k = jnp.minimum(row_k, jnp.maximum(q_len - 1, 0))
         num_drafts = jnp.where(is_dec, row_k, 0).astype(jnp.int32)
         key_pos = jnp.where(is_dec, start + 1, kv_lens)
         thinking_in = jnp.where(is_dec, state.in_thinking[batch.slots], batch.thinking)
@@ -227,7 +232,10 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
 
     with jax.named_scope("draft_inputs"):
         # ragged first pass: row r covers positions [new_len - L, new_len - 1]
-        L = jnp.where(is_dec, W, jnp.where(is_chunk, jnp.maximum(W, q_len), 0))
+        # chain: a decode's window is its q_len (>= the positions it commits); multi_layer's
+        # window reaches W back whatever it commits
+        L_dec = q_len if spec.method == "chain" else W
+        L = jnp.where(is_dec, L_dec, jnp.where(is_chunk, jnp.maximum(W, q_len), 0))
         cu_f = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(L).astype(jnp.int32)])
         f = jnp.arange(F)
         # compare_all: searchsorted's default is a while loop (a host round trip per
@@ -256,10 +264,21 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
                             kv_lens=new_len, cu_q_lens=cu_f)
         next_same = (f + 1 < cu_f[r_of + 1]) & in_batch
         last_rows = jnp.clip(cu_f[1:] - 1, 0, F - 1)
-        # new history = last W entries of each row's first-pass window
+        # new history = positions [N' - W, N' - 1]: the window's entries where it covers them
+        # (its last W when L >= W), the old history's (positions [N - W, N - 1]) before that
+        hist_pos = new_len[:, None] - W + jnp.arange(W)[None, :]                  # [R, W]
+        in_window = hist_pos >= (new_len - L)[:, None]
         tail = jnp.clip(cu_f[1:, None] - W + jnp.arange(W)[None, :], 0, F - 1)     # [R, W]
-        hist_tokens = jnp.where(live[:, None], t0[tail], state.hist_tokens[batch.slots])
-        hist_hidden = jnp.where(live[:, None, None], h0[tail], state.hist_hidden[batch.slots])
+        kept = jnp.clip(hist_pos - start[:, None] + W, 0, W - 1)                   # [R, W]
+        old_tokens = state.hist_tokens[batch.slots]
+        old_hidden = state.hist_hidden[batch.slots]
+        shifted_tokens = jnp.take_along_axis(old_tokens, kept, axis=1)
+        shifted_hidden = jnp.take_along_axis(old_hidden, kept[:, :, None], axis=1)
+        hist_tokens = jnp.where(in_window, t0[tail], shifted_tokens)
+        hist_hidden = jnp.where(in_window[:, :, None], h0[tail].astype(old_hidden.dtype),
+                                shifted_hidden)
+        hist_tokens = jnp.where(live[:, None], hist_tokens, old_tokens)
+        hist_hidden = jnp.where(live[:, None, None], hist_hidden, old_hidden)
 
     with jax.named_scope("draft"):
         fixed = jnp.where((batch.kinds == KIND_CHUNK)[:, None], batch.next_tokens[:, 1:], -1)

@@ -40,6 +40,49 @@ def test_random_passes_keep_plain_tokens(monkeypatch, seed):
     assert {0, 1, 2} & set(seen) and 3 in seen, seen
 
 
+def _first_drafts(llm, prompts, sp, rng=None):
+    """{(request index, N): (pending token, first draft)} after every step that drafted: the
+    slot's state right after the step. rng: each step verifies a random number of the drafts
+    each row holds and runs a random number of passes (0..K)."""
+    seen, dispatch, runner = {}, llm.runner.dispatch, llm.runner
+
+    def spy(out, ks=None, passes=None):
+        if rng is not None:
+            ks = runner.verify_counts(out, rng.integers(0, runner.K + 1, len(out.requests)))
+            passes = int(rng.integers(0, runner.K + 1))
+        result = dispatch(out, ks, passes)
+        if passes != 0:
+            st = runner.state
+            for req in out.requests:
+                slot = runner.slot_of[req.seq_id]
+                seen[(req.seq_id, int(st.seq_len[slot]))] = (int(st.pending[slot]),
+                                                             int(st.drafts[slot, 0]))
+        return result
+    runner.dispatch = spy
+    llm.generate(prompts, sp)
+    first = min(k[0] for k in seen)
+    return {(i - first, n): v for (i, n), v in seen.items()}
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+def test_drafts_do_not_depend_on_the_drafts_verified_before(seed):
+    """A chain MTP's first draft after a committed prefix is a function of that prefix. Steps
+    that verify fewer drafts are packed as narrower rows whose MTP first pass covers fewer
+    positions (the rest of the draft-input history shifted over), and steps that run fewer
+    passes leave fewer drafts: at every committed length the drafts still equal those of an
+    engine that always verifies and draws K."""
+    cfg = tiny_config()
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(seed), std=0.3)
+    prompts, sp = _prompts(cfg, seed), SamplingParams(max_tokens=16)
+    spec = SpecConfig(num_speculative_tokens=3)
+    full = _first_drafts(mtpjax.LLM(params, cfg, spec, num_pages=32), prompts, sp)
+    mixed = _first_drafts(mtpjax.LLM(params, cfg, spec, num_pages=32), prompts, sp,
+                          np.random.default_rng(seed))
+    both = full.keys() & mixed.keys()
+    assert len(both) >= 10, (sorted(full), sorted(mixed))
+    assert {k: mixed[k] for k in both} == {k: full[k] for k in both}
+
+
 def test_fewer_passes_draw_a_prefix_of_the_drafts():
     """Drafts of p passes are the first p of K passes' drafts; the rest stay 0."""
     cfg = tiny_config()
@@ -79,6 +122,24 @@ def test_a_row_never_verifies_an_undrawn_draft():
         llm.runner.pack(dec, [3])
     with pytest.raises(ValueError, match="draft passes must be 0..K=3"):
         llm.runner.dispatch(dec, [1], 4)
+
+
+@pytest.mark.parametrize("held", [0, 1, 2, 3])
+def test_a_decode_row_is_as_wide_as_the_drafts_it_verifies(held):
+    """A batch-1 decode holding `held` drafts packs held + 1 tokens: its verify and MTP first
+    pass run in the (held + 1)-token buckets, not in K + 1's."""
+    cfg = tiny_config()
+    params = mtpjax.init_params(cfg, jax.random.PRNGKey(7), std=0.3)
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=3), num_pages=32,
+                     min_token_bucket=1)
+    llm.add_request(_prompts(cfg, 7, n=1)[0], SamplingParams(max_tokens=8))
+    out = llm.scheduler.schedule()
+    result = llm.runner.dispatch(out, None, held)
+    llm._loop._complete(out, result, [3], held)
+    dec = llm.scheduler.schedule()
+    batch, F = llm.runner.pack(dec, llm.runner.verify_counts(dec, [3]))
+    assert list(batch.cu_q_lens[:2]) == [0, held + 1]
+    assert batch.tokens.shape[0] == F == {0: 1, 1: 2, 2: 4, 3: 4}[held]
 
 
 def test_step_times_skip_steps_delayed_by_a_compile(monkeypatch):

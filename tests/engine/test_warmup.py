@@ -23,9 +23,10 @@ def _count_compiles(name, seconds, **kw):
 jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
-def _reachable(max_tokens, max_rows, window, minimum=8):
-    """(T, F) of every mix of 1..max_rows rows of q >= 1 tokens, sum(q) <= max_tokens (a decode
-    row is q = K + 1 <= W, the same as a chunk of K + 1 tokens)."""
+def _reachable(max_tokens, max_rows, window, minimum=8, decode_tokens=None):
+    """(T, F) of every mix of 1..max_rows rows of q >= 1 tokens, sum(q) <= max_tokens: chunks
+    take max(W, q) first-pass entries; decode rows (decode_tokens given: q <= decode_tokens)
+    take q. Without decode_tokens a decode row is q = K + 1 <= W, the same as a chunk."""
     out = set()
 
     def add(q_min, rows, S, first_pass):
@@ -34,17 +35,21 @@ def _reachable(max_tokens, max_rows, window, minimum=8):
         if rows < max_rows:
             for q in range(q_min, max_tokens - S + 1):
                 add(q, rows + 1, S + q, first_pass + max(window, q))
+                if decode_tokens and q <= decode_tokens:
+                    add(q, rows + 1, S + q, first_pass + q)
     add(1, 0, 0, 0)
     return out
 
 
 @pytest.mark.parametrize("max_tokens", [3, 8, 9, 16, 20, 33])
 @pytest.mark.parametrize("max_rows", [1, 3, 5])
-@pytest.mark.parametrize("window", [1, 2, 4, 6])     # no spec; chain K=1, 3; multi_layer K=3
+# no spec; chain K=1 and K=3 (ragged decode rows of 1..K+1 tokens); multi_layer K=3
+@pytest.mark.parametrize("window,decode_tokens", [(1, None), (2, 2), (4, 4), (6, None)])
 @pytest.mark.parametrize("minimum", [8, 1, 2])         # LLM(min_token_bucket=...)
-def test_step_buckets_are_exactly_the_reachable_shapes(max_tokens, max_rows, window, minimum):
-    assert set(step_buckets(max_tokens, max_rows, window, minimum)) == _reachable(
-        max_tokens, max_rows, window, minimum)
+def test_step_buckets_are_exactly_the_reachable_shapes(max_tokens, max_rows, window,
+                                                       decode_tokens, minimum):
+    assert set(step_buckets(max_tokens, max_rows, window, minimum, decode_tokens)) == \
+        _reachable(max_tokens, max_rows, window, minimum, decode_tokens)
 
 
 def test_no_compilation_after_warmup_and_same_tokens(monkeypatch):
