@@ -1,8 +1,9 @@
 import dataclasses
 import os
 
-# No persistent compilation cache in the tests (it would write to ~/.cache/mtpjax); the cache's
-# own tests turn it on in a tmp folder.
+# mtpjax's persistent compilation cache off in the tests (it would write to ~/.cache/mtpjax); the
+# cache's own tests turn it on in a tmp folder. The run shares one in a temp folder of its own
+# instead (pytest_configure below).
 os.environ.setdefault("MTPJAX_COMPILATION_CACHE", "0")
 # The suite is dominated by XLA:CPU compiles of tiny models; LLVM's optimization passes make up
 # about a third of it and buy nothing at these sizes. (No fast-math either way: same numbers.)
@@ -18,6 +19,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from mtpjax import ModelConfig  # noqa: E402
 from tests import gpu_interpreter  # noqa: E402
+from tests import shared_compilation_cache  # noqa: E402
 
 gpu_interpreter.install()
 
@@ -57,12 +59,52 @@ def tiny_mla_moe_config(vocab_size: int = 48, moe: bool = True) -> ModelConfig:
         num_mtp_layers=1)
 
 
+def pytest_configure(config):
+    """One persistent compilation cache for the whole run, shared by the xdist workers
+    (tests/shared_compilation_cache.py): a fresh temp folder, removed at the end."""
+    config.addinivalue_line("markers", shared_compilation_cache.MARKER_HELP)
+    if shared_compilation_cache.is_switched_off():
+        return
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:             # the controller, or the only process without xdist
+        folder = config.mtpjax_shared_cache = shared_compilation_cache.make_folder()
+    else:
+        folder = workerinput.get(shared_compilation_cache.WORKERINPUT_KEY)
+    if folder:
+        shared_compilation_cache.use(folder)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist, in the controller: hands each worker the run's cache folder."""
+    folder = getattr(node.config, "mtpjax_shared_cache", None)
+    if folder:
+        node.workerinput[shared_compilation_cache.WORKERINPUT_KEY] = folder
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "mtpjax_shared_cache", None)
+    if folder:
+        shared_compilation_cache.remove(folder)
+
+
+@pytest.fixture(autouse=True)
+def _own_compilation_cache(request):
+    """A test marked own_compilation_cache runs with JAX's cache settings at their defaults."""
+    if request.node.get_closest_marker(shared_compilation_cache.MARKER) is None:
+        yield
+        return
+    with shared_compilation_cache.jax_defaults():
+        yield
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drops every compiled program after each test module. XLA:CPU maps each JIT-compiled
     kernel into memory; an xdist worker that keeps a whole suite's programs alive reached ~43k
     of the kernel's 65,530 `vm.max_map_count` mappings, and workers died in XLA compiles
-    (segfault / abort) once they ran out. Programs are rarely shared across modules."""
+    (segfault / abort) once they ran out. A program a later module needs again comes back from
+    the run's shared persistent cache (tests/shared_compilation_cache.py) without a compile."""
     yield
     jax.clear_caches()
     gpu_interpreter.clear()

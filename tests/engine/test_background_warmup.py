@@ -31,6 +31,9 @@ def _count_compiles(name, seconds, **kw):
 
 jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
+# Counts XLA compiles: a hit in the run's shared persistent cache would hide one.
+pytestmark = pytest.mark.own_compilation_cache
+
 KW = dict(num_pages=40, page_size=4, max_num_seqs=2)
 
 

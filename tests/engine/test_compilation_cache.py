@@ -8,6 +8,9 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cc
 
 from mtpjax.compilation_cache import MIN_COMPILE_TIME_SECS, enable_compilation_cache
 
+# JAX's cache settings start at their defaults here, not the suite's shared cache.
+pytestmark = pytest.mark.own_compilation_cache
+
 
 @pytest.fixture
 def jax_cache_config():

@@ -21,6 +21,9 @@ from mtpjax.sampling import SAMPLING_MODES
 from tests.conftest import random_params, tiny_config
 
 KW = dict(num_pages=40, page_size=4, max_num_seqs=2, max_num_batched_tokens=8)
+# The store's entries come from fresh compiles (XLA:CPU cannot re-serialize a program that
+# JAX's persistent cache served), and its tests set JAX's cache folder themselves.
+pytestmark = pytest.mark.own_compilation_cache
 
 
 def _child(folder, seed, **env) -> dict:

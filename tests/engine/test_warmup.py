@@ -22,6 +22,9 @@ def _count_compiles(name, seconds, **kw):
 
 jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
+# Counts XLA compiles: a hit in the run's shared persistent cache would hide one.
+pytestmark = pytest.mark.own_compilation_cache
+
 
 def _reachable(max_tokens, max_rows, window, minimum=8, decode_tokens=None):
     """(T, F) of every mix of 1..max_rows rows of q >= 1 tokens, sum(q) <= max_tokens: chunks
