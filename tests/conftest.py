@@ -2,8 +2,8 @@ import dataclasses
 import os
 
 # mtpjax's persistent compilation cache off in the tests (it would write to ~/.cache/mtpjax); the
-# cache's own tests turn it on in a tmp folder. The run shares one in a temp folder of its own
-# instead (pytest_configure below).
+# cache's own tests turn it on in a tmp folder. MTPJAX_TEST_SHARED_CACHE=1 makes the run share one
+# in a temp folder of its own (pytest_configure below).
 os.environ.setdefault("MTPJAX_COMPILATION_CACHE", "0")
 # The suite is dominated by XLA:CPU compiles of tiny models; LLVM's optimization passes make up
 # about a third of it and buy nothing at these sizes. (No fast-math either way: same numbers.)
@@ -103,8 +103,8 @@ def _free_compiled_programs():
     """Drops every compiled program after each test module. XLA:CPU maps each JIT-compiled
     kernel into memory; an xdist worker that keeps a whole suite's programs alive reached ~43k
     of the kernel's 65,530 `vm.max_map_count` mappings, and workers died in XLA compiles
-    (segfault / abort) once they ran out. A program a later module needs again comes back from
-    the run's shared persistent cache (tests/shared_compilation_cache.py) without a compile."""
+    (segfault / abort) once they ran out. Programs are rarely shared across modules (with
+    MTPJAX_TEST_SHARED_CACHE=1 a later module's copy comes from the run's persistent cache)."""
     yield
     jax.clear_caches()
     gpu_interpreter.clear()

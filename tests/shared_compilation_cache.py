@@ -9,7 +9,9 @@ lowered program), so spies inside traced functions still see their calls.
 
 The controller (or the lone process without xdist) makes a fresh folder in the system's temp
 folder, never ~/.cache, and removes it at the end; xdist workers get its path through
-`workerinput`. `MTPJAX_TEST_SHARED_CACHE=0` runs without it. A test that counts compiles or
+`workerinput`. Off unless `MTPJAX_TEST_SHARED_CACHE=1`: on the 2-core CI machine a clean-clone
+run took 31.0 min of pytest with it and 29.7 without (its writes cost more than its hits save,
+the suite's tiny models rarely repeat a program across modules). A test that counts compiles or
 gives JAX a cache folder of its own is marked `own_compilation_cache`: it runs with JAX's cache
 settings at their defaults (no folder) and the run's settings come back after it.
 """
@@ -40,7 +42,7 @@ _active: dict = {}
 
 
 def is_switched_off() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
+    return os.environ.get(ENV_SWITCH, "0").strip().lower() not in ("1", "true", "yes", "on")
 
 
 def make_folder() -> str:
