@@ -52,12 +52,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._device import num_sms
 from pallas_kernels.fp8_matmul.activations import GROUP, quantize_activations
+from pallas_kernels.fp8_matmul.operands import FP8_DTYPE, check_operands
 from pallas_kernels.fp8_matmul.stream import (MODES as STREAM_MODES, stream_block_k,
                                               stream_call, stream_mode, stream_rows,
                                               stream_splits)
 
 MAX_ROWS = 128                   # decode batches: a verify of 32 requests x (K + 1) tokens
-FP8_DTYPE = jnp.float8_e4m3fn
 ACTIVATIONS = ("bf16", "fp8")    # x as given (widened f16 / bf16 dot), or e4m3 per group
 VARIANTS = ("tiles", "stream")   # this module's kernel, or stream.py's decode GEMV
 
@@ -241,11 +241,7 @@ def fp8_weight_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *,
     tiles, 8 for stream; compute "float16" for tiles (x scaled per row into f16, the cheaper
     widening), "bfloat16" for stream (x straight into the kernel: no XLA op before it).
     ValueError for operands the kernel cannot take (`kernel_takes` says which it can)."""
-    if x.ndim != 2 or values.ndim != 2 or x.shape[1] != values.shape[0]:
-        raise ValueError(f"x must be [M, K] and values [K, N], got {tuple(x.shape)} and "
-                         f"{tuple(values.shape)}")
-    if values.dtype != FP8_DTYPE:
-        raise ValueError(f"values must be float8_e4m3fn, got {values.dtype}")
+    check_operands(x, values)
     M, K = x.shape
     N = values.shape[1]
     bK, bN = block

@@ -42,9 +42,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._device import HOPPER_SMEM_BYTES, num_sms
 from pallas_kernels._hopper import interpret_params
+from pallas_kernels.fp8_matmul.operands import FP8_DTYPE, check_operands
 
 MAX_ROWS = 32                     # decode batches; wgmma's N dimension in orientation "wt"
-FP8_DTYPE = jnp.float8_e4m3fn
 ORIENTATIONS = ("wt", "x64")
 SCALE_BLOCK = 128                 # the block scales' side (DeepSeek-V3's)
 
@@ -364,11 +364,7 @@ def fp8_weight_matmul_mosaic(x: jax.Array, values: jax.Array, scale: jax.Array, 
     stages in flight (>= 2); compute_warpgroups 2: the widening split over two warpgroups
     and the copies issued by a third ("wt", 128 x 128 tiles); interpret: JAX's GPU
     interpreter (CPU tests). ValueError for operands it cannot take (`mosaic_takes`)."""
-    if x.ndim != 2 or values.ndim != 2 or x.shape[1] != values.shape[0]:
-        raise ValueError(f"x must be [M, K] and values [K, N], got {tuple(x.shape)} and "
-                         f"{tuple(values.shape)}")
-    if values.dtype != FP8_DTYPE:
-        raise ValueError(f"values must be float8_e4m3fn, got {values.dtype}")
+    check_operands(x, values)
     M, K = x.shape
     N = values.shape[1]
     block = tuple(block)
