@@ -52,7 +52,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._device import num_sms
 from pallas_kernels.fp8_matmul.activations import GROUP, quantize_activations
-from pallas_kernels.fp8_matmul.operands import FP8_DTYPE, check_operands
+from pallas_kernels.fp8_matmul.operands import check_operands
 from pallas_kernels.fp8_matmul.stream import (MODES as STREAM_MODES, stream_block_k,
                                               stream_call, stream_mode, stream_rows,
                                               stream_splits)

@@ -42,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._device import HOPPER_SMEM_BYTES, num_sms
 from pallas_kernels._hopper import interpret_params
-from pallas_kernels.fp8_matmul.operands import FP8_DTYPE, check_operands
+from pallas_kernels.fp8_matmul.operands import check_operands
 
 MAX_ROWS = 32                     # decode batches; wgmma's N dimension in orientation "wt"
 ORIENTATIONS = ("wt", "x64")
