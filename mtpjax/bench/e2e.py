@@ -458,6 +458,12 @@ def time_startup(params, cfg, spec, args, batch: int, warmup=True) -> dict:
     t2 = time.perf_counter()
     extra = {}
     if warmup == "background":
+        # the first token's figures now: the parent keeps the last result line it saw, also from
+        # a process it had to kill while the rest still compiled
+        print("E2E_RESULT " + json.dumps(dict(warmup=str(warmup), startup_s=t2 - t0,
+                                              construct_s=t1 - t0,
+                                              buckets_at_first_token=len(llm.warmup_times),
+                                              all_buckets_done=False)), flush=True)
         # wait for the rest within the parent's limit on this process (it kills it at the limit)
         left = args.child_timeout - (time.perf_counter() - _PROCESS_START) - 15
         extra = dict(buckets_at_first_token=len(llm.warmup_times),
@@ -571,15 +577,30 @@ def run_child(args, role: str, batch: int, env_extra: dict | None = None,
                               timeout=args.child_timeout)
     except subprocess.TimeoutExpired as e:          # what it had done (warm-up progress lines)
         out = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        res = _last_result(e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes)
+                           else e.stdout or "")
+        if res is not None:                         # it got as far as a result line
+            res["process_s"] = time.perf_counter() - t0
+            res["killed_at_timeout"] = True
+            return res
         raise RuntimeError(f"{role} process still running after {args.child_timeout:g} s; its "
                            f"stderr ended:\n{(out or '')[-3000:]}") from None
-    for line in proc.stdout.splitlines():
-        if line.startswith("E2E_RESULT "):
-            res = json.loads(line[len("E2E_RESULT "):])
-            res["process_s"] = time.perf_counter() - t0
-            return res
+    res = _last_result(proc.stdout)
+    if res is not None:
+        res["process_s"] = time.perf_counter() - t0
+        return res
     tail = (proc.stdout + proc.stderr)[-2000:]
     raise RuntimeError(f"{role} process exited {proc.returncode} without a result:\n{tail}")
+
+
+def _last_result(stdout: str) -> dict | None:
+    """The last `E2E_RESULT` line a child printed (a background start prints one at its first
+    token and a fuller one once every bucket is compiled), or None."""
+    found = None
+    for line in stdout.splitlines():
+        if line.startswith("E2E_RESULT "):
+            found = json.loads(line[len("E2E_RESULT "):])
+    return found
 
 
 # ---- table --------------------------------------------------------------------------------------
@@ -749,7 +770,10 @@ def child(args) -> int:
         res = time_startup(params, cfg, spec_config(args), args, args.batches[0],
                            warmup="background" if args.startup_warmup == "background" else True)
     print("E2E_RESULT " + json.dumps(res, default=str), flush=True)
-    return 0
+    # no interpreter teardown: freeing tens of GB of device arrays, or daemon warm-up threads
+    # still inside a compile, could outlast the parent's limit and lose the result
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv=None) -> int:
@@ -928,12 +952,15 @@ def _background_row(args, batch) -> dict:
         if not args.cache_dir:
             shutil.rmtree(folder, ignore_errors=True)
             shutil.rmtree(folder + "_executables", ignore_errors=True)   # its executable store
+    head = (f"first token after {r['startup_s']:.1f} s (LLM() {r['construct_s']:.1f} s, "
+            f"{r['buckets_at_first_token']} step buckets compiled)")
+    if "all_buckets_s" not in r:                 # killed while the rest still compiled
+        r["note"] = f"{head}; the rest not done when the process was stopped"
+        return r
     done = "" if r.get("all_buckets_done") else " (not all done: timed out)"
-    r["note"] = (f"first token after {r['startup_s']:.1f} s (LLM() {r['construct_s']:.1f} s, "
-                 f"{r['buckets_at_first_token']} of {r['buckets']} step buckets compiled); every "
-                 f"bucket compiled after {r['all_buckets_s']:.1f} s{done}; {r['programs']} "
-                 f"programs, {r['cache_hits']} from the cache; whole process "
-                 f"{r['process_s']:.1f} s")
+    r["note"] = (f"{head}; every bucket compiled after {r['all_buckets_s']:.1f} s{done} "
+                 f"({r['buckets']} buckets); {r['programs']} programs, {r['cache_hits']} from "
+                 f"the cache; whole process {r['process_s']:.1f} s")
     return r
 
 

@@ -132,3 +132,27 @@ def test_background_startup_row_times_first_token_and_all_buckets():
     assert 1 <= r["buckets_at_first_token"] <= r["buckets"]
     assert 0 < r["construct_s"] <= r["startup_s"] <= r["all_buckets_s"]
     assert "first token after" in r["note"] and "every bucket compiled after" in r["note"]
+
+
+def test_a_child_killed_at_its_limit_still_reports_its_last_result_line(tmp_path):
+    """A background start prints its first token's result before waiting for the rest; a
+    child stopped at --child-timeout after that line reports it instead of an error."""
+    import sys
+    from mtpjax.bench import e2e
+    script = tmp_path / "child.py"
+    script.write_text("import json, time\n"
+                      "print('E2E_RESULT ' + json.dumps({'startup_s': 1.5, 'n': 1}), flush=True)\n"
+                      "print('E2E_RESULT ' + json.dumps({'startup_s': 1.5, 'n': 2}), flush=True)\n"
+                      "time.sleep(60)\n")
+    args = e2e.parse_args(["--model-shape", "tiny", "--batch", "1", "--child-timeout", "3"])
+    real = e2e.subprocess.run
+
+    def run(cmd, **kw):
+        return real([sys.executable, str(script)], **kw)
+    e2e.subprocess.run = run
+    try:
+        r = e2e.run_child(args, "startup", 1)
+    finally:
+        e2e.subprocess.run = real
+    assert r["n"] == 2 and r["killed_at_timeout"] is True and r["process_s"] >= 3
+    assert e2e._last_result("no result here\n") is None
