@@ -1,9 +1,10 @@
-"""Background warm-up: `LLM(..., warmup="background")` serves after compiling one program per
-sampling mode, and compiles the other step buckets on daemon threads while it serves.
+"""Background warm-up: `LLM(..., warmup="background")` serves after compiling one program, and
+compiles the other step programs on daemon threads while it serves.
 
 `warm_up_background` (engine/warmup.py) first compiles, on the calling thread and exactly as the
 blocking warm-up does (dry run, executable store), the bucket with the most tokens and the
-longest first pass: by `engine/covering.py` it serves every step, padded up. Then
+longest first pass, in the "filter" sampling mode and with every draft pass: by
+`engine/covering.py` it serves every step, padded up (greedy steps too). Then
 `BackgroundWarmup` makes every other bucket's programs, smallest first (the decode buckets a
 steady state runs in), and registers each in the runner's `executables` as it is done;
 `ModelRunner.dispatch` uses a step's own program as soon as it is there.
@@ -50,6 +51,8 @@ class BackgroundWarmup:
         self._programs = [p for p in runner.background_programs(buckets)
                           if p[2] not in self._executables]      # not compiled before
         self._times = times
+        # buckets the first phase already reported (their other modes / passes come here)
+        self._reported = {(T, F) for T, F, *_ in times}
         self._stop = threading.Event()
         self._done = threading.Event()
         self._lock = threading.Lock()                   # the queue position and bookkeeping
@@ -128,7 +131,7 @@ class BackgroundWarmup:
             self._seconds[(T, F)] = self._seconds.get((T, F), 0.0) + time.perf_counter() - t0
             self._left[(T, F)] -= 1
             finished = self._left[(T, F)] == 0 and (T, F) not in self._failed
-            if finished:
+            if finished and (T, F) not in self._reported:
                 self._times.append((T, F, self._seconds[(T, F)]))
                 if self._progress is not None:
                     self._progress.update(T, F, self._seconds[(T, F)])
@@ -159,10 +162,13 @@ def warm_up_background(runner, max_num_batched_tokens: int, max_num_seqs: int,
             bar.update(T, F, seconds)
         # its largest pass count only: a step asking fewer draft passes runs on it meanwhile
         every, runner.warm_passes = runner.warm_passes, runner.warm_passes[-1:]
+        # and the "filter" mode only: it serves greedy steps exactly (`covering.serves_mode`),
+        # so the first request waits for one compile, not one per mode
+        modes, runner.warm_modes = runner.warm_modes, ("filter",)
         try:
             runner.warmup([first], on_compiled=done, threads=threads, load_threads=threads)
         finally:
-            runner.warm_passes = every
+            runner.warm_passes, runner.warm_modes = every, modes
     warming = BackgroundWarmup(runner, buckets, times, threads)
     runner.warming = warming        # dispatch pads a step up to a compiled bucket meanwhile
     return warming

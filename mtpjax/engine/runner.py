@@ -179,6 +179,8 @@ class ModelRunner:
         self.warming = None            # a running BackgroundWarmup (engine/background_warmup.py)
         # draft passes warm-up compiles (K; every 0..K when the engine adapts k: `LLM`)
         self.warm_passes: tuple[int, ...] = (self.K,)
+        # sampling modes warm-up compiles (background warm-up's first program: "filter" only)
+        self.warm_modes: tuple[str, ...] = SAMPLING_MODES
         # seq_id -> drafts the request's slot holds for its next verify (the passes of the
         # last step that drafted for it): a row never verifies more (`verify_counts`)
         self.drafted: dict[int, int] = {}
@@ -484,11 +486,12 @@ class ModelRunner:
 
     def warmup(self, buckets, on_compiled=None, threads: int = 1, load_threads: int = 1) -> None:
         """Compiles the step for every (T, F) in `buckets` (`engine.warmup.step_buckets`) and
-        every sampling mode (`sampling.SAMPLING_MODES`) before serving, so no step compiles
-        mid-serving; `dispatch` then calls these executables directly. With an executable
-        store (`self.store`, `engine/executable_store.py`) a program compiled by an earlier
-        process is loaded instead of traced; loads run on a pool of `load_threads` threads. The
-        rest are lowered here and compiled on a pool of `threads` threads (then stored).
+        every sampling mode in `warm_modes` (default `sampling.SAMPLING_MODES`) before
+        serving, so no step compiles mid-serving; `dispatch` then calls these executables
+        directly. With an executable store (`self.store`, `engine/executable_store.py`) a
+        program compiled by an earlier process is loaded instead of traced; loads run on a
+        pool of `load_threads` threads. The rest are lowered here and compiled on a pool of
+        `threads` threads (then stored).
         Each bucket gets a dry run on an all-padding batch: every row is a KIND_PAD row in the
         scratch slot at position -1, so it writes no KV and changes no real slot (the donated
         state comes back with the same meaning). on_compiled(T, F, seconds) after each bucket
@@ -503,7 +506,7 @@ class ModelRunner:
                                   positions=np.full(T, -1, np.int32))
             inputs, shape = self.device_inputs(batch)
             progs += [(T, F, shape, (m, p), inputs, self._static(F, shape, m, p))
-                      for p in self.warm_passes for m in SAMPLING_MODES]
+                      for p in self.warm_passes for m in self.warm_modes]
         with ThreadPoolExecutor(max(threads, 1)) as pool, \
                 ThreadPoolExecutor(max(load_threads, 1)) as loads:
             def lookup(inputs, kw):
@@ -528,7 +531,7 @@ class ModelRunner:
                 compiled = self._ready(get(), inputs, kw, key, identity, loaded=hit is not None)
                 self.executables[(shape, F, *m)] = compiled
                 per_bucket[(T, F)] = per_bucket.get((T, F), 0.0) + time.perf_counter() - t0
-                if on_compiled is not None and m == (SAMPLING_MODES[-1], self.warm_passes[-1]):
+                if on_compiled is not None and m == (self.warm_modes[-1], self.warm_passes[-1]):
                     on_compiled(T, F, per_bucket[(T, F)])
         request_key(SamplingParams(), self.seed, 0)      # its eager ops compile on first use
 

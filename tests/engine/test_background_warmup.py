@@ -57,14 +57,16 @@ def test_covering_program_is_the_smallest_larger_one(seed):
     for T, F, m, p in zip(2 ** rng.integers(0, 7, 20), 2 ** rng.integers(0, 7, 20),
                           rng.choice(["greedy", "filter"], 20), rng.integers(0, 2, 20)):
         want_key = ((int(T), R, M), int(F), str(m), int(p))
-        # more draft passes serve a step too (they draw drafts nobody verifies)
-        fits = [k for k in keys if k[0][1:] == (R, M) and k[2] == want_key[2]
-                and k[3] >= want_key[3] and k[0][0] >= T and k[1] >= F]
+        # more draft passes serve a step too (they draw drafts nobody verifies), and a
+        # "filter" program a "greedy" step (never the other way round)
+        fits = [k for k in keys if k[0][1:] == (R, M)
+                and k[2] in {want_key[2], "filter"} and k[3] >= want_key[3]
+                and k[0][0] >= T and k[1] >= F]
         got = covering_program(executables, want_key)
         if not fits:
             assert got is None
         else:
-            best = min(fits, key=lambda k: (k[0][0], k[1], k[3]))
+            best = min(fits, key=lambda k: (k[0][0], k[1], k[3], k[2] != want_key[2]))
             assert got == (best, executables[best])
 
 
@@ -92,11 +94,13 @@ def test_covering_bucket_is_a_reachable_bucket_covering_all(max_tokens, max_rows
     assert all(T >= t and F >= f for t, f in buckets)
 
 
+@pytest.mark.parametrize("modes", [SAMPLING_MODES, ("filter",)], ids=["both_modes", "filter"])
 @pytest.mark.parametrize("spec", [None, SpecConfig(num_speculative_tokens=2)],
                          ids=["plain", "mtp_chain"])
-def test_larger_compiled_bucket_gives_the_exact_buckets_tokens(spec):
+def test_larger_compiled_bucket_gives_the_exact_buckets_tokens(spec, modes):
     """Only the largest bucket is compiled: every step runs padded up to it (greedy and seeded
-    sampling rows) and commits the tokens of an engine compiling each step's own bucket."""
+    sampling rows) and commits the tokens of an engine compiling each step's own bucket; with
+    only its "filter" program (background warm-up's first), greedy steps run on that one."""
     cfg = tiny_config(vocab_size=44, num_layers=1)
     params = random_params(cfg, seed=5)
     kw = dict(max_num_batched_tokens=16, **KW)
@@ -104,7 +108,9 @@ def test_larger_compiled_bucket_gives_the_exact_buckets_tokens(spec):
     llm = mtpjax.LLM(params, cfg, spec, warmup=False, **kw)
     buckets = step_buckets(16, 2, llm.runner.W)
     cover = covering_bucket(buckets)
+    llm.runner.warm_modes = modes
     llm.runner.warmup([cover])
+    assert {key[2] for key in llm.runner.executables} == set(modes)
     warming = type("Warming", (), {"done": lambda self: False})()
     llm.runner.warming = warming           # as while background warm-up runs
     ran = []
@@ -115,10 +121,13 @@ def test_larger_compiled_bucket_gives_the_exact_buckets_tokens(spec):
         ran.append((batch.tokens.shape[0], F, out[0].tokens.shape[0], out[1], out[2] is not None))
         return out
     llm.runner._compiled_for = spy
+    greedy = [SamplingParams(max_tokens=6, temperature=0)] * 3     # greedy-mode steps only
     for seed in (0, 1):
         prompts, sps = _workload(seed, 44)
         want = [o.token_ids for o in exact.generate(prompts, sps)]
         assert [o.token_ids for o in llm.generate(prompts, sps)] == want, seed
+        want_greedy = [o.token_ids for o in exact.generate(prompts[:3], greedy)]
+        assert [o.token_ids for o in llm.generate(prompts[:3], greedy)] == want_greedy, seed
     assert all(used and (T2, F2) == cover for _, _, T2, F2, used in ran), ran
     assert any((T, F) != cover for T, F, *_ in ran), "no step needed padding"
     llm.runner.warming = None              # warm-up over: a step's own bucket, compiled
@@ -146,6 +155,7 @@ def test_background_warmup_same_tokens_and_no_compile_after_wait(monkeypatch):
     buckets = step_buckets(8, 2, llm.runner.W)
     cover = covering_bucket(buckets)
     assert [t[:2] for t in llm.warmup_times] == [cover]
+    assert {key[2] for key in llm.runner.executables} == {"filter"}    # one program first
     ran = []
     pick = llm.runner._compiled_for
 
