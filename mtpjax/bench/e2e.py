@@ -575,8 +575,10 @@ def run_child(args, role: str, batch: int, env_extra: dict | None = None,
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                               timeout=args.child_timeout)
+        _keep_child_log(args, role, proc.stderr)
     except subprocess.TimeoutExpired as e:          # what it had done (warm-up progress lines)
         out = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        _keep_child_log(args, role, out)
         res = _last_result(e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes)
                            else e.stdout or "")
         if res is not None:                         # it got as far as a result line
@@ -591,6 +593,17 @@ def run_child(args, role: str, batch: int, env_extra: dict | None = None,
         return res
     tail = (proc.stdout + proc.stderr)[-2000:]
     raise RuntimeError(f"{role} process exited {proc.returncode} without a result:\n{tail}")
+
+
+def _keep_child_log(args, role: str, stderr: str | None) -> None:
+    """With --out, a child's stderr (warm-up progress, compile logs) goes to
+    <out>/child_<role>_<n>.log, n counting this run's children."""
+    if not args.out or not stderr:
+        return
+    os.makedirs(args.out, exist_ok=True)
+    n = len([f for f in os.listdir(args.out) if f.startswith(f"child_{role}_")])
+    with open(os.path.join(args.out, f"child_{role}_{n}.log"), "w") as f:
+        f.write(stderr)
 
 
 def _last_result(stdout: str) -> dict | None:
