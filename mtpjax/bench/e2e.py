@@ -33,11 +33,13 @@ verify step are what a real model with that acceptance would commit. Rows, at ea
   start-up cold                   seconds from `LLM(..., warmup=True)` (MTP, largest batch) to
         the first token of one prompt, with an empty persistent compilation cache (a fresh
         folder unless the user set one: the row says which), warm-up of every bucket included.
-  start-up warm (--warm-start)    the same in a second Python process reading that cache.
+  start-up warm (--warm-start)    the same in a second Python process reading that cache
+        (after --background-startup --no-blocking-startup: a background start reading it).
   start-up background (--background-startup)  seconds from `LLM(..., warmup="background")` to
-        the first token (only the largest bucket compiled first; the step is padded up to it),
-        and until the background threads have compiled every bucket, in a fresh Python process
-        with its own empty compilation cache (cold).
+        the first token (only the largest bucket's "filter" program compiled first; the step is
+        padded up to it), and until the background threads have compiled every bucket
+        (`--first-token-only`: not waited for), in a fresh Python process with its own empty
+        compilation cache (cold).
 
 Columns: ms/step; tok/s = decode tokens committed / decode time (whole batch); acc len = mean
 acceptance length (tokens per verify step; 1 without MTP); floor = bytes that must move per step
@@ -457,7 +459,9 @@ def time_startup(params, cfg, spec, args, batch: int, warmup=True) -> dict:
     llm.generate([prompt], mtpjax.SamplingParams(max_tokens=1))
     t2 = time.perf_counter()
     extra = {}
-    if warmup == "background":
+    if warmup == "background" and args.first_token_only:
+        extra = dict(buckets_at_first_token=len(llm.warmup_times), all_buckets_done=False)
+    elif warmup == "background":
         # the first token's figures now: the parent keeps the last result line it saw, also from
         # a process it had to kill while the rest still compiled
         print("E2E_RESULT " + json.dumps(dict(warmup=str(warmup), startup_s=t2 - t0,
@@ -570,6 +574,8 @@ def run_child(args, role: str, batch: int, env_extra: dict | None = None,
         cmd += ["--fp8", args.fp8]
     if args.min_token_bucket is not None:
         cmd += ["--min-token-bucket", str(args.min_token_bucket)]
+    if args.first_token_only:
+        cmd += ["--first-token-only"]
     cmd += list(extra_args)
     t0 = time.perf_counter()
     try:
@@ -687,6 +693,9 @@ def parse_args(argv):
     ap.add_argument("--background-startup", action="store_true",
                     help="also time start-up with LLM(warmup='background') in a fresh process "
                          "with an empty cache: first token, and all buckets compiled")
+    ap.add_argument("--first-token-only", action="store_true",
+                    help="background start-up rows stop at the first token (do not wait for "
+                         "every bucket)")
     ap.add_argument("--no-blocking-startup", action="store_true",
                     help="skip the in-process blocking cold start (then --background-startup "
                          "with --cache-dir fills the cache that --warm-start reads)")
@@ -888,9 +897,11 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
         if args.background_startup:
             attempt(f"start-up background (engine MTP K={K})", top,
                     lambda: _background_row(args, top))
+        # after a background start only, the warm processes start in the background too
+        warm_bg = args.background_startup and args.no_blocking_startup
         for n in range(args.warm_start):
-            attempt(f"start-up warm (process {n + 2})", top,
-                    lambda: _warm_row(args, top, cache_dir))
+            attempt(f"start-up warm{' background' if warm_bg else ''} (process {n + 2})", top,
+                    lambda: _warm_row(args, top, cache_dir, warm_bg))
     reps = f" x{args.replicas} replicas" if args.replicas > 1 else ""
     names = {"generate plain": "generate plain", "generate MTP": f"generate MTP K={K}",
              "engine plain": f"engine plain{reps}", "engine MTP": f"engine MTP K={K}{reps}"}
@@ -945,8 +956,11 @@ def _hf_row(args, batch) -> dict:
     return run_child(args, "hf", batch)           # torch in its own process: no clash with JAX
 
 
-def _warm_row(args, batch, cache_dir) -> dict:
-    r = run_child(args, "startup", batch, {"MTPJAX_CACHE_DIR": cache_dir} if cache_dir else None)
+def _warm_row(args, batch, cache_dir, background: bool = False) -> dict:
+    r = run_child(args, "startup", batch, {"MTPJAX_CACHE_DIR": cache_dir} if cache_dir else None,
+                  ("--startup-warmup", "background") if background else ())
+    if background:
+        return _background_note(r)
     r["note"] = (f"{r['buckets']} step buckets; {r['programs']} programs: {r['compiled']} "
                  f"compiled, {r['cache_hits']} from the cache, {r.get('store_loaded', 0)} loaded "
                  f"whole from the executable store; LLM() {r['construct_s']:.1f} s; "
@@ -965,10 +979,14 @@ def _background_row(args, batch) -> dict:
         if not args.cache_dir:
             shutil.rmtree(folder, ignore_errors=True)
             shutil.rmtree(folder + "_executables", ignore_errors=True)   # its executable store
+    return _background_note(r)
+
+
+def _background_note(r: dict) -> dict:
     head = (f"first token after {r['startup_s']:.1f} s (LLM() {r['construct_s']:.1f} s, "
             f"{r['buckets_at_first_token']} step buckets compiled)")
-    if "all_buckets_s" not in r:                 # killed while the rest still compiled
-        r["note"] = f"{head}; the rest not done when the process was stopped"
+    if "all_buckets_s" not in r:            # stopped at its first token, or killed after it
+        r["note"] = f"{head}; the rest not waited for"
         return r
     done = "" if r.get("all_buckets_done") else " (not all done: timed out)"
     r["note"] = (f"{head}; every bucket compiled after {r['all_buckets_s']:.1f} s{done} "
