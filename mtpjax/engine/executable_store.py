@@ -112,6 +112,19 @@ def step_key(name: str, args: tuple, static: dict) -> str:
     return hashlib.sha256(step_identity(name, args, static).encode()).hexdigest()
 
 
+def load_kernel_runtimes() -> None:
+    """Makes the Mosaic GPU kernels' runtime library findable before an executable holding them
+    is deserialized. Importing `jax.experimental.mosaic.gpu` names the library
+    (MOSAIC_GPU_RUNTIME_LIB_PATH) for the kernels' custom call; a process that loads a stored
+    step before tracing any Mosaic kernel has not imported it, and the load fails ("Symbols
+    not found: mosaic_gpu_init_tma_desc, mosaic_gpu_launch_kernel", seen on an H200 with the
+    V2-Lite step's MLA kernels), so the step was compiled again."""
+    try:
+        import jax.experimental.mosaic.gpu  # noqa: F401
+    except ImportError:             # a jaxlib without Mosaic GPU holds no such kernels
+        pass
+
+
 class ExecutableStore:
     """Loads and saves compiled steps by `step_key` in one folder."""
 
@@ -164,6 +177,7 @@ class ExecutableStore:
         path = self._path(key)
         if not os.path.exists(path):
             return None
+        load_kernel_runtimes()
         try:
             with open(path, "rb") as f:
                 entry = pickle.load(f)

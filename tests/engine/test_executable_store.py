@@ -207,3 +207,25 @@ def test_no_sequence_of_processes_stores_an_entry_that_breaks_a_later_start(tmp_
     start(tmp_path / "store_b", "b", STORE_CHILD_WARMUP="0")
     start(tmp_path / "store_b", "b")
     start(tmp_path / "store_b", "b")
+
+
+def test_loading_an_entry_first_makes_the_mosaic_kernel_runtime_findable(tmp_path):
+    """A fresh process that loads a stored step before tracing anything must have imported
+    jax.experimental.mosaic.gpu (it names the Mosaic GPU kernels' runtime library); without
+    it a stored step holding Mosaic kernels failed to load on a GPU and was compiled again."""
+    code = (
+        "import sys, os\n"
+        "from mtpjax.engine.executable_store import ExecutableStore\n"
+        "name = 'jax.experimental.mosaic.gpu'\n"
+        "assert name not in sys.modules, 'imported before any load: the check proves nothing'\n"
+        f"store = ExecutableStore({str(tmp_path)!r})\n"
+        "assert store.load('k', 'id') is None and name not in sys.modules   # no entry: no import\n"
+        "open(store._path('k'), 'wb').write(b'damaged')\n"
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "assert store.load('k', 'id') is None\n"
+        "print('imported' if name in sys.modules else 'not imported')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "imported"
