@@ -23,9 +23,11 @@ def shipped():
 
 def _run(params, ckpt, prompts):
     spec = mtpjax.SpecConfig(num_speculative_tokens=3, method="chain")
+    # min_token_bucket=64 (16 rows x 4 tokens): every decode step, the last ones of fewer rows
+    # too, runs one program; with the prefill's, two compiles per run, not five
     llm = mtpjax.LLM(params, ckpt.cfg, spec, tokenizer=ckpt.tokenizer,
                      eos_token_id=ckpt.eos_token_id, num_pages=512, max_num_seqs=len(prompts),
-                     max_num_batched_tokens=2048)
+                     max_num_batched_tokens=2048, min_token_bucket=64)
     outs = llm.generate(prompts, mtpjax.SamplingParams(max_tokens=64))
     drafted = sum(o.num_draft_tokens for o in outs)
     assert drafted > 1000
