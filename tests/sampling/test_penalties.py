@@ -126,8 +126,9 @@ def _requests(seed):
 
 def _llm(model, spec, **kw):
     cfg, params = model
+    # min_token_bucket = the token budget: every step runs a T = 16 program (fewer compiles)
     kw = dict(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-              max_logprobs=2, warmup=False) | kw
+              min_token_bucket=16, max_logprobs=2, warmup=False) | kw
     return mtpjax.LLM(params, cfg, spec, **kw)
 
 
