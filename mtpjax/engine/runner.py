@@ -436,11 +436,14 @@ class ModelRunner:
             batch, F, compiled, ran = self._compiled_for(batch, F, mode, passes)
         inputs, shape = self.device_inputs(batch)
         key = (shape, F, mode, passes, structured)
-        # a step that compiled, or ran padded up to a larger bucket, took longer than its own
-        # program will (adaptive K's step times skip it)
+        # a step that compiled, ran padded up to a larger bucket, or ran on another mode's
+        # program (a "filter" one serving a greedy step while warming) took longer than its
+        # own program will (adaptive K's step times skip it)
         compiles = compiled is None and key not in self.compiled_keys
         self.num_compiles += compiles
-        self.last_step_compiled = compiles or (shape[0], F, ran) != own
+        other_mode = compiled is not None and \
+            self.executables.get((shape, F, mode, ran)) is not compiled
+        self.last_step_compiled = compiles or (shape[0], F, ran) != own or other_mode
         self.compiled_keys.add(key)
         if compiled is not None:                 # warmed up: no tracing, not even a cache lookup
             self.state, result = compiled(self.params, self.state, inputs)

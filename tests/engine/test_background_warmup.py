@@ -121,15 +121,42 @@ def test_larger_compiled_bucket_gives_the_exact_buckets_tokens(spec, modes):
         ran.append((batch.tokens.shape[0], F, out[0].tokens.shape[0], out[1], out[2] is not None))
         return out
     llm.runner._compiled_for = spy
+    timed = []            # (mode, T, F, ran padded?, left out of adaptive K's step times?)
+    dispatch = llm.runner.dispatch
+
+    def spy_dispatch(out, *a, **k):
+        n = len(ran)
+        result = dispatch(out, *a, **k)
+        if len(ran) > n:
+            T, F, T2, F2, _ = ran[-1]
+            timed.append((mode_of[0], T, F, (T, F) != (T2, F2), llm.runner.last_step_compiled))
+        return result
+    mode_of = [None]
+    pack = llm.runner.pack
+
+    def spy_pack(*a, **k):
+        batch, F = pack(*a, **k)
+        mode_of[0] = batch.sampling.mode
+        return batch, F
+    llm.runner.pack = spy_pack
+    llm.runner.dispatch = spy_dispatch
     greedy = [SamplingParams(max_tokens=6, temperature=0)] * 3     # greedy-mode steps only
     for seed in (0, 1):
         prompts, sps = _workload(seed, 44)
         want = [o.token_ids for o in exact.generate(prompts, sps)]
         assert [o.token_ids for o in llm.generate(prompts, sps)] == want, seed
-        want_greedy = [o.token_ids for o in exact.generate(prompts[:3], greedy)]
-        assert [o.token_ids for o in llm.generate(prompts[:3], greedy)] == want_greedy, seed
+        # with a prompt longer than a step: chunks that fill the largest bucket exactly
+        long = prompts[:2] + [np.random.default_rng(seed).integers(0, 44, 21).tolist()]
+        want_greedy = [o.token_ids for o in exact.generate(long, greedy)]
+        assert [o.token_ids for o in llm.generate(long, greedy)] == want_greedy, seed
     assert all(used and (T2, F2) == cover for _, _, T2, F2, used in ran), ran
     assert any((T, F) != cover for T, F, *_ in ran), "no step needed padding"
+    # a step timed for adaptive K ran its own bucket in its own mode's program; every other
+    # (padded up, or greedy on the filter program) is left out
+    assert timed and all(skipped == (padded or (m == "greedy" and "greedy" not in modes))
+                         for m, _, _, padded, skipped in timed), timed
+    if spec is None:      # the case above happened: greedy steps in the largest bucket itself
+        assert any(m == "greedy" and not padded for m, _, _, padded, _ in timed), timed
     llm.runner.warming = None              # warm-up over: a step's own bucket, compiled
     ran.clear()
     assert [o.token_ids for o in llm.generate(prompts, sps)] == want
