@@ -17,7 +17,9 @@ from tests.conftest import tiny_config
 V = 32
 # PAGES is tight: 4 requests at once preempt; one alone never does (each fits alone), which
 # gives "with and without preemption" on one engine (sampling never depends on the batch)
-KW = dict(num_pages=10, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_logprobs=2)
+# min_token_bucket = the token budget: every step of an engine runs T = 32 (fewer compiles)
+KW = dict(num_pages=10, page_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+          min_token_bucket=32, max_logprobs=2)
 
 
 @pytest.fixture(scope="module")
