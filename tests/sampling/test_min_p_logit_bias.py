@@ -318,8 +318,9 @@ def test_engine_features_equal_plain_decoding_through_preemption(model, method, 
                           logit_bias={int(rng.integers(16)): 2.0})]
 
     def run(spec, num_pages):
+        # min_token_bucket = the token budget: one T = 16 program per mode (fewer compiles)
         llm = mtpjax.LLM(params, cfg, spec, num_pages=num_pages, page_size=4, max_num_seqs=4,
-                         max_num_batched_tokens=16, warmup=False)
+                         max_num_batched_tokens=16, min_token_bucket=16, warmup=False)
         return [o.token_ids for o in llm.generate(prompts, sps)], llm.num_preemptions
 
     ref, _ = run(None, 64)
