@@ -3,7 +3,7 @@ compiles the other step programs on daemon threads while it serves.
 
 `warm_up_background` (engine/warmup.py) first compiles, on the calling thread and exactly as the
 blocking warm-up does (dry run, executable store), the bucket with the most tokens and the
-longest first pass, in the "filter" sampling mode and with every draft pass: by
+longest first pass, in the "filter" sampling mode at the most draft passes: by
 `engine/covering.py` it serves every step, padded up (greedy steps too). Then
 `BackgroundWarmup` makes every other bucket's programs, smallest first (the decode buckets a
 steady state runs in), and registers each in the runner's `executables` as it is done;
