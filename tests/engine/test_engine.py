@@ -43,9 +43,10 @@ def test_llm_greedy_equals_generate(method, K, D, prefix, pages):
     cfg, params = _model(D)
     prompts, max_tokens = _workload(K + 7 * D)
     want = _reference(params, cfg, prompts, max_tokens)
+    # min_token_bucket=32: every step runs the one T = 32 program (fewer compiles)
     llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=K, method=method),
                      num_pages=pages, page_size=4, max_num_seqs=3, max_num_batched_tokens=24,
-                     enable_prefix_caching=prefix)
+                     min_token_bucket=32, enable_prefix_caching=prefix)
     outs = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
     assert [o.token_ids for o in outs] == want
     assert all(o.finish_reason == "length" for o in outs)
@@ -148,7 +149,7 @@ def test_async_scheduling_equals_sync_with_stops_sampling_and_prefix_hits(method
     for mode in (False, True):
         llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=K, method=method),
                          num_pages=pages, page_size=4, max_num_seqs=3, max_num_batched_tokens=24,
-                         async_scheduling=mode)
+                         min_token_bucket=32, async_scheduling=mode)     # one T: few compiles
         outs[mode] = llm.generate(prompts, sps)
         assert llm.block_manager.num_used_blocks == 0 and not llm.scheduler._inflight
         if pages < 40:
