@@ -94,7 +94,9 @@ def test_greedy_tokens_equal_plain_in_generate_and_engine(method, K, D, seed):
     plain = mtpjax.generate(params, cfg, prompts, max_new_tokens=14).tokens
     out = mtpjax.generate(params, cfg, prompts, max_new_tokens=14, spec=spec, draft_vocab=ids)
     assert out.tokens == plain
-    llm = mtpjax.LLM(params, cfg, spec, num_pages=64, page_size=4, draft_vocab=ids)
+    # min_token_bucket=32 (the 17-token prefill's): every step runs one program
+    llm = mtpjax.LLM(params, cfg, spec, num_pages=64, page_size=4, draft_vocab=ids,
+                     min_token_bucket=32)
     got = llm.generate(prompts, SamplingParams(max_tokens=14))
     assert [o.token_ids for o in got] == plain
 
