@@ -61,8 +61,9 @@ def test_generate_and_engine_tokens_unchanged(family, k):
     sps = [dataclasses.replace(x, max_tokens=8) for x in sampled]
     engine = {}
     for fuse in (False, True):
+        # min_token_bucket = the token budget: every step runs one T = 16 program
         llm = mtpjax.LLM(params, cfg, s, num_pages=32, page_size=4, max_num_seqs=3,
-                         max_num_batched_tokens=16, fuse_projections=fuse)
+                         max_num_batched_tokens=16, min_token_bucket=16, fuse_projections=fuse)
         engine[fuse] = [o.token_ids for o in llm.generate(PROMPTS, sps)]
     assert engine[True] == engine[False], s
     assert engine[True][0] == want[0] and engine[True][2] == want[2]     # greedy rows
