@@ -16,10 +16,14 @@ from tests.model.test_deepseek import ds_config
 def test_opt_in_paths_give_the_reference_tokens(name):
     jax.config.update("jax_default_matmul_precision", "highest")
     try:
+        # 256 positions hold the longest prompt (120) and its tokens; the engine's block
+        # tables span max_position_embeddings, so the reference attention gathers that many
         cfg = (mtpjax.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96,
                                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                                  num_mtp_layers=1) if name == "gqa" else
-               ds_config(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32))
+                                  num_mtp_layers=1, max_position_embeddings=256)
+               if name == "gqa" else
+               ds_config(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                         max_position_embeddings=256))
         before = os.environ.get("MTPJAX_MOE_MATMUL")
         # the MLA model's MoE runs interpreted Pallas kernels here: fewer, shorter requests
         prompts = 3 if name == "gqa" else 2
