@@ -28,9 +28,12 @@ def test_random_passes_keep_plain_tokens(monkeypatch, seed):
     prompts, sp = _prompts(cfg, seed), SamplingParams(max_tokens=10)
     rng = np.random.default_rng(seed)
     monkeypatch.setattr(adaptive, "_best_passes", lambda *a: int(rng.integers(0, 4)))
-    plain = mtpjax.LLM(params, cfg, None, num_pages=32).generate(prompts, sp)
-    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=3), num_pages=32,
-                     adaptive_k=AdaptiveK(probe_interval=0))
+    # one token bucket (the 21-token prefill's) and block tables of 64 positions (not 4096):
+    # the random pass counts compile one program each, and steps stay cheap
+    kw = dict(num_pages=32, min_token_bucket=32, max_model_len=64)
+    plain = mtpjax.LLM(params, cfg, None, **kw).generate(prompts, sp)
+    llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=3),
+                     adaptive_k=AdaptiveK(probe_interval=0), **kw)
     seen = []
     dispatch = llm.runner.dispatch
     llm.runner.dispatch = lambda out, ks=None, passes=None: seen.append(passes) or \
