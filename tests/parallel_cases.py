@@ -176,7 +176,9 @@ def case_data_parallel() -> dict:
     prompts = [[3, 5, 7, 9, 11], [2, 4, 6], [1, 2, 3, 4, 5, 6, 7], [8, 9], [4, 4, 4, 4]]
     sps = [SamplingParams(max_tokens=NEW, temperature=1.0, top_k=20, seed=7) if i == 1 else
            SamplingParams(max_tokens=NEW) for i in range(len(prompts))]
-    kw = dict(num_pages=40, page_size=4, max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
+    # min_token_bucket = the token budget: each engine's steps all run one T = 16 program
+    kw = dict(num_pages=40, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+              min_token_bucket=16, warmup=False)
     out, refs = {}, {}
     # each layout once (the suite's time): plain on (2, 2), chain MTP on (2, 1) and (4, 1)
     for mode, layouts in (("plain", ((2, 2),)), ("chain", ((2, 1), (4, 1)))):
