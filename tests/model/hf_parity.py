@@ -144,8 +144,10 @@ def check_greedy_generate_and_engine(family: HFFamily, path, model) -> None:
                                  eos_token_id=None, pad_token_id=0)
         want.append(out[0, len(p):].tolist())
     assert mtpjax.generate(ck.params, ck.cfg, batch, max_new_tokens=10).tokens == want
+    # min_token_bucket = the token budget: every step runs one T = 16 program (fewer compiles)
     llm = mtpjax.LLM(ck.params, ck.cfg, SpecConfig(num_speculative_tokens=2), num_pages=64,
-                     page_size=4, max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
+                     page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                     min_token_bucket=16, warmup=False)
     assert [o.token_ids for o in llm.generate(batch, SamplingParams(max_tokens=10))] == want
 
 
