@@ -27,8 +27,9 @@ MAX_TOKENS = [6, 5, 7, 4]
 
 
 def make_llm(**kw):
+    # min_token_bucket = the token budget: every step of every test runs one T = 16 program
     base = dict(num_pages=24, page_size=4, max_num_seqs=3, max_num_batched_tokens=16,
-                max_model_len=64)
+                min_token_bucket=16, max_model_len=64)
     return mtpjax.LLM(PARAMS, CFG, kw.pop("spec", SPEC), **{**base, **kw})
 
 
