@@ -167,10 +167,38 @@ def _check_mode(mode: str) -> None:
 
 
 def request_key(sp: SamplingParams, base_seed: int, index: int) -> np.ndarray:
-    """A request's base key uint32[2]: from its own seed, else fold_in(key(base_seed), index)."""
-    key = jax.random.PRNGKey(sp.seed) if sp.seed is not None else \
-        jax.random.fold_in(jax.random.PRNGKey(base_seed), index)
-    return np.asarray(key, np.uint32)
+    """A request's base key uint32[2]: from its own seed, else fold_in(key(base_seed), index),
+    bit for bit what `jax.random.PRNGKey` / `fold_in` give, computed on the host: the eager
+    JAX ops took a device dispatch each, and reading the key back waited for the step already
+    in flight, for every new request (~25 ms a request on the test machine's CPU). Seeds are
+    below 2**32 (`config.SEED_RANGE`); another PRNG implementation takes JAX's own path."""
+    if getattr(jax.config, "jax_default_prng_impl", None) != "threefry2x32":
+        key = jax.random.PRNGKey(sp.seed) if sp.seed is not None else \
+            jax.random.fold_in(jax.random.PRNGKey(base_seed), index)
+        return np.asarray(key, np.uint32)
+    if sp.seed is not None:
+        return np.asarray([0, sp.seed], np.uint32)          # PRNGKey(seed): (seed >> 32, low)
+    return threefry2x32((0, base_seed), (0, index))      # fold_in: the key over (0, data)
+
+
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def threefry2x32(key: tuple[int, int], count: tuple[int, int]) -> np.ndarray:
+    """Threefry-2x32 (20 rounds; Salmon et al. 2011, the function under jax.random's default
+    keys) of one pair `count` under the key pair `key`, on the host -> uint32[2]."""
+    mask = 0xFFFFFFFF
+    k0, k1 = int(key[0]) & mask, int(key[1]) & mask
+    ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
+    x0, x1 = (int(count[0]) + ks[0]) & mask, (int(count[1]) + ks[1]) & mask
+    for i in range(5):
+        for r in _THREEFRY_ROTATIONS[i % 2]:
+            x0 = (x0 + x1) & mask
+            x1 = ((x1 << r) | (x1 >> (32 - r))) & mask
+            x1 ^= x0
+        x0 = (x0 + ks[(i + 1) % 3]) & mask
+        x1 = (x1 + ks[(i + 2) % 3] + i + 1) & mask
+    return np.asarray([x0, x1], np.uint32)
 
 
 def _expand(x, logits):

@@ -536,7 +536,7 @@ class ModelRunner:
                 per_bucket[(T, F)] = per_bucket.get((T, F), 0.0) + time.perf_counter() - t0
                 if on_compiled is not None and m == (self.warm_modes[-1], self.warm_passes[-1]):
                     on_compiled(T, F, per_bucket[(T, F)])
-        request_key(SamplingParams(), self.seed, 0)      # its eager ops compile on first use
+        request_key(SamplingParams(), self.seed, 0)      # any eager ops it runs compile now
 
     def background_programs(self, buckets) -> list:
         """What background warm-up (`engine/background_warmup.py`) makes off the serving
