@@ -25,9 +25,9 @@ def covering_program(executables: dict, key: tuple):
     passes draw more drafts than the next step verifies: the runner keeps its record of the
     asked count), the same mode or one that `serves_mode` (a "filter" program serves a
     "greedy" step), everything else equal; the fewest tokens first, then the shortest first
-    pass, then the fewest passes, then the step's own mode. None when there is none. `executables` may gain
-    entries from another thread meanwhile: this reads a copy (`dict.copy` runs without
-    releasing the GIL, so the copy is never taken mid-insert)."""
+    pass, then the fewest passes, then the step's own mode. None when there is none.
+    `executables` may gain entries from another thread meanwhile: this reads a copy
+    (`dict.copy` runs without releasing the GIL, so the copy is never taken mid-insert)."""
     (T, R, M), F, mode, rest = key[0], key[1], key[2], key[4:]
     passes = key[3] if len(key) > 3 else None
     best = None

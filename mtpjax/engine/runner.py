@@ -431,19 +431,19 @@ class ModelRunner:
         mode = batch.sampling.mode        # pack's pick: its layout holds what the mode reads
         structured = batch.sampling.token_bitmask is not None    # compiled on first use
         compiled = None
-        own, ran = (batch.tokens.shape[0], F, passes), passes
+        own_key = ((batch.tokens.shape[0], batch.kinds.shape[0], batch.block_tables.shape[1]),
+                   F, mode, passes)
         if not structured:
-            batch, F, compiled, ran = self._compiled_for(batch, F, mode, passes)
+            batch, F, compiled, _ = self._compiled_for(batch, F, mode, passes)
         inputs, shape = self.device_inputs(batch)
         key = (shape, F, mode, passes, structured)
-        # a step that compiled, ran padded up to a larger bucket, or ran on another mode's
-        # program (a "filter" one serving a greedy step while warming) took longer than its
-        # own program will (adaptive K's step times skip it)
+        # a step that compiled, or ran a program other than its own (while warming: a larger
+        # bucket, more draft passes, or a "filter" program serving a greedy step), took longer
+        # than its own program will (adaptive K's step times skip it)
         compiles = compiled is None and key not in self.compiled_keys
         self.num_compiles += compiles
-        other_mode = compiled is not None and \
-            self.executables.get((shape, F, mode, ran)) is not compiled
-        self.last_step_compiled = compiles or (shape[0], F, ran) != own or other_mode
+        self.last_step_compiled = compiles or (
+            compiled is not None and compiled is not self.executables.get(own_key))
         self.compiled_keys.add(key)
         if compiled is not None:                 # warmed up: no tracing, not even a cache lookup
             self.state, result = compiled(self.params, self.state, inputs)
