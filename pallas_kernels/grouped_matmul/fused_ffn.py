@@ -55,9 +55,10 @@ def target_programs() -> int:
     return sms - sms // 32
 
 
-def default_blocks(k: int, E: int, I: int) -> tuple[int, int, int]:
-    """(block_n, block_k, block_e). block_n: hidden columns per program, halved from 128 until
-    the k x I / block_n programs reach `target_programs()`.
+def default_blocks(pairs: int, E: int, I: int) -> tuple[int, int, int]:
+    """(block_n, block_k, block_e) for one token's `pairs` expert pairs (its k routed experts
+    and the shared experts' S / I chunks). block_n: hidden columns per program, halved from
+    128 until the pairs x I / block_n programs reach `target_programs()`.
     block_k: rows of E per gate/up step, as many as fit STAGE_BYTES (256 at 64 columns).
     block_e: 256 output columns per down step.
 
@@ -67,20 +68,33 @@ def default_blocks(k: int, E: int, I: int) -> tuple[int, int, int]:
     columns beat 64."""
     bn = largest_block(I, 128)
     target = target_programs()
-    while bn > 16 and k * (I // bn) < target and I % (bn // 2) == 0:
+    while bn > 16 and pairs * (I // bn) < target and I % (bn // 2) == 0:
         bn //= 2
     rows = max(16, STAGE_BYTES // (2 * 2 * bn))
     return bn, largest_block(E, min(rows, 256)), largest_block(E, 256)
 
 
-def fused_ffn_kernel(x_ref, wg_ref, wu_ref, wd_ref, ids_ref, scale_ref, o_ref, *, block_n: int,
-                     block_k: int, block_e: int, activation):
+def fused_ffn_kernel(x_ref, wg_ref, wu_ref, wd_ref, *refs, pairs: int, n_shared: int,
+                     up_offset: int, block_n: int, block_k: int, block_e: int, activation):
     """Program (j, c): o_ref [E] = the float32 partial of pair j's output over hidden block c,
-    times scale_ref[j] (the routing weight, or 1); x_ref [1, E] is pair j's token."""
-    G, E, _ = wg_ref.shape
+    times its scale (the routing weight, 1 for a shared chunk); x_ref [1, E] is pair j's token.
+
+    refs: ids_ref int32[N * k], scale_ref f32[N * k] (the routed pairs), then with n_shared
+    chunks sg_ref / su_ref (the shared gate and up columns: one [E, 2S] array twice with
+    up_offset S, or two [E, S] with up_offset 0), sd_ref [S, E] and valid_ref int32[N], then
+    o_ref. Token n's pairs are j = n * pairs + r: r < k its routed experts, r >= k shared chunk
+    r - k (hidden columns [(r - k) I, (r - k + 1) I) of the shared FFN)."""
+    if n_shared:
+        ids_ref, scale_ref, sg_ref, su_ref, sd_ref, valid_ref, o_ref = refs
+    else:
+        ids_ref, scale_ref, o_ref = refs
+    G, E, I = wg_ref.shape
+    k = pairs - n_shared
     j, c = pl.program_id(0), pl.program_id(1)
-    g = ids_ref[j]
-    routed = (g >= 0) & (g < G)
+    n, r = j // pairs, j % pairs
+    routed_pair = n * k + jnp.minimum(r, k - 1)        # a shared pair reads its token's last
+    g = ids_ref[routed_pair]
+    routed = (r < k) & (g >= 0) & (g < G)
     g = jnp.where(routed, g, 0)
     cols = pl.ds(c * block_n, block_n)
     # float32 inputs: full-precision dots (Triton would use TF32), as the f32 tests compare
@@ -90,41 +104,102 @@ def fused_ffn_kernel(x_ref, wg_ref, wu_ref, wd_ref, ids_ref, scale_ref, o_ref, *
 
     first_row = lax.broadcasted_iota(jnp.int32, (DOT_ROWS, block_k), 0) == 0
 
-    def gate_up(i, accs):
-        rows = pl.ds(i * block_k, block_k)
-        x = jnp.broadcast_to(x_ref[:, rows], (DOT_ROWS, block_k))
-        x = jnp.where(first_row, x, jnp.zeros((), x.dtype))            # [16, block_k]
-        return (accs[0] + plgpu.dot(x, wg_ref[g, rows, cols], precision=precision),
-                accs[1] + plgpu.dot(x, wu_ref[g, rows, cols], precision=precision))
+    def gate_up(gate_w, up_w):
+        """The loop body over E for gate / up weights read by gate_w(rows) / up_w(rows)."""
+        def step(i, accs):
+            rows = pl.ds(i * block_k, block_k)
+            x = jnp.broadcast_to(x_ref[:, rows], (DOT_ROWS, block_k))
+            x = jnp.where(first_row, x, jnp.zeros((), x.dtype))        # [16, block_k]
+            return (accs[0] + plgpu.dot(x, gate_w(rows), precision=precision),
+                    accs[1] + plgpu.dot(x, up_w(rows), precision=precision))
+        return step
 
-    zero = jnp.zeros((DOT_ROWS, block_n), jnp.float32)
-    n_k = jnp.where(routed, jnp.int32(E // block_k), zero_i)   # routed nowhere: no reads
-    gate, up = lax.fori_loop(zero_i, n_k, gate_up, (zero, zero))
-    h = (activation(gate) * up).astype(x_ref.dtype)                     # [16, block_n]
-
-    def down(i, carry):
-        out = pl.ds(i * block_e, block_e)
-        y = plgpu.dot(h, wd_ref[g, cols, out], precision=precision)     # [16, block_e]
-        o_ref[out] = jnp.sum(y, axis=0) * scale                         # row 0 + zeros
-        return carry
+    def down(down_w, scale):
+        """The loop body over E's output blocks for down weights read by down_w(out)."""
+        def step(i, carry):
+            out = pl.ds(i * block_e, block_e)
+            y = plgpu.dot(h, down_w(out), precision=precision)         # [16, block_e]
+            o_ref[out] = jnp.sum(y, axis=0) * scale                     # row 0 + zeros
+            return carry
+        return step
 
     def zeros(i, carry):
         o_ref[pl.ds(i * block_e, block_e)] = jnp.zeros((block_e,), jnp.float32)
         return carry
 
-    scale = scale_ref[j]
+    # Each kind of pair (routed, shared) has its own loops, of which a program runs one set:
+    # dynamic trip counts (the other kind's zero), not branches, keep the loads pipelined.
+    n_k, n_e = jnp.int32(E // block_k), jnp.int32(E // block_e)
+    zero = jnp.zeros((DOT_ROWS, block_n), jnp.float32)
+    acc = lax.fori_loop(zero_i, jnp.where(routed, n_k, zero_i),      # routed nowhere: no reads
+                        gate_up(lambda rows: wg_ref[g, rows, cols],
+                                lambda rows: wu_ref[g, rows, cols]), (zero, zero))
+    if n_shared:
+        # a padding token's shared chunks read nothing either (valid_ref[n] == 0)
+        shared = (r >= k) & (valid_ref[n] != 0)
+        hidden = jnp.clip(r - k, 0, n_shared - 1) * I + c * block_n    # shared FFN columns
+        gate_cols = pl.ds(hidden, block_n)
+        up_cols = pl.ds(up_offset + hidden, block_n)
+        acc = lax.fori_loop(zero_i, jnp.where(shared, n_k, zero_i),
+                            gate_up(lambda rows: sg_ref[rows, gate_cols],
+                                    lambda rows: su_ref[rows, up_cols]), acc)
+    gate, up = acc
+    h = (activation(gate) * up).astype(x_ref.dtype)                     # [16, block_n]
+
     # A pair routed nowhere writes zeros without reading a weight: the partials need no mask
-    # (a select before the sum was its own small kernel on the H100), and a dynamic trip
-    # count, not a branch, keeps the down loop's loads pipelined.
-    n_e = jnp.where(routed, jnp.int32(E // block_e), zero_i)
-    lax.fori_loop(zero_i, n_e, down, zero_i)
-    lax.fori_loop(zero_i, jnp.int32(E // block_e) - n_e, zeros, zero_i)
+    # (a select before the sum was its own small kernel on the H100).
+    n_routed_e = jnp.where(routed, n_e, zero_i)
+    lax.fori_loop(zero_i, n_routed_e, down(lambda out: wd_ref[g, cols, out],
+                                           scale_ref[routed_pair]), zero_i)
+    n_written = n_routed_e
+    if n_shared:
+        n_shared_e = jnp.where(shared, n_e, zero_i)
+        lax.fori_loop(zero_i, n_shared_e, down(lambda out: sd_ref[gate_cols, out],
+                                               jnp.float32(1)), zero_i)
+        n_written = n_written + n_shared_e
+    lax.fori_loop(zero_i, n_e - n_written, zeros, zero_i)
+
+
+def _shared_operands(shared_gate_up, shared_gate, shared_up, shared_down, E, I, dtype):
+    """(gate ref, up ref, down ref, up_offset, n_shared) for the kernel's shared chunks, or
+    None without shared experts; ValueError naming the bad shape or dtype."""
+    given = {name: w for name, w in (("shared_gate_up", shared_gate_up),
+                                     ("shared_gate", shared_gate), ("shared_up", shared_up),
+                                     ("shared_down", shared_down)) if w is not None}
+    if not given:
+        return None
+    if set(given) not in ({"shared_gate_up", "shared_down"},
+                          {"shared_gate", "shared_up", "shared_down"}):
+        raise ValueError("shared experts take shared_gate_up and shared_down, or shared_gate, "
+                         f"shared_up and shared_down; got {sorted(given)}")
+    S = shared_down.shape[0] if shared_down.ndim == 2 else -1
+    if shared_down.shape != (S, E) or S <= 0 or S % I:
+        raise ValueError(f"shared_down must be [S, E={E}] with S a positive multiple of the "
+                         f"expert width I={I}, got {tuple(shared_down.shape)}")
+    if shared_gate_up is not None:
+        if shared_gate_up.shape != (E, 2 * S):
+            raise ValueError(f"shared_gate_up must be [E={E}, 2S={2 * S}] (gate | up), got "
+                             f"{tuple(shared_gate_up.shape)}")
+        gate, up, up_offset = shared_gate_up, shared_gate_up, S
+    else:
+        for name in ("shared_gate", "shared_up"):
+            if given[name].shape != (E, S):
+                raise ValueError(f"{name} must be [E={E}, S={S}], got "
+                                 f"{tuple(given[name].shape)}")
+        gate, up, up_offset = shared_gate, shared_up, 0
+    for name, w in given.items():
+        if w.dtype != dtype:
+            raise ValueError(f"{name} must be {jnp.dtype(dtype).name} like x and the experts, "
+                             f"got {w.dtype}")
+    return gate, up, shared_down, up_offset, S // I
 
 
 def _routed_partials(x, ids, scale, w_gate, w_up, w_down, *, activation, block_n, block_k,
-                     block_e, num_warps, num_stages, interpret):
-    """The kernel's float32 partials [N * k, I / block_n, E] (zero for pairs routed nowhere),
-    after checking the operands (ValueError naming the bad one)."""
+                     block_e, num_warps, num_stages, interpret, shared_gate_up=None,
+                     shared_gate=None, shared_up=None, shared_down=None, valid=None):
+    """The kernel's float32 partials [N * pairs, I / block_n, E] (zero for pairs routed nowhere
+    and a padding token's shared chunks), pairs = k + the shared chunks, after checking the
+    operands (ValueError naming the bad one)."""
     _, E, I = check_ffn_weights(w_gate, w_up, w_down)
     if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_TOKENS or x.shape[1] != E:
         raise ValueError(f"x must be [N, E={E}] with 1 <= N <= {MAX_TOKENS} tokens, got "
@@ -139,7 +214,13 @@ def _routed_partials(x, ids, scale, w_gate, w_up, w_down, *, activation, block_n
     k = ids.shape[1]
     if scale.shape != (N, k):
         raise ValueError(f"weights must be [N={N}, k={k}] like ids, got {tuple(scale.shape)}")
-    auto = default_blocks(k, E, I)      # one token's pairs fill the GPU (the others: padding)
+    shared = _shared_operands(shared_gate_up, shared_gate, shared_up, shared_down, E, I,
+                              x.dtype)
+    n_shared = shared[-1] if shared else 0
+    if valid is not None and valid.shape != (N,):
+        raise ValueError(f"valid must be [N={N}], got {tuple(valid.shape)}")
+    pairs = k + n_shared
+    auto = default_blocks(pairs, E, I)  # one token's pairs fill the GPU (the others: padding)
     block_n, block_k, block_e = (b or a for b, a in zip((block_n, block_k, block_e), auto))
     for name, b, dim, dim_name in (("block_n", block_n, I, "I"), ("block_k", block_k, E, "E"),
                                    ("block_e", block_e, E, "E")):
@@ -147,21 +228,25 @@ def _routed_partials(x, ids, scale, w_gate, w_up, w_down, *, activation, block_n
             raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton's dot) dividing "
                              f"{dim_name}={dim}")
     n_cols = I // block_n
-    P = N * k
-    experts = ids.reshape(P).astype(jnp.int32)
-    kernel = functools.partial(fused_ffn_kernel, block_n=block_n, block_k=block_k,
-                               block_e=block_e, activation=activation)
+    P = N * pairs
+    operands = [ids.reshape(N * k).astype(jnp.int32), scale.reshape(N * k).astype(jnp.float32)]
+    if shared:
+        ok = jnp.ones(N, jnp.int32) if valid is None else valid.astype(jnp.int32)
+        operands += [*shared[:3], ok]
+    kernel = functools.partial(fused_ffn_kernel, pairs=pairs, n_shared=n_shared,
+                               up_offset=shared[3] if shared else 0, block_n=block_n,
+                               block_k=block_k, block_e=block_e, activation=activation)
     partials = pl.pallas_call(
         kernel,
         grid=(P, n_cols),
-        in_specs=[pl.BlockSpec((None, 1, E), lambda j, c: (j // k, 0, 0))]
-        + [pl.BlockSpec(memory_space=pl.ANY)] * 5,
+        in_specs=[pl.BlockSpec((None, 1, E), lambda j, c: (j // pairs, 0, 0))]
+        + [pl.BlockSpec(memory_space=pl.ANY)] * (3 + len(operands)),
         out_specs=pl.BlockSpec((None, None, E), lambda j, c: (j, c, 0)),
         out_shape=jax.ShapeDtypeStruct((P, n_cols, E), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="fused_expert_ffn",
-    )(x.reshape(N, 1, E), w_gate, w_up, w_down, experts, scale.reshape(P).astype(jnp.float32))
+    )(x.reshape(N, 1, E), w_gate, w_up, w_down, *operands)
     return partials
 
 
@@ -188,18 +273,27 @@ def fused_expert_ffn(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def fused_moe_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                  w_up: jax.Array, w_down: jax.Array, *, activation=jax.nn.silu,
-                  block_n: int | None = None, block_k: int | None = None,
-                  block_e: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                  interpret: bool = False) -> jax.Array:
+                  w_up: jax.Array, w_down: jax.Array, *, shared_gate_up: jax.Array | None = None,
+                  shared_gate: jax.Array | None = None, shared_up: jax.Array | None = None,
+                  shared_down: jax.Array | None = None, valid: jax.Array | None = None,
+                  activation=jax.nn.silu, block_n: int | None = None,
+                  block_k: int | None = None, block_e: int | None = None, num_warps: int = 4,
+                  num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """The routed experts' weighted sum: sum_j weights[n, j] * y[n, j] -> float32 [N, E]
     (weights float [N, k]). The kernel scales each partial by its pair's weight, so the
     partials' sum is the layer's output: one reduction after the launch, where the unweighted
-    form's sum, weighting and sum over k were two or three small kernels. ValueError as
-    `fused_expert_ffn`."""
+    form's sum, weighting and sum over k were two or three small kernels.
+
+    With the shared experts (shared_gate_up [E, 2S] (gate | up) or shared_gate / shared_up
+    [E, S] each, and shared_down [S, E]; S a multiple of I) the sum also holds each valid
+    token's shared SwiGLU, run as S / I more pairs of weight 1 that read the arrays in place.
+    valid bool[N] (default all): a token False is padding, its shared pairs read nothing and
+    add nothing (its routed pairs: route it nowhere). ValueError as `fused_expert_ffn`, or
+    naming a bad shared weight."""
     partials = _routed_partials(
         x, ids, weights, w_gate, w_up, w_down, activation=activation, block_n=block_n,
         block_k=block_k, block_e=block_e, num_warps=num_warps, num_stages=num_stages,
-        interpret=interpret)
-    N, k = ids.shape
-    return partials.reshape(N, k, -1, partials.shape[-1]).sum((1, 2))
+        interpret=interpret, shared_gate_up=shared_gate_up, shared_gate=shared_gate,
+        shared_up=shared_up, shared_down=shared_down, valid=valid)
+    N = ids.shape[0]
+    return partials.reshape(N, -1, partials.shape[-1]).sum(1)

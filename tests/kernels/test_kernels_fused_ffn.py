@@ -54,6 +54,116 @@ def test_weighted_sum_equals_the_reference(seed, N):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
+def shared_case(seed, N, n_shared, E, I, dtype, fused_form):
+    """Shared-expert weights of width S = n_shared * I as the kernel's keywords (one [E, 2S]
+    gate | up, or gate and up apart), their float64 gate / up / down, and a valid mask with
+    the last token padding when N > 1."""
+    S = n_shared * I
+    ks = jax.random.split(jax.random.PRNGKey(seed + 100), 3)
+    gate_up = (0.3 * jax.random.normal(ks[0], (E, 2 * S))).astype(dtype)
+    down = (0.3 * jax.random.normal(ks[1], (S, E))).astype(dtype)
+    kw = (dict(shared_gate_up=gate_up) if fused_form
+          else dict(shared_gate=gate_up[:, :S], shared_up=gate_up[:, S:]))
+    f64 = np.asarray(gate_up, np.float64)
+    valid = np.arange(N) < max(N - 1, 1)
+    return dict(kw, shared_down=down), (f64[:, :S], f64[:, S:], np.asarray(down, np.float64)), \
+        valid
+
+
+def shared_reference(x, gate, up, down, valid, activation=jax.nn.silu):
+    x = np.asarray(x, np.float64)
+    h = np.asarray(activation(jnp.asarray(x @ gate)), np.float64) * (x @ up)
+    return (h @ down) * valid[:, None]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("N,k,n_shared,dtype,fused_form,blocks", [
+    (1, 2, 1, jnp.float32, True, {}),                     # one token, V2-Lite's fused layout
+    (2, 3, 2, jnp.float32, False, dict(block_n=16)),      # two chunks, gate / up apart, padding
+    (4, 3, 2, jnp.float32, True, dict(block_n=16, block_k=16, block_e=32)),  # many steps
+    (2, 2, 2, jnp.bfloat16, True, {}),
+    (3, 4, 1, jnp.bfloat16, False, dict(block_n=16)),
+])
+def test_shared_experts_equal_the_reference(seed, N, k, n_shared, dtype, fused_form, blocks):
+    """fused_moe_ffn with the shared experts as extra pairs: each valid token's routed
+    weighted sum plus its shared SwiGLU (every one of the n_shared chunks); a padding token
+    (its ids routed nowhere, valid False) gets 0, and its x, NaN here, reaches nothing: its
+    shared pairs compute nothing (NaN x 0 would leak). bf16: the kernel rounds the hidden
+    values to bf16 before down, as the XLA form does (rtol / atol 4e-2, as the routed bf16
+    test)."""
+    E, I, G = 64, 32, 8
+    x, ids, wg, wu, wd = case(seed, N, k, G, E, I, dtype, none_frac=0.3)
+    shared, (gate, up, down), valid = shared_case(seed, N, n_shared, E, I, dtype, fused_form)
+    ids = np.where(valid[:, None], ids, -1).astype(np.int32)
+    x = jnp.where(jnp.asarray(valid)[:, None], x, jnp.nan).astype(dtype)
+    w = jax.random.uniform(jax.random.PRNGKey(seed + 10), (N, k))
+    got = fused_moe_ffn(x, jnp.asarray(ids), w, wg, wu, wd, **shared, valid=jnp.asarray(valid),
+                        interpret=interpret_mode(), **blocks)
+    x_real = jnp.where(jnp.asarray(valid)[:, None], x, 0)
+    want = (np.einsum("nk,nke->ne", np.asarray(w, np.float64),
+                      reference(x_real, ids, wg, wu, wd))
+            + shared_reference(x_real, gate, up, down, valid))
+    assert got.shape == (N, E) and got.dtype == jnp.float32
+    tol = 1e-4 if dtype == jnp.float32 else 4e-2
+    np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=tol)
+    np.testing.assert_array_equal(np.asarray(got)[~valid], 0.0)
+
+
+def test_shared_experts_default_to_every_token_valid():
+    """Without valid every token runs its shared chunks, also one routed nowhere."""
+    x, ids, wg, wu, wd = case(3, 2, 2, 8, 64, 32)
+    ids = np.asarray([[1, 5], [-1, 8]], np.int32)
+    shared, (gate, up, down), _ = shared_case(3, 2, 1, 64, 32, jnp.float32, True)
+    w = jnp.ones((2, 2))
+    got = fused_moe_ffn(x, jnp.asarray(ids), w, wg, wu, wd, **shared, interpret=interpret_mode())
+    want = (reference(x, ids, wg, wu, wd).sum(1)
+            + shared_reference(x, gate, up, down, np.ones(2, bool)))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_shared_experts_are_pairs_of_the_one_launch():
+    """The shared chunks are programs of the same grid (N x (k + S / I) pairs, the column
+    blocks sized for them by `default_blocks`), not a second kernel."""
+    import re
+    x, ids, wg, wu, wd = case(0, 2, 3, 8, 64, 32)
+    shared, _, _ = shared_case(0, 2, 2, 64, 32, jnp.float32, True)
+    text = str(jax.make_jaxpr(lambda x: fused_moe_ffn(
+        x, jnp.asarray(ids), jnp.ones((2, 3)), wg, wu, wd, **shared, interpret=True))(x))
+    assert text.count("pallas_call") == 1
+    block_n = default_blocks(3 + 2, 64, 32)[0]
+    assert re.findall(r"grid=\((\d+), (\d+)\)", text) == [(str(2 * 5), str(32 // block_n))]
+
+
+def test_shared_bad_inputs_name_the_value():
+    x, ids, wg, wu, wd = case(0, 2, 2, 8, 64, 32)
+    ids, w = jnp.asarray(ids), jnp.ones((2, 2))
+    shared, _, _ = shared_case(0, 2, 2, 64, 32, jnp.float32, True)
+    gate_up, down = shared["shared_gate_up"], shared["shared_down"]
+
+    def call(**kw):
+        return fused_moe_ffn(x, ids, w, wg, wu, wd, interpret=True, **kw)
+
+    with pytest.raises(ValueError, match=r"shared_down must be \[S, E=64\] with S a positive "
+                                         r"multiple of the expert width I=32, got \(48, 64\)"):
+        call(shared_gate_up=gate_up[:, :96], shared_down=down[:48])
+    with pytest.raises(ValueError, match=r"shared_gate_up must be \[E=64, 2S=128\] \(gate \| "
+                                         r"up\), got \(64, 96\)"):
+        call(shared_gate_up=gate_up[:, :96], shared_down=down)
+    with pytest.raises(ValueError, match=r"shared_up must be \[E=64, S=64\], got \(64, 32\)"):
+        call(shared_gate=gate_up[:, :64], shared_up=gate_up[:, :32], shared_down=down)
+    with pytest.raises(ValueError, match="shared_down must be float32 like x and the experts, "
+                                         "got bfloat16"):
+        call(shared_gate_up=gate_up, shared_down=down.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"shared_gate_up and shared_down, or .*got "
+                                         r"\['shared_gate_up'\]"):
+        call(shared_gate_up=gate_up)
+    with pytest.raises(ValueError, match=r"got \['shared_down', 'shared_gate', "
+                                         r"'shared_gate_up'\]"):
+        call(shared_gate_up=gate_up, shared_gate=gate_up[:, :64], shared_down=down)
+    with pytest.raises(ValueError, match=r"valid must be \[N=2\], got \(3,\)"):
+        call(shared_gate_up=gate_up, shared_down=down, valid=jnp.ones(3, bool))
+
+
 def test_unrouted_token_is_zero():
     x, ids, wg, wu, wd = case(0, 1, 3, 8, 64, 32)
     ids = np.asarray([[-1, 8, 100]], np.int32)                   # every pair routed nowhere
@@ -69,6 +179,9 @@ def test_default_blocks_fill_the_gpu():
     assert default_blocks(8, 7168, 2048) == (128, 128, 256)
     assert default_blocks(2, 2048, 1408)[0] == 16          # 2 x 22 / 2 x 44: too few
     assert default_blocks(2, 64, 32) == (16, 64, 64)        # blocks capped by the dims
+    # V2-Lite's 6 routed experts and its 2 shared ones (S = 2 x 1408) as 8 pairs: 176 programs
+    assert default_blocks(6 + 2, 2048, 1408) == (64, 256, 256)
+    assert default_blocks(1 + 2, 2048, 1408)[0] == 32       # 3 x 44 = 132 programs
 
 
 def test_bad_inputs_name_the_value():
