@@ -1,7 +1,7 @@
 """`env_override(name, value)`: an environment variable set inside a `with` block and restored
 after it. The kernel-path switches (`MTPJAX_MOE_MATMUL`, `MTPJAX_FUSED_MOE_TOKENS`,
-`MTPJAX_FP8_MATMUL`, `MTPJAX_FP8_ACTIVATIONS`, `MTPJAX_FP8_KERNEL`) are read when a step is
-traced, so only programs traced inside the block see the override."""
+`MTPJAX_FUSED_SHARED`, `MTPJAX_FP8_MATMUL`, `MTPJAX_FP8_ACTIVATIONS`, `MTPJAX_FP8_KERNEL`) are
+read when a step is traced, so only programs traced inside the block see the override."""
 
 from __future__ import annotations
 

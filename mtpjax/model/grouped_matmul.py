@@ -40,6 +40,7 @@ FUSED_TOKENS_ENV = "MTPJAX_FUSED_MOE_TOKENS"
 # (one row, or generate's two) and a K <= 3 verify at batch 1 (H200, V2-Lite, batch 1, K=3:
 # 5.63 ms a step against 5.97 with the expert tiles for its four tokens)
 DEFAULT_FUSED_TOKENS = 4
+FUSED_SHARED_ENV = "MTPJAX_FUSED_SHARED"
 
 
 def fused_moe_tokens() -> int:
@@ -57,6 +58,16 @@ def fused_moe_tokens() -> int:
     if not 0 <= n <= FUSED_MAX_TOKENS:
         raise ValueError(f"{FUSED_TOKENS_ENV}={raw!r}: expected an int 0..{FUSED_MAX_TOKENS}")
     return n
+
+
+def fused_shared_experts() -> bool:
+    """Where the MoE layer runs `fused_moe_ffn`, does the kernel also run the shared experts
+    (as extra pairs of weight 1), rather than XLA's SwiGLU after it? `MTPJAX_FUSED_SHARED=0|1`
+    (default 1); read when the layer is traced."""
+    raw = os.environ.get(FUSED_SHARED_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{FUSED_SHARED_ENV}={raw!r}: expected 0 or 1")
+    return raw != "0"
 
 
 def tile_rows(M: int, G: int) -> int:
@@ -159,11 +170,13 @@ def expert_tile_swiglu(x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: ja
 
 
 def fused_moe_ffn(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                  w_up: jax.Array, w_down: jax.Array, activation) -> jax.Array:
+                  w_up: jax.Array, w_down: jax.Array, activation, **shared) -> jax.Array:
     """`pallas_kernels.grouped_matmul.fused_moe_ffn` (a few tokens' routed experts and their
     weighted sum in one kernel and one reduction), interpreted off the GPU (there only when
     forced): x [N, E] (N <= FUSED_MAX_TOKENS, the kernel's limit), ids int32[N, k] (-1: none),
-    weights f32[N, k] -> float32 [N, E]."""
+    weights f32[N, k] -> float32 [N, E]. shared: the kernel's shared-expert keywords
+    (shared_gate_up or shared_gate / shared_up, shared_down, valid bool[N]), whose SwiGLU the
+    sum then holds too."""
     from pallas_kernels.grouped_matmul.fused_ffn import fused_moe_ffn as kernel_ffn
     return kernel_ffn(x, ids, weights, w_gate, w_up, w_down, activation=activation,
-                      interpret=jax.default_backend() != "gpu")
+                      interpret=jax.default_backend() != "gpu", **shared)

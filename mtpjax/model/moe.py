@@ -9,6 +9,10 @@ launch; `jax.lax.ragged_dot` elsewhere) over the N*k (token, expert) pairs sorte
 each expert's weights multiply only its own tokens: never all experts on all tokens, never an
 [N, n_experts, hidden] activation. Padding tokens (valid False) are routed nowhere:
 they sort behind every expert's group, take no part in any matmul group and add nothing.
+
+The shared experts are a dense SwiGLU (XLA) added to the routed sum, except at batch-1 decode
+sizes on one GPU (`takes_fused_kernel`), where the fused routed kernel runs them as extra
+pairs in its one launch (`moe_experts`; `MTPJAX_FUSED_SHARED=0` keeps them in XLA).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import jax.numpy as jnp
 from mtpjax.model.backend import SplitTokens
 from mtpjax.model.dense_ffn import swiglu, swiglu_fused
 from mtpjax.model.grouped_matmul import (expert_tile_swiglu, fused_moe_ffn, fused_moe_tokens,
-                                         grouped_swiglu, matmul_choice, moe_swiglu,
-                                         uses_expert_tiles)
+                                         fused_shared_experts, grouped_swiglu, matmul_choice,
+                                         moe_swiglu, uses_expert_tiles)
 from mtpjax.model.fp8_weight import dequantize_in_step, is_fp8
 from mtpjax.model.kinds import ParamSpec, register_ffn_kind
 from mtpjax.model.moe_routing import route, routing_rule
@@ -28,12 +32,54 @@ from pallas_kernels.grouped_matmul.row_moves import combine_rows, weighted_sum
 
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+# the shared experts' weights, fused gate | up (model/fused.py) or not; each a kernel keyword
+SHARED_WEIGHTS = ("shared_gate_up", "shared_gate", "shared_up", "shared_down")
+
+
+def takes_fused_kernel(p: dict, tokens: int, per_device: bool = False) -> bool:
+    """Does `routed_experts`' model path (its defaults) run this many tokens (static) as
+    `fused_moe_ffn`, one launch? On the Pallas path up to `fused_moe_tokens()`, bf16 / f32
+    experts only."""
+    return (not any(is_fp8(p[w]) for w in EXPERT_WEIGHTS) and tokens <= fused_moe_tokens()
+            and uses_expert_tiles(tokens, p["w_gate"].shape[0], per_device))
+
+
+def kernel_shared_weights(p: dict) -> dict:
+    """p's shared-expert weights as `fused_moe_ffn`'s keywords, or {} where the kernel leaves
+    them to XLA: none in p, FP8 ones, or MTPJAX_FUSED_SHARED=0."""
+    shared = {w: p[w] for w in SHARED_WEIGHTS if w in p}
+    if not shared or any(is_fp8(w) for w in shared.values()) or not fused_shared_experts():
+        return {}
+    return shared
+
+
+def shared_experts(p: dict, x: jax.Array, activation) -> jax.Array | None:
+    """The shared experts' SwiGLU over every token of x [N, E] (XLA), None without them."""
+    if "shared_gate_up" in p:
+        return swiglu_fused(x, p["shared_gate_up"], p["shared_down"], activation)
+    if "shared_gate" in p:
+        return swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"], activation)
+    return None
+
+
+def moe_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array,
+                activation) -> jax.Array:
+    """The routed experts' weighted sum plus the shared experts: x [N, E] -> [N, E] in x's
+    dtype. Where the routed ones run as `fused_moe_ffn` (batch-1 decode on one GPU) the
+    shared ones are the kernel's extra pairs (`kernel_shared_weights`), in the same launch
+    (padding tokens then get 0); else XLA's SwiGLU is added after."""
+    shared = kernel_shared_weights(p)
+    if shared and takes_fused_kernel(p, x.shape[0]):
+        return routed_experts(p, x, ids, weights, valid, activation, fused_shared=shared)
+    out = routed_experts(p, x, ids, weights, valid, activation)
+    extra = shared_experts(p, x, activation)
+    return out if extra is None else out + extra
 
 
 def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
                    valid: jax.Array, activation, matmul=None, out_dtype=None,
                    per_device: bool = False, expert_tiles: bool = True,
-                   swiglu=None, tile_swiglu=None) -> jax.Array:
+                   swiglu=None, tile_swiglu=None, fused_shared: dict | None = None) -> jax.Array:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for valid tokens, grouped by expert.
 
     x [N, E], ids int32[N, k] (an id >= the number of experts in p: routed nowhere), weights
@@ -50,7 +96,9 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
     swiglu(rows, w_gate, w_up, w_down, sizes) (the MoE bench passes tuned kernels).
     tile_swiglu: None for `expert_tile_swiglu`, or a function of its arguments (x, ids,
     w_gate, w_up, w_down, activation) used in its place, at up to four tokens too (the MoE
-    bench's tuned tiles)."""
+    bench's tuned tiles).
+    fused_shared: the shared experts' weights (`kernel_shared_weights`) for `fused_moe_ffn` to
+    add (`moe_experts`); only where it runs (`takes_fused_kernel`), else ValueError."""
     N, k = ids.shape
     X = p["w_gate"].shape[0]
     if any(is_fp8(p[w]) for w in EXPERT_WEIGHTS):
@@ -62,11 +110,18 @@ def routed_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
         if matmul is None and swiglu is None:
             matmul = jax.lax.ragged_dot
     model_path = matmul is None and swiglu is None
+    fused = (model_path and expert_tiles and tile_swiglu is None
+             and takes_fused_kernel(p, N, per_device))
+    if fused_shared and not fused:
+        raise ValueError(f"fused_shared needs the fused kernel's path (the model's, up to "
+                         f"fused_moe_tokens()={fused_moe_tokens()} tokens on the Pallas path); "
+                         f"got {N} tokens")
     if model_path and expert_tiles and uses_expert_tiles(N, X, per_device):
         ids = jnp.where(~valid[:, None] | (ids >= X), -1, ids)     # -1: routed nowhere
-        if N <= fused_moe_tokens() and tile_swiglu is None:   # batch-1 decode: FFN + sum in one
+        if fused:                                    # batch-1 decode: FFN + sum in one
+            shared = dict(fused_shared, valid=valid) if fused_shared else {}
             y = fused_moe_ffn(x, ids, weights, p["w_gate"], p["w_up"], p["w_down"],
-                              activation)                         # f32 [N, E]
+                              activation, **shared)               # f32 [N, E]
             return y.astype(out_dtype or x.dtype)
         y = (tile_swiglu or expert_tile_swiglu)(
             x, ids, p["w_gate"], p["w_up"], p["w_down"],
@@ -191,12 +246,7 @@ class MoEFFN:
         with jax.named_scope("router"):
             ids, weights = route(p, x, cfg.moe)
         with jax.named_scope("experts"):
-            out = routed_experts(p, x, ids, weights, valid, self.activation)
-        if "shared_gate_up" in p:
-            out = out + swiglu_fused(x, p["shared_gate_up"], p["shared_down"], self.activation)
-        elif "shared_gate" in p:
-            out = out + swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"],
-                               self.activation)
+            out = moe_experts(p, x, ids, weights, valid, self.activation)
         return out.reshape(shape)
 
 

@@ -291,13 +291,14 @@ def test_generate_at_batch_one_decodes_through_the_fused_kernel(monkeypatch):
     jnp stand-in that records the token counts (interpreting them here adds nothing)."""
     import mtpjax
     import mtpjax.model.moe as moe
+    from mtpjax.model.dense_ffn import swiglu
     from mtpjax.model.grouped_matmul import forced_path
     from tests.model.test_deepseek import _ds_params, ds_config
 
     seen = []
 
     def stand_in(kind):
-        def ffn(x, ids, *rest):
+        def ffn(x, ids, *rest, **shared):
             seen.append((kind, x.shape[0]))
             weights = rest[0] if kind == "fused" else None
             wg, wu, wd, activation = rest[-4:]
@@ -306,7 +307,14 @@ def test_generate_at_batch_one_decodes_through_the_fused_kernel(monkeypatch):
             h = activation(jnp.einsum("ne,nkei->nki", x, wg[e])) * jnp.einsum(
                 "ne,nkei->nki", x, wu[e])
             y = jnp.where(real[..., None], jnp.einsum("nki,nkie->nke", h, wd[e]), 0.0)
-            return y if weights is None else jnp.einsum("nk,nke->ne", weights, y)
+            if weights is None:
+                return y
+            out = jnp.einsum("nk,nke->ne", weights, y)
+            if shared:          # the tiny config's shared experts, as the kernel adds them
+                sh = swiglu(x, shared["shared_gate"], shared["shared_up"],
+                            shared["shared_down"], activation)
+                out = out + jnp.where(shared["valid"][:, None], sh, 0.0)
+            return out
         return ffn
 
     monkeypatch.setattr(moe, "fused_moe_ffn", stand_in("fused"))
@@ -316,3 +324,63 @@ def test_generate_at_batch_one_decodes_through_the_fused_kernel(monkeypatch):
         mtpjax.generate(_ds_params(cfg, 0), cfg, [[5, 6, 7, 8, 9]], max_new_tokens=3)
     assert any(kind == "fused" for kind, _ in seen), seen     # the decode steps
     assert all(n <= 2 for kind, n in seen if kind == "fused"), seen
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_moe_layer_runs_the_shared_experts_in_the_fused_kernel(monkeypatch, seed, fuse):
+    """The tiny DeepSeek config's MoE layer (forced onto the Pallas path, interpreted):
+    MTPJAX_FUSED_SHARED=1 runs its shared expert as the fused kernel's extra pair (k + 1 pairs
+    a token in the one launch, no XLA SwiGLU beside it), =0 as XLA's SwiGLU after the kernel;
+    the real tokens' outputs agree to float32 rounding (both float32 throughout, only the
+    summation order differs: rtol / atol 1e-5 at outputs of order 10), with the shared
+    weights as loaded (gate, up apart) or fused at load (`shared_gate_up`). A padding token
+    gets 0 from the kernel (XLA's form computes the shared experts for it too). Past the
+    fused kernel's token limit both settings are XLA's."""
+    import re
+    from mtpjax.model.fused import fuse_projections
+    from mtpjax.model.grouped_matmul import FUSED_SHARED_ENV, forced_path
+    from mtpjax.model.moe import MOE
+    from tests.model.test_deepseek import _ds_params, ds_config
+    cfg = ds_config(num_mtp_layers=0)
+    params = _ds_params(cfg, seed)
+    p = (fuse_projections(params, cfg) if fuse else params)["layers"][1]     # the MoE layer
+    assert ("shared_gate_up" in p) == fuse
+    k = cfg.moe.num_experts_per_tok
+    for N in (1, 3, 5):
+        x = jax.random.normal(jax.random.PRNGKey(seed + N), (N, cfg.hidden_size))
+        valid = jnp.arange(N) != N - 1 if N > 1 else jnp.ones(1, bool)
+        outs, grids = {}, {}
+        for switch in ("1", "0"):
+            monkeypatch.setenv(FUSED_SHARED_ENV, switch)
+            with forced_path("pallas"):
+                text = str(jax.make_jaxpr(lambda x: MOE(p, x, cfg, valid))(x))
+                outs[switch] = np.asarray(MOE(p, x, cfg, valid))
+            grids[switch] = re.findall(r"grid=\((\d+), \d+\)", text)
+        real = np.asarray(valid)
+        np.testing.assert_allclose(outs["1"][real], outs["0"][real], rtol=1e-5, atol=1e-5)
+        if N <= 4:
+            assert grids == {"1": [str(N * (k + 1))], "0": [str(N * k)]}, grids
+            np.testing.assert_array_equal(outs["1"][~real], 0.0)
+        else:
+            np.testing.assert_array_equal(outs["1"], outs["0"])
+    monkeypatch.setenv(FUSED_SHARED_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{FUSED_SHARED_ENV}='yes': expected 0 or 1"):
+        MOE(p, x, cfg, valid)
+
+
+def test_generate_tokens_are_the_same_with_the_shared_experts_fused(monkeypatch):
+    """Greedy `generate` on the tiny DeepSeek config, its MoE layers on the (interpreted)
+    fused kernel: the tokens do not depend on where the shared experts run."""
+    import mtpjax
+    from mtpjax.model.grouped_matmul import FUSED_SHARED_ENV, forced_path
+    from tests.model.test_deepseek import _ds_params, ds_config
+    cfg = ds_config(num_mtp_layers=0)
+    params = _ds_params(cfg, 4)
+    tokens = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(FUSED_SHARED_ENV, switch)
+        with forced_path("pallas"):
+            tokens[switch] = mtpjax.generate(params, cfg, [[5, 6, 7, 8, 9], [3, 1, 4]],
+                                             max_new_tokens=4).tokens
+    assert tokens["1"] == tokens["0"]
