@@ -7,7 +7,8 @@ decode sizes (few tokens per expert: weight-read bound) and prefill sizes (compu
                                [--variants ragged_dot,tiled,pallas,pallas:BM/BN/BK[/S],pallas_ffn,
                                            pallas_ffn_sorted,pallas_ffn:KEY=V/...,
                                            pallas_tiles:KEY=V/...,pallas_fused,
-                                           pallas_fused:KEY=V/...,mgpu,gather]
+                                           pallas_fused:KEY=V/...,fused_shared,
+                                           fused_shared_xla,mgpu,gather]
 
 Shapes (bf16 random weights, routing uniform random top-k without repeats per token):
   v2-lite   DeepSeek-V2-Lite: 64 routed experts, 6 per token, hidden 2048, expert width 1408
@@ -33,6 +34,12 @@ Variants (each: gate, up, down grouped matmuls of the routed (token, expert) pai
               one kernel: each program a block of one expert's hidden columns, through down)
   pallas_fused:KEY=V/...  the same with explicit blocks, e.g.
               pallas_fused:bn=32/bk=128/be=256/w=4/st=3 (keys: FUSED_TUNING_KEYS)
+  fused_shared  routed plus shared experts (the model's `moe_experts`, Pallas path; up to
+              fused_moe_tokens() tokens): the shared ones as the fused kernel's extra pairs
+  fused_shared_xla  the same with the shared ones as XLA's SwiGLU after the kernel
+              (MTPJAX_FUSED_SHARED=0). These two take the shape's shared experts too (gate |
+              up fused, as served), their own floor (floor_shared_us: the shared bytes and
+              FLOPs added) and compare their outputs with each other only
   mgpu        the same sort/scatter with ragged_dot_mgpu (Hopper WGMMA + TMA) for the matmuls
   gather      w[ids] per (token, slot) and batched matvecs: reads each chosen expert once per
               token (duplicates at larger N); decode sizes only
@@ -65,10 +72,12 @@ from mtpjax.model.moe import routed_experts
 from mtpjax.step_jit import STEP_COMPILER_OPTIONS
 
 SHAPES = {
-    "v2-lite": dict(experts=64, k=6, hidden=2048, width=1408),
-    "v3-slice": dict(experts=128, k=8, hidden=7168, width=2048),
-    "tiny": dict(experts=8, k=2, hidden=64, width=128),
+    "v2-lite": dict(experts=64, k=6, hidden=2048, width=1408, shared=2),
+    "v3-slice": dict(experts=128, k=8, hidden=7168, width=2048, shared=1),
+    "tiny": dict(experts=8, k=2, hidden=64, width=128, shared=1),
 }
+# variants of the routed and the shared experts together (their own weights, floor, reference)
+SHARED_VARIANTS = ("fused_shared", "fused_shared_xla")
 
 
 def log(*a):
@@ -85,6 +94,34 @@ def make_weights(shape: dict, seed: int = 0) -> dict:
 
     return {"w_gate": normal(keys[0], (X, E, I)), "w_up": normal(keys[1], (X, E, I)),
             "w_down": normal(keys[2], (X, I, E))}
+
+
+def make_shared_weights(shape: dict, seed: int = 1) -> dict:
+    """The shape's shared experts as served: shared_gate_up [E, 2S] (gate | up), shared_down
+    [S, E], S = shared x width, bf16."""
+    E, S = shape["hidden"], shape["shared"] * shape["width"]
+    keys = jax.random.split(jax.random.key(seed), 2)
+    normal = lambda key, s: (0.02 * jax.random.normal(key, s)).astype(jnp.bfloat16)  # noqa
+    return {"shared_gate_up": normal(keys[0], (E, 2 * S)), "shared_down": normal(keys[1], (S, E))}
+
+
+def _with_shared(fused: bool):
+    """The model's routed + shared experts (`moe_experts`) on the Pallas path, the shared ones
+    in the fused kernel (fused) or in XLA after it; rows routed only nowhere (`pad_routing`'s
+    padding) are padding (valid False), as the model's padded steps pass them, and 0."""
+    def fn(x, p, ids, w):
+        from mtpjax.env_override import env_override
+        from mtpjax.model.grouped_matmul import FUSED_SHARED_ENV, forced_path
+        from mtpjax.model.moe import moe_experts, takes_fused_kernel
+        valid = (ids < p["w_gate"].shape[0]).any(-1)
+        with forced_path("pallas"), env_override(FUSED_SHARED_ENV, "1" if fused else "0"):
+            if not takes_fused_kernel(p, x.shape[0]):
+                raise ValueError(f"{x.shape[0]} tokens: past the fused kernel's limit")
+            y = moe_experts(p, x, ids, w, valid, jax.nn.silu)
+        # XLA's shared experts run on the padding rows too; zeroed (a select its add fuses)
+        # as the kernel leaves them, so the two outputs compare
+        return y if fused else jnp.where(valid[:, None], y, 0).astype(y.dtype)
+    return fn
 
 
 def make_routing(shape: dict, n: int, seed: int):
@@ -224,6 +261,7 @@ def pallas_variants(use) -> list:
         out.append(("pallas_ffn_sorted", experts_pallas_ffn_sorted))
     if "pallas_fused" in use:
         out.append(("pallas_fused", experts_pallas_fused))
+    out += [(v, _with_shared(v == "fused_shared")) for v in SHARED_VARIANTS if v in use]
     for v in use:
         if v.startswith("pallas_fused:"):
             out.append((v, functools.partial(experts_pallas_fused,
@@ -279,11 +317,14 @@ def experts_mgpu(x, p, ids, w, block_m=64):
     return jnp.zeros((N, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
-def floor_s(shape: dict, ids, n: int, copy_bw: float, flops: float) -> tuple[float, float, int]:
+def floor_s(shape: dict, ids, n: int, copy_bw: float, flops: float,
+            shared: bool = False) -> tuple[float, float, int]:
+    """shared: the shared experts' bytes and FLOPs (shape["shared"] experts of width I) too."""
     E, I = shape["hidden"], shape["width"]
     touched = int(np.unique(np.asarray(ids)).size)
-    bytes_ = touched * 3 * E * I * 2 + 2 * n * E * 2
-    fl = 2 * n * shape["k"] * 3 * E * I
+    matrices = touched + (shape["shared"] if shared else 0)
+    bytes_ = matrices * 3 * E * I * 2 + 2 * n * E * 2
+    fl = 2 * n * (shape["k"] + (shape["shared"] if shared else 0)) * 3 * E * I
     return max(bytes_ / copy_bw, fl / flops), bytes_, touched
 
 
@@ -323,6 +364,8 @@ def run(shape_names, token_counts, out_dir=None,
     for name in shape_names:
         shape = SHAPES[name]
         p = make_weights(shape)
+        p_shared = (dict(p, **make_shared_weights(shape))
+                    if any(v in use for v in SHARED_VARIANTS) else None)
         for n in token_counts:
             # off the GPU (interpreted kernels: a smoke test) the fewest calls timeit's
             # marginal method takes, and few repeats
@@ -340,7 +383,13 @@ def run(shape_names, token_counts, out_dir=None,
                        floor_bytes=nbytes, **({"padded_to": rows_in} if rows_in > n else {}))
             if flops_gpu:
                 row["floor_gpu_us"] = floor_s(shape, ids, n, copy_bw, flops_gpu)[0] * 1e6
-            ref = None
+            fl_shared = floor_s(shape, ids, n, copy_bw, flops, shared=True)[0]
+            if p_shared is not None:
+                row["floor_shared_us"] = fl_shared * 1e6
+                if flops_gpu:
+                    row["floor_shared_gpu_us"] = floor_s(shape, ids, n, copy_bw, flops_gpu,
+                                                         shared=True)[0] * 1e6
+            refs = {}                   # the first output of each kind (routed, with shared)
             variants = [("ragged_dot", experts_ragged), ("tiled", experts_tiled),
                         *pallas_variants(use)]
             if on_gpu or name == "tiny":
@@ -359,17 +408,19 @@ def run(shape_names, token_counts, out_dir=None,
                     # (ragged_dot measured 0.55x its floor on the H100 that way)
                     layer = lambda q, p: fn(q[0], p, q[1], q[2])          # noqa: E731
                     chain = None if independent else lambda q, y: (y, *q[1:])  # noqa: E731
-                    t, out = timeit(layer, xs, (p,), repeats=15 if on_gpu else 2,
+                    kind = "shared" if vname in SHARED_VARIANTS else "routed"
+                    weights = p_shared if kind == "shared" else p
+                    t, out = timeit(layer, xs, (weights,), repeats=15 if on_gpu else 2,
                                     compiler_options=STEP_COMPILER_OPTIONS, chain=chain)
-                    gpu = chained_gpu_time(layer, xs, (p,), STEP_COMPILER_OPTIONS,
+                    gpu = chained_gpu_time(layer, xs, (weights,), STEP_COMPILER_OPTIONS,
                                            chain) if timeline else None
                     if gpu:
                         row[f"{vname}_gpu_us"] = gpu["span_us"]
                         row[f"{vname}_gpu_kernels"] = gpu["kernels"]
-                    err = 0.0 if ref is None else rel_err(out, ref)
-                    ref = out if ref is None else ref
+                    err = rel_err(out, refs[kind]) if kind in refs else 0.0
+                    refs.setdefault(kind, out)
                     row[f"{vname}_us"] = t * 1e6
-                    row[f"{vname}_x_floor"] = t / fl
+                    row[f"{vname}_x_floor"] = t / (fl_shared if kind == "shared" else fl)
                     row[f"{vname}_err"] = err
                 except Exception as e:  # noqa: BLE001
                     row[f"{vname}_error"] = repr(e)[:300]
@@ -381,7 +432,7 @@ def run(shape_names, token_counts, out_dir=None,
                 with open(os.path.join(out_dir, "moe.json"), "w") as f:
                     json.dump(dict(copy_bw=copy_bw, matmul_flops=flops,
                                    matmul_flops_gpu=flops_gpu, rows=rows), f, indent=1)
-        del p
+        del p, p_shared
     print(table(rows), flush=True)
     return rows
 
@@ -392,7 +443,8 @@ def table(rows) -> str:
     for r in rows:
         for key in r:
             for suffix in ("_us", "_error"):
-                if key.endswith(suffix) and key != "floor_us" and not key.endswith("_gpu_us"):
+                if (key.endswith(suffix) and not key.startswith("floor")
+                        and not key.endswith("_gpu_us")):
                     name = key[:-len(suffix)]
                     if name not in names:
                         names.append(name)
@@ -404,7 +456,9 @@ def table(rows) -> str:
         if f"{v}_gpu_us" not in r:
             return wall
         g = r[f"{v}_gpu_us"]
-        return (f"{wall}; GPU {g:.1f} ({g / r.get('floor_gpu_us', r['floor_us']):.2f}x, "
+        floor = "floor_shared" if v in SHARED_VARIANTS else "floor"
+        floor_us = r.get(f"{floor}_gpu_us", r[f"{floor}_us"])
+        return (f"{wall}; GPU {g:.1f} ({g / floor_us:.2f}x, "
                 f"{r[f'{v}_gpu_kernels']:.0f} kernels)")
     # floor us: wall-clock rates; the GPU cells' ratios are to the floor with the GPU-span
     # matmul rate (floor_gpu_us in the json) where it was measured.

@@ -54,6 +54,24 @@ def test_bench_moe_tiny_prints_finite_rows(capsys, tmp_path):
     assert "pallas_fused takes at most 8 tokens, got 16" in rows[1][f"{v}_error"]
 
 
+def test_shared_expert_rows_compare_the_kernel_with_xla(capsys, tmp_path):
+    """fused_shared / fused_shared_xla: the routed and shared experts with the shared ones in
+    the fused kernel or in XLA: equal outputs (bf16 weights; the kernel rounds once at the
+    end, XLA the routed and shared sums apart), a floor with the shared bytes, and a named
+    error past the fused kernel's token limit. Padded to 2 rows at one token, as `generate`."""
+    assert moe.main(["--shapes", "tiny", "--tokens", "1,16", "--calls", "2", "--pad-to", "2",
+                     "--out", str(tmp_path), "--variants",
+                     "ragged_dot,fused_shared,fused_shared_xla"]) == 0
+    assert "| fused_shared us (x floor) | fused_shared_xla us (x floor) |" in \
+        capsys.readouterr().out
+    one, many = json.loads((tmp_path / "moe.json").read_text())["rows"]
+    assert one["floor_shared_us"] > one["floor_us"]
+    assert one["fused_shared_err"] == 0.0 and one["fused_shared_xla_err"] < 2e-2
+    assert one["fused_shared_x_floor"] == pytest.approx(one["fused_shared_us"]
+                                                        / one["floor_shared_us"])
+    assert "16 tokens: past the fused kernel's limit" in many["fused_shared_error"]
+
+
 def test_ncu_targets_of_the_moe_layer_run_and_bad_names_are_refused(capsys):
     """kernel_sweep's Nsight Compute targets for the MoE layer (the model's grouped SwiGLU and
     the three-call form) run one call each (interpreted here); an unknown target is named."""
