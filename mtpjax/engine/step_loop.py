@@ -197,7 +197,8 @@ class StepLoop:
             self.report(seq)
         if observed:
             sids, used, kept = zip(*observed)
-            self.acceptance.observe(sids, used, kept, self.adaptive_k.decay)
+            self.acceptance.observe(sids, used, kept, self.adaptive_k.decay,
+                                    self.adaptive_k.step_decay)
 
     def recover(self, unqueued: Iterable[Sequence]) -> None:
         """Makes the engine consistent after an exception escaped a step part-way (or a previous

@@ -48,15 +48,24 @@ class AdaptiveK:
     draft_cost: float = 0.3
     batch_knee: int = 16
     decay: float = 0.9
+    # the MoE step rule's counts decay slower: it weighs counts whose tokens per second may
+    # differ by a few percent, where ten steps' worth of acceptance (decay 0.9) is too noisy
+    step_decay: float = 0.98
     prior: float = 0.7
     prior_weight: float = 2.0
     probe_interval: int = 8
-    # the MoE step rule's probes: the last two of every `step_probe_interval` steps draw every
-    # draft asked (each probe step costs the batch passes it may not need)
+    # the MoE step rule's probes: two steps that draw every draft asked (each costs the batch
+    # passes it may not need), the first `step_probe_interval` steps in; the interval then
+    # doubles, up to `step_probe_max_interval`, while probes leave the rule's count as it was,
+    # and falls back to `step_probe_interval` when the count changes
     step_probe_interval: int = 64
+    step_probe_max_interval: int = 1024
     # ... and leaves its current pass count only for one expected to be this much better
     # (the acceptance estimates are noisy: near-equal counts would alternate)
     switch_margin: float = 0.03
+    # ... or for one that has been the better (by any amount) at this many steps in a row: a
+    # margin alone would keep a count up to switch_margin worse for good
+    switch_patience: int = 32
     min_k: int = 0
     # MoE models: choose k by expected tokens per byte read, counting the experts each
     # verified draft routes to (`expert_cost.py`); off, or on a dense model, the threshold rule
@@ -65,6 +74,7 @@ class AdaptiveK:
     def __post_init__(self):
         checks = (("draft_cost", self.draft_cost, 0.0, None, "a number >= 0"),
                   ("decay", self.decay, 0.0, 1.0, "a number in [0, 1]"),
+                  ("step_decay", self.step_decay, 0.0, 1.0, "a number in [0, 1]"),
                   ("prior", self.prior, 0.0, 1.0, "a number in [0, 1]"),
                   ("prior_weight", self.prior_weight, 0.0, None, "a number >= 0"),
                   ("switch_margin", self.switch_margin, 0.0, None, "a number >= 0"))
@@ -78,6 +88,8 @@ class AdaptiveK:
         for name, v, lo in (("batch_knee", self.batch_knee, 1),
                             ("probe_interval", self.probe_interval, 0),
                             ("step_probe_interval", self.step_probe_interval, 0),
+                            ("step_probe_max_interval", self.step_probe_max_interval, 0),
+                            ("switch_patience", self.switch_patience, 0),
                             ("min_k", self.min_k, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
                 raise ValueError(f"AdaptiveK {name} must be an int >= {lo}, got {name}={v!r}")
@@ -126,18 +138,32 @@ class AdaptiveK:
                               current, self.switch_margin)
         return max(passes, int(np.minimum(self.min_k, k_max).max()))
 
+    def clear_lead(self, trials, hits, k_max, batch_size: int, step_cost, times,
+                   passes: int) -> bool:
+        """Does `passes` beat every other count by more than twice the switch margin? A
+        probe that finds so lets the next wait longer (`ProbeSchedule`); a near-tie keeps
+        probing often, as a few unlucky steps could hold the worse count."""
+        alphas = _step_alphas(trials, hits, self.prior, self.prior_weight)
+        score = _pass_scores(np.cumprod(alphas, axis=1), k_max, batch_size, step_cost, times)
+        if not 0 <= passes < len(score) or len(score) < 2:
+            return True
+        others = np.delete(score, passes)
+        return bool(score[passes] > others.max() * (1 + 2 * self.switch_margin))
+
     def choose_step(self, trials, hits, steps, k_max, batch_size: int,
                     step_cost: "ExpertStepCost | None" = None, times=None,
                     step_index: int = 0, current: int | None = None,
-                    rule: int | None = None) -> tuple[np.ndarray, int]:
+                    rule: int | None = None,
+                    probe: bool | None = None) -> tuple[np.ndarray, int]:
         """The engine's choice for one step: (k int[n] each request verifies next, the step's
         draft passes). On an MoE model (`expert_aware`, a step_cost) one number of passes for
         the batch by expected tokens per second of step (`_best_passes`; `times`: measured
         `StepTimes`; `current`: the count the last such step chose, kept unless another is
         `switch_margin` better), every request at min(passes, its k_max); a count with fewer
-        than MEASURED_STEPS steady steps timed at this batch bucket is run first; the last
-        two steps of every `step_probe_interval` (at least 2) run every draft asked, so every
-        position's acceptance keeps being measured. Otherwise the per-request threshold rule
+        than MEASURED_STEPS steady steps timed at this batch bucket is run first; a probe step
+        runs every draft asked, so every position's acceptance keeps being measured: `probe`
+        (the engine's `ProbeSchedule`), or when None the last two steps of every
+        `step_probe_interval` (at least 2). Otherwise the per-request threshold rule
         (`choose_many`) and as many passes as the largest k."""
         k_max = np.asarray(k_max, np.int64)
         if not len(k_max):
@@ -158,7 +184,8 @@ class AdaptiveK:
             # several steps each, as one step's time can be far off (CPU: 1.8 ms against a
             # median of 1.1)
             passes = unmeasured[0]
-        elif self.step_probe_interval and step_index % every >= every - 2:
+        elif probe if probe is not None else (
+                self.step_probe_interval and step_index % every >= every - 2):
             # a probe runs every draft asked (every position's acceptance is judged again:
             # one more only would leave the rule stuck below a count two steps up) for two
             # steps: the first draws, the second verifies and is a steady step `StepTimes`
@@ -170,6 +197,52 @@ class AdaptiveK:
 
 # steady steps the step rule times per pass count and batch bucket before trusting the count
 MEASURED_STEPS = 3
+
+
+class ProbeSchedule:
+    """When the MoE step rule probes (runs every draft asked for two steps, so positions past
+    its count are judged again). A probe that leaves the rule's count where it was doubles the
+    wait before the next (from `AdaptiveK.step_probe_interval` up to
+    `step_probe_max_interval`); a changed count, by a probe or otherwise, restarts from the
+    shortest wait. Each probe costs its two steps the passes they may not need (V2-Lite,
+    batch 1, acceptance 0.5: three passes give 17% fewer tokens per second than one), so a
+    fixed interval of 64 cost ~1% of the tokens for as long as the engine ran. Only a clear
+    lead lets the wait grow: the positions past the count are judged at probes alone, so a
+    count a few unlucky steps chose over a near-equal one must be checked again soon."""
+
+    def __init__(self, shortest: int, longest: int):
+        self.shortest = int(shortest)
+        self.longest = max(int(longest), self.shortest)
+        self.interval = self.shortest
+        self.next_at: int | None = None    # step index of the next probe's first step
+        self.before: int | None = None     # the rule's count when the running probe began
+        self.left = 0                      # steps of the running probe still to come
+        self.last_rule: int | None = None
+
+    def due(self, step_index: int, rule: int, clear=lambda: True) -> bool:
+        """Is the step at step_index (rule: the rule's own count for it) a probe step?
+        clear(): does the rule's count lead clearly (`AdaptiveK.clear_lead`), asked when a
+        probe has just ended."""
+        if not self.shortest:
+            return False
+        if self.next_at is None:
+            self.next_at = step_index + self.interval - 2
+        if self.left:
+            self.left -= 1
+            return True
+        if self.before is not None:                       # a probe just ended
+            settled = rule == self.before and clear()
+            self.interval = min(2 * self.interval, self.longest) if settled else self.shortest
+            self.next_at = step_index + self.interval - 2
+            self.before = None
+        elif self.last_rule is not None and rule != self.last_rule:
+            self.interval = self.shortest                 # the count moved on its own
+            self.next_at = min(self.next_at, step_index + self.interval - 2)
+        self.last_rule = rule
+        if step_index >= self.next_at:
+            self.before, self.left = rule, 1
+            return True
+        return False
 
 
 def _step_alphas(trials, hits, prior: float, prior_weight: float) -> np.ndarray:
@@ -184,13 +257,8 @@ def _step_alphas(trials, hits, prior: float, prior_weight: float) -> np.ndarray:
     return np.concatenate([first, later], axis=1)
 
 
-def _best_passes(gain, k_max, batch_size: int, step_cost, times=None, current=None,
-                 margin: float = 0.0) -> int:
-    """The step's draft passes p (0..max k_max) that maximise (tokens the batch expects) /
-    (the step's time), every request verifying min(p, its k_max) next: the time is the
-    measured step time where `times` (`step_times.StepTimes`) has one, else the byte model
-    (`step_cost.step_bytes`) scaled by the nearest measurement's seconds per byte.
-    gain float[n, K] (cumulative acceptance); k_max int[n]."""
+def _pass_scores(gain, k_max, batch_size: int, step_cost, times=None) -> np.ndarray:
+    """Expected tokens per second of a step at draft passes 0..max k_max (`_best_passes`)."""
     n, K = gain.shape
     k_max = np.asarray(k_max, np.int64)
     cand = np.arange(int(k_max.max()) + 1 if n else 1)
@@ -201,7 +269,18 @@ def _best_passes(gain, k_max, batch_size: int, step_cost, times=None, current=No
     routed = (ks + 1).sum(0) + (B - n)
     model = step_cost.step_bytes(B, routed, cand)
     seconds = model if times is None else times.estimate(B, model)
-    score = tokens / seconds
+    return tokens / seconds
+
+
+def _best_passes(gain, k_max, batch_size: int, step_cost, times=None, current=None,
+                 margin: float = 0.0) -> int:
+    """The step's draft passes p (0..max k_max) that maximise (tokens the batch expects) /
+    (the step's time), every request verifying min(p, its k_max) next: the time is the
+    measured step time where `times` (`step_times.StepTimes`) has one, else the byte model
+    (`step_cost.step_bytes`) scaled by the nearest measurement's seconds per byte.
+    gain float[n, K] (cumulative acceptance); k_max int[n]."""
+    score = _pass_scores(gain, k_max, batch_size, step_cost, times)
+    cand = np.arange(len(score))
     # the largest p within 1e-9 of the best (ties keep drafting)
     best = int(cand[score >= score.max() * (1 - 1e-9)].max())
     if current is not None and current < len(cand) and \
@@ -269,7 +348,13 @@ class AcceptanceTable:
         self.trials = np.zeros((0, K))            # float[rows, K]
         self.hits = np.zeros((0, K))              # float[rows, K]
         self.steps = np.zeros((0,), np.int64)     # int[rows]
+        # the step rule's counts, decayed by AdaptiveK.step_decay
+        self.step_trials = np.zeros((0, K))       # float[rows, K]
+        self.step_hits = np.zeros((0, K))         # float[rows, K]
         self.chosen_passes: int | None = None      # the step rule's last choice
+        self.probes: ProbeSchedule | None = None    # the step rule's, made on first use
+        self.challenger: int | None = None          # a count better than the rule's own ...
+        self.challenges = 0                         # ... at this many steps in a row
 
     def rows(self, seq_ids) -> np.ndarray:
         """Rows of these requests (new requests get a zeroed row). -> int[n]."""
@@ -283,9 +368,12 @@ class AcceptanceTable:
                     self.trials = np.concatenate([self.trials, np.zeros((grow, self.K))])
                     self.hits = np.concatenate([self.hits, np.zeros((grow, self.K))])
                     self.steps = np.concatenate([self.steps, np.zeros(grow, np.int64)])
+                    self.step_trials = np.concatenate([self.step_trials, np.zeros((grow, self.K))])
+                    self.step_hits = np.concatenate([self.step_hits, np.zeros((grow, self.K))])
                     self.free = list(range(n + grow - 1, n - 1, -1))
                 r = self.row_of[sid] = self.free.pop()
                 self.trials[r] = self.hits[r] = 0
+                self.step_trials[r] = self.step_hits[r] = 0
                 self.steps[r] = 0
             out.append(r)
         return np.asarray(out, np.int64)
@@ -305,17 +393,40 @@ class AcceptanceTable:
                     times=None, step_index: int = 0) -> tuple[np.ndarray, int]:
         r = self.rows(seq_ids)
         k_max = np.asarray(k_max, np.int64)
-        rule = None
+        rule = probe = None
         if step_cost is not None and policy.expert_aware and len(k_max):
-            rule = self.chosen_passes = policy.rule_passes(
-                self.trials[r], self.hits[r], k_max, batch_size, step_cost, times,
-                self.chosen_passes)
+            args = (self.step_trials[r], self.step_hits[r], k_max, batch_size, step_cost,
+                    times)
+            rule = policy.rule_passes(*args, self.chosen_passes)
+            if policy.switch_patience and rule == self.chosen_passes:
+                free = policy.rule_passes(*args, None)        # the best, no margin
+                # a walk up at each step another count is the better, down at each the
+                # rule's own is: it drifts up only while another is better more often
+                self.challenges = max(self.challenges + (1 if free != rule else -1), 0)
+                if free != rule:
+                    self.challenger = free
+                if self.challenges >= policy.switch_patience:
+                    rule, self.challenges = self.challenger, 0
+            self.chosen_passes = rule
+            if self.probes is None:
+                self.probes = ProbeSchedule(max(policy.step_probe_interval, 2)
+                                            if policy.step_probe_interval else 0,
+                                            policy.step_probe_max_interval)
+            probe = self.probes.due(step_index, rule, lambda: policy.clear_lead(
+                *args, passes=rule))
         return policy.choose_step(self.trials[r], self.hits[r], self.steps[r], k_max,
-                                  batch_size, step_cost, times, step_index, rule=rule)
+                                  batch_size, step_cost, times, step_index, rule=rule,
+                                  probe=probe)
 
-    def observe(self, seq_ids, k_used, accepted, decay: float) -> None:
+    def observe(self, seq_ids, k_used, accepted, decay: float,
+                step_decay: float | None = None) -> None:
+        """Counts after a verify step (`observe_steps`); the step rule's decay by step_decay
+        (default: decay)."""
         r = self.rows(seq_ids)
-        self.trials[r], self.hits[r] = observe_steps(
-            self.trials[r], self.hits[r], np.asarray(k_used, np.int64),
-            np.asarray(accepted, np.int64), decay)
+        k_used, accepted = np.asarray(k_used, np.int64), np.asarray(accepted, np.int64)
+        self.trials[r], self.hits[r] = observe_steps(self.trials[r], self.hits[r], k_used,
+                                                     accepted, decay)
+        self.step_trials[r], self.step_hits[r] = observe_steps(
+            self.step_trials[r], self.step_hits[r], k_used, accepted,
+            decay if step_decay is None else step_decay)
         self.steps[r] += 1

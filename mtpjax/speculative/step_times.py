@@ -8,11 +8,13 @@ samples per (batch bucket, passes). `estimate` returns the median where measured
 the byte model scaled by the seconds-per-byte of the nearest measured passes (same bucket
 first, then the nearest bucket), so one measurement already calibrates the others.
 
-Samples expire `max_age` records after they were taken: a count the rule has left is timed
-again (the rule runs unmeasured counts first) instead of being judged for the rest of the
+A key's samples expire together `max_age` records after its newest: a count the rule has left
+is timed again (the rule runs unmeasured counts first) instead of being judged for the rest of the
 engine's life by a few early steps. On an H200 (V2-Lite, batch 1) the first steps of a fresh
 engine ran 1.5-2x slower than later ones, and a rule that timed one and two passes only then
-stayed at three passes where one gave 12% more tokens per second.
+stayed at three passes where one gave 12% more tokens per second. Each expiry doubles the
+key's age limit (up to MAX_AGE_GROWTH x max_age): the samples that replace them are a running
+engine's, and re-timing a count out of use costs the steps it is not the best for.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ def batch_bucket(rows: int) -> int:
 
 
 class StepTimes:
+    MAX_AGE_GROWTH = 16
+
     def __init__(self, window: int = 8, max_age: int = 256):
         if max_age < window:
             raise ValueError(f"StepTimes max_age must be >= window ({window}), got {max_age}")
@@ -36,6 +40,7 @@ class StepTimes:
         self._stamps: dict[tuple[int, int], collections.deque] = {}   # their record numbers
         self._medians: dict[tuple[int, int], float] = {}      # kept with each record
         self.recorded: collections.Counter = collections.Counter()   # key -> samples ever
+        self._max_age: dict[tuple[int, int], int] = {}         # key -> its age limit now
         self.records = 0                                        # over every key
 
     def record(self, rows: int, passes: int, seconds: float) -> None:
@@ -49,21 +54,20 @@ class StepTimes:
         self._medians[key] = float(np.median(got))
 
     def _fresh(self, key) -> collections.deque:
-        """The key's samples after dropping those older than max_age records."""
+        """The key's samples, dropped all at once when the newest is older than the key's
+        age limit (max_age, doubled at each expiry up to MAX_AGE_GROWTH x max_age)."""
         got, stamps = self.samples.get(key), self._stamps.get(key)
         if not got:
             return got if got is not None else collections.deque()
-        stale = 0
-        while stale < len(stamps) and stamps[stale] < self.records - self.max_age:
-            stale += 1
-        if stale:
-            for _ in range(stale):
-                got.popleft()
-                stamps.popleft()
-            if got:
-                self._medians[key] = float(np.median(got))
-            else:
-                del self._medians[key]
+        limit = self._max_age.get(key, self.max_age)
+        if stamps[-1] < self.records - limit:
+            got.clear()
+            stamps.clear()
+            del self._medians[key]
+            # the key is timed again from here, by a running engine, whose steps do not
+            # drift as a fresh one's do: its samples may stand twice as long each time, so a
+            # count out of use costs fewer re-timings
+            self._max_age[key] = min(2 * limit, self.MAX_AGE_GROWTH * self.max_age)
         return got
 
     def count(self, rows: int, passes: int) -> int:
