@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped_matmul.fused_ffn import (default_blocks, fused_expert_ffn,
+from pallas_kernels.grouped_matmul.fused_ffn import (DEFAULT_STAGES, SHARED_STAGES,
+                                                     default_blocks, fused_expert_ffn,
                                                      fused_moe_ffn)
 from tests.kernel_oracle import interpret_mode
 from tests.kernels.test_kernels_expert_tiles import case, reference
@@ -85,12 +86,12 @@ def shared_reference(x, gate, up, down, valid, activation=jax.nn.silu):
     (3, 4, 1, jnp.bfloat16, False, dict(block_n=16)),
 ])
 def test_shared_experts_equal_the_reference(seed, N, k, n_shared, dtype, fused_form, blocks):
-    """fused_moe_ffn with the shared experts as extra pairs: each valid token's routed
-    weighted sum plus its shared SwiGLU (every one of the n_shared chunks); a padding token
-    (its ids routed nowhere, valid False) gets 0, and its x, NaN here, reaches nothing: its
-    shared pairs compute nothing (NaN x 0 would leak). bf16: the kernel rounds the hidden
-    values to bf16 before down, as the XLA form does (rtol / atol 4e-2, as the routed bf16
-    test)."""
+    """fused_moe_ffn with the shared experts as extra programs: each valid token's routed
+    weighted sum plus its shared SwiGLU (every one of the n_shared chunks, all tokens in one
+    program); a padding token (its ids routed nowhere, valid False) gets 0, and its x, NaN
+    here, reaches nothing, not even the other tokens' rows of the shared dots (NaN x 0 would
+    leak). bf16: the kernel rounds the hidden values to bf16 before down, as the XLA form
+    does (rtol / atol 4e-2, as the routed bf16 test)."""
     E, I, G = 64, 32, 8
     x, ids, wg, wu, wd = case(seed, N, k, G, E, I, dtype, none_frac=0.3)
     shared, (gate, up, down), valid = shared_case(seed, N, n_shared, E, I, dtype, fused_form)
@@ -109,6 +110,17 @@ def test_shared_experts_equal_the_reference(seed, N, k, n_shared, dtype, fused_f
     np.testing.assert_array_equal(np.asarray(got)[~valid], 0.0)
 
 
+@pytest.mark.parametrize("N", [1, 3])
+def test_shared_experts_of_padding_alone_are_zero(N):
+    """Every token padding (x NaN): the shared programs read nothing and write zeros."""
+    x, ids, wg, wu, wd = case(N, N, 2, 8, 64, 32)
+    shared, _, _ = shared_case(N, N, 2, 64, 32, jnp.float32, True)
+    got = fused_moe_ffn(jnp.full_like(x, jnp.nan), jnp.full((N, 2), -1, jnp.int32),
+                        jnp.ones((N, 2)), wg, wu, wd, **shared, valid=jnp.zeros(N, bool),
+                        interpret=interpret_mode())
+    np.testing.assert_array_equal(np.asarray(got), 0.0)
+
+
 def test_shared_experts_default_to_every_token_valid():
     """Without valid every token runs its shared chunks, also one routed nowhere."""
     x, ids, wg, wu, wd = case(3, 2, 2, 8, 64, 32)
@@ -121,9 +133,10 @@ def test_shared_experts_default_to_every_token_valid():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
-def test_shared_experts_are_pairs_of_the_one_launch():
-    """The shared chunks are programs of the same grid (N x (k + S / I) pairs, the column
-    blocks sized for them by `default_blocks`), not a second kernel."""
+def test_shared_experts_are_programs_of_the_one_launch():
+    """The shared chunks are programs of the same grid (N x k routed pairs, then S / I shared
+    chunks for all N tokens: the shared weights are read once, whatever N; the column blocks
+    sized by `default_blocks` for one token's k + S / I pairs), not a second kernel."""
     import re
     x, ids, wg, wu, wd = case(0, 2, 3, 8, 64, 32)
     shared, _, _ = shared_case(0, 2, 2, 64, 32, jnp.float32, True)
@@ -131,7 +144,12 @@ def test_shared_experts_are_pairs_of_the_one_launch():
         x, jnp.asarray(ids), jnp.ones((2, 3)), wg, wu, wd, **shared, interpret=True))(x))
     assert text.count("pallas_call") == 1
     block_n = default_blocks(3 + 2, 64, 32)[0]
-    assert re.findall(r"grid=\((\d+), (\d+)\)", text) == [(str(2 * 5), str(32 // block_n))]
+    assert re.findall(r"grid=\((\d+), (\d+)\)", text) == [(str(2 * 3 + 2), str(32 // block_n))]
+    # their default pipeline depth, and the routed-only kernel's
+    assert re.findall(r"num_stages=(\d+)", text) == [str(SHARED_STAGES)]
+    routed_only = str(jax.make_jaxpr(lambda x: fused_moe_ffn(
+        x, jnp.asarray(ids), jnp.ones((2, 3)), wg, wu, wd, interpret=True))(x))
+    assert re.findall(r"num_stages=(\d+)", routed_only) == [str(DEFAULT_STAGES)]
 
 
 def test_shared_bad_inputs_name_the_value():
@@ -210,21 +228,27 @@ def test_bad_inputs_name_the_value():
 
 
 def test_one_launch_and_no_layout_ops():
-    """The point of the kernel: one Triton launch for the routed FFN, and nothing around it
-    but the pad, the partials' sum and the mask (no gather, sort or scatter)."""
+    """The point of the kernel: one Triton launch for the routed FFN (with the shared experts
+    too), and nothing around it but the partials' sum (no gather, sort, scatter, and no
+    slice or concatenation of the shared weights: the kernel reads them in place)."""
     from jax import export
     args = (jax.ShapeDtypeStruct((1, 256), jnp.bfloat16), jax.ShapeDtypeStruct((1, 6), jnp.int32),
             jax.ShapeDtypeStruct((16, 256, 128), jnp.bfloat16),
             jax.ShapeDtypeStruct((16, 256, 128), jnp.bfloat16),
             jax.ShapeDtypeStruct((16, 128, 256), jnp.bfloat16))
     weights = jax.ShapeDtypeStruct((1, 6), jnp.float32)
+    shared = (jax.ShapeDtypeStruct((256, 512), jnp.bfloat16),
+              jax.ShapeDtypeStruct((256, 256), jnp.bfloat16), jax.ShapeDtypeStruct((1,), bool))
+    with_shared = lambda x, i, w, g, u, d, gu, sd, v: fused_moe_ffn(          # noqa: E731
+        x, i, w, g, u, d, shared_gate_up=gu, shared_down=sd, valid=v)
     for f, a in ((fused_expert_ffn, args),
-                 (fused_moe_ffn, args[:2] + (weights,) + args[2:])):
+                 (fused_moe_ffn, args[:2] + (weights,) + args[2:]),
+                 (with_shared, args[:2] + (weights,) + args[2:] + shared)):
         text = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
             export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*a).mlir_module()
         assert text.count("__gpu$xla.gpu.triton") == 1
         assert 'name = "fused_expert_ffn' in text
-        for op in ("gather", "sort", "scatter"):
+        for op in ("gather", "sort", "scatter", "slice", "concatenate"):
             assert f"stablehlo.{op}" not in text, op
 
 
@@ -330,8 +354,8 @@ def test_generate_at_batch_one_decodes_through_the_fused_kernel(monkeypatch):
 @pytest.mark.parametrize("fuse", [False, True])
 def test_moe_layer_runs_the_shared_experts_in_the_fused_kernel(monkeypatch, seed, fuse):
     """The tiny DeepSeek config's MoE layer (forced onto the Pallas path, interpreted):
-    MTPJAX_FUSED_SHARED=1 runs its shared expert as the fused kernel's extra pair (k + 1 pairs
-    a token in the one launch, no XLA SwiGLU beside it), =0 as XLA's SwiGLU after the kernel;
+    MTPJAX_FUSED_SHARED=1 runs its shared expert in the fused kernel (N x k routed programs
+    and one shared one a column block, no XLA SwiGLU beside it), =0 as XLA's SwiGLU after it;
     the real tokens' outputs agree to float32 rounding (both float32 throughout, only the
     summation order differs: rtol / atol 1e-5 at outputs of order 10), with the shared
     weights as loaded (gate, up apart) or fused at load (`shared_gate_up`). A padding token
@@ -360,7 +384,7 @@ def test_moe_layer_runs_the_shared_experts_in_the_fused_kernel(monkeypatch, seed
         real = np.asarray(valid)
         np.testing.assert_allclose(outs["1"][real], outs["0"][real], rtol=1e-5, atol=1e-5)
         if N <= 4:
-            assert grids == {"1": [str(N * (k + 1))], "0": [str(N * k)]}, grids
+            assert grids == {"1": [str(N * k + 1)], "0": [str(N * k)]}, grids
             np.testing.assert_array_equal(outs["1"][~real], 0.0)
         else:
             np.testing.assert_array_equal(outs["1"], outs["0"])
