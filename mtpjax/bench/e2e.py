@@ -408,6 +408,10 @@ def time_engine(params, cfg, spec, prompts, args) -> dict:
         timed = llm._loop.step_times.summary()       # the step times the rule decided on
         out["note"] += "; step ms (times timed) by passes: " + ", ".join(
             f"b{b} p{p}: {1e3 * t:.2f} ({n})" for (b, p), (t, n) in timed.items())
+        untimed = llm._loop.untimed_steps
+        if untimed:
+            out["note"] += "; not timed (passes, why): " + ", ".join(
+                f"{p} {why}: {n}" for (p, why), n in sorted(untimed.items()))
         switched = llm._loop.switch_step_times          # steps right after a change of passes
         if switched:
             by_p = dict(collections.Counter(p for p, _ in switched))

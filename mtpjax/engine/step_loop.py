@@ -49,6 +49,8 @@ class StepLoop:
         # (passes, seconds) of steady-looking steps right after a change of passes: kept
         # apart from the rule's step times (see _complete), reported by the e2e bench
         self.switch_step_times: collections.deque = collections.deque(maxlen=64)
+        # (passes, why) -> decode steps adaptive K did not time: what keeps a count unmeasured
+        self.untimed_steps: collections.Counter = collections.Counter()
         # (SchedulerOutput, result, ks, passes, dispatched at, compiled, runner.num_compiles
         # after it) dispatched, unread
         self.inflight = None
@@ -147,10 +149,17 @@ class StepLoop:
         done = time.perf_counter()
         # a compile while it was in flight (async scheduling dispatches the next step, which
         # may compile, before this one is read) delays its readback: not a step time either
-        if (self.adaptive_k is not None and dispatched is not None and not compiled
-                and compiles_before == self.runner.num_compiles
-                and out.decodes and len(out.decodes) == len(out.requests)
-                and max(ks) == passes):
+        steady = (self.adaptive_k is not None and dispatched is not None and not compiled
+                  and compiles_before == self.runner.num_compiles
+                  and out.decodes and len(out.decodes) == len(out.requests)
+                  and max(ks) == passes)
+        if self.adaptive_k is not None and out.decodes and not steady:
+            why = ("compiled" if compiled or compiles_before != self.runner.num_compiles
+                   else "not dispatched" if dispatched is None
+                   else "prefill in batch" if len(out.decodes) != len(out.requests)
+                   else "verified fewer")
+            self.untimed_steps[(passes, why)] += 1
+        if steady:
             # a steady pure-decode step's time (it verified as many drafts as it drew: a step
             # after a change of passes costs neither count's time), from when the device
             # could start it (its dispatch, or the previous step's end when it queued behind
@@ -164,6 +173,7 @@ class StepLoop:
                 # re-record its command buffers): timing it would judge the counts the rule
                 # switches among by their switching cost
                 self.switch_step_times.append((passes, seconds))
+                self.untimed_steps[(passes, "after a switch")] += 1
         self.last_done = done
         self.last_passes = passes
         lps, lp_row = None, {}

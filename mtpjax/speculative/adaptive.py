@@ -197,6 +197,8 @@ class AdaptiveK:
 
 # steady steps the step rule times per pass count and batch bucket before trusting the count
 MEASURED_STEPS = 3
+# a new request's step-rule counts: this many steps' worth of the pooled acceptance
+POOL_SEED_STEPS = 10.0
 
 
 class ProbeSchedule:
@@ -353,6 +355,11 @@ class AcceptanceTable:
         self.step_hits = np.zeros((0, K))         # float[rows, K]
         self.chosen_passes: int | None = None      # the step rule's last choice
         self.probes: ProbeSchedule | None = None    # the step rule's, made on first use
+        # every request's judged positions pooled (decayed by step_decay per step): a new
+        # request's step-rule counts start from POOL_SEED_STEPS steps' worth of them, not
+        # from the fixed prior (engines that serve one kind of text serve similar acceptance)
+        self.pool_trials = np.zeros(K)              # float[K]
+        self.pool_hits = np.zeros(K)                # float[K]
         self.challenger: int | None = None          # a count better than the rule's own ...
         self.challenges = 0                         # ... at this many steps in a row
 
@@ -373,7 +380,9 @@ class AcceptanceTable:
                     self.free = list(range(n + grow - 1, n - 1, -1))
                 r = self.row_of[sid] = self.free.pop()
                 self.trials[r] = self.hits[r] = 0
-                self.step_trials[r] = self.step_hits[r] = 0
+                seed = min(1.0, POOL_SEED_STEPS / max(self.pool_trials[0], 1.0))
+                self.step_trials[r] = self.pool_trials * seed
+                self.step_hits[r] = self.pool_hits * seed
                 self.steps[r] = 0
             out.append(r)
         return np.asarray(out, np.int64)
@@ -426,7 +435,15 @@ class AcceptanceTable:
         k_used, accepted = np.asarray(k_used, np.int64), np.asarray(accepted, np.int64)
         self.trials[r], self.hits[r] = observe_steps(self.trials[r], self.hits[r], k_used,
                                                      accepted, decay)
+        step_decay = decay if step_decay is None else step_decay
         self.step_trials[r], self.step_hits[r] = observe_steps(
-            self.step_trials[r], self.step_hits[r], k_used, accepted,
-            decay if step_decay is None else step_decay)
+            self.step_trials[r], self.step_hits[r], k_used, accepted, step_decay)
+        cols = np.arange(self.K)[None, :]
+        judged = cols < np.minimum(k_used, accepted + 1)[:, None]          # [n, K]
+        hit = judged & (cols < accepted[:, None])
+        seen = judged.any(0)
+        self.pool_trials = np.where(seen, step_decay * self.pool_trials + judged.sum(0),
+                                    self.pool_trials)
+        self.pool_hits = np.where(seen, step_decay * self.pool_hits + hit.sum(0),
+                                  self.pool_hits)
         self.steps[r] += 1

@@ -48,9 +48,10 @@ def test_a_changed_count_restarts_the_shortest_wait():
     assert not ProbeSchedule(0, 64).due(10, 1)
 
 
-def simulate(alpha_of_step, steps, seed, policy=None, fixed=None):
+def simulate(alpha_of_step, steps, seed, policy=None, fixed=None, request_steps=None):
     """A batch-1 engine on STEP_SECONDS: each step verifies as many drafts as it draws, each
-    kept with probability alpha (iid, the chain stops at the first miss). -> (tokens,
+    kept with probability alpha (iid, the chain stops at the first miss); a new request every
+    request_steps steps (None: one request throughout). -> (tokens,
     seconds, passes per step). Every policy of a seed sees the same draws (common random
     numbers), so their difference is the policy's, not the luck's."""
     rng = np.random.default_rng(seed)
@@ -60,8 +61,11 @@ def simulate(alpha_of_step, steps, seed, policy=None, fixed=None):
     tokens = seconds = 0.0
     passes_run = []
     for i in range(steps):
+        sid = i // request_steps if request_steps else 0
+        if request_steps and i and i % request_steps == 0:
+            table.drop(sid - 1)
         if fixed is None:
-            ks, passes = table.choose_step(policy, [0], [3], 1, cost, times, i)
+            ks, passes = table.choose_step(policy, [sid], [3], 1, cost, times, i)
             k = int(ks[0])
         else:
             k = passes = fixed
@@ -69,7 +73,7 @@ def simulate(alpha_of_step, steps, seed, policy=None, fixed=None):
         accepted = int(np.argmin(hits)) if not hits.all() else k
         t = STEP_SECONDS[passes] * jitter[i]
         if fixed is None:
-            table.observe([0], [k], [accepted], policy.decay, policy.step_decay)
+            table.observe([sid], [k], [accepted], policy.decay, policy.step_decay)
             times.record(1, passes, t)
         tokens += 1 + accepted
         seconds += t
@@ -131,3 +135,26 @@ def test_expired_counts_wait_twice_as_long_each_time(max_age):
               for j in range(len(waits))]
     assert waits == [lim + 1 for lim in limits]
     assert len(waits) >= 6 and waits[-1] == StepTimes.MAX_AGE_GROWTH * max_age + 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_new_request_starts_from_the_pooled_acceptance(seed):
+    """The step rule's counts of a new request start from POOL_SEED_STEPS steps' worth of
+    every request's pooled acceptance, not from the fixed prior: after requests kept ~0.2 of
+    their drafts, a new one is judged at ~0.2 from its first step (the prior, 0.7, would
+    have it draft for tens of steps)."""
+    from mtpjax.speculative import adaptive
+    rng = np.random.default_rng(seed)
+    alpha = rng.uniform(0.1, 0.3)
+    table, policy = AcceptanceTable(3), AdaptiveK()
+    for sid in range(3):
+        for _ in range(150):
+            drafts = rng.random(3) < alpha
+            accepted = int(np.argmin(drafts)) if not drafts.all() else 3
+            table.observe([sid], [3], [accepted], policy.decay, policy.step_decay)
+        table.drop(sid)
+    r = table.rows([99])[0]
+    assert table.step_trials[r, 0] == pytest.approx(adaptive.POOL_SEED_STEPS)
+    est = table.step_hits[r, 0] / table.step_trials[r, 0]
+    assert abs(est - alpha) < 0.15
+    assert table.trials[r].sum() == 0                 # the per-request rule starts afresh
