@@ -63,9 +63,6 @@ class AdaptiveK:
     # ... and leaves its current pass count only for one expected to be this much better
     # (the acceptance estimates are noisy: near-equal counts would alternate)
     switch_margin: float = 0.03
-    # ... or for one that has been the better (by any amount) at this many steps in a row: a
-    # margin alone would keep a count up to switch_margin worse for good
-    switch_patience: int = 32
     min_k: int = 0
     # MoE models: choose k by expected tokens per byte read, counting the experts each
     # verified draft routes to (`expert_cost.py`); off, or on a dense model, the threshold rule
@@ -89,7 +86,6 @@ class AdaptiveK:
                             ("probe_interval", self.probe_interval, 0),
                             ("step_probe_interval", self.step_probe_interval, 0),
                             ("step_probe_max_interval", self.step_probe_max_interval, 0),
-                            ("switch_patience", self.switch_patience, 0),
                             ("min_k", self.min_k, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
                 raise ValueError(f"AdaptiveK {name} must be an int >= {lo}, got {name}={v!r}")
@@ -360,8 +356,6 @@ class AcceptanceTable:
         # from the fixed prior (engines that serve one kind of text serve similar acceptance)
         self.pool_trials = np.zeros(K)              # float[K]
         self.pool_hits = np.zeros(K)                # float[K]
-        self.challenger: int | None = None          # a count better than the rule's own ...
-        self.challenges = 0                         # ... at this many steps in a row
 
     def rows(self, seq_ids) -> np.ndarray:
         """Rows of these requests (new requests get a zeroed row). -> int[n]."""
@@ -406,17 +400,7 @@ class AcceptanceTable:
         if step_cost is not None and policy.expert_aware and len(k_max):
             args = (self.step_trials[r], self.step_hits[r], k_max, batch_size, step_cost,
                     times)
-            rule = policy.rule_passes(*args, self.chosen_passes)
-            if policy.switch_patience and rule == self.chosen_passes:
-                free = policy.rule_passes(*args, None)        # the best, no margin
-                # a walk up at each step another count is the better, down at each the
-                # rule's own is: it drifts up only while another is better more often
-                self.challenges = max(self.challenges + (1 if free != rule else -1), 0)
-                if free != rule:
-                    self.challenger = free
-                if self.challenges >= policy.switch_patience:
-                    rule, self.challenges = self.challenger, 0
-            self.chosen_passes = rule
+            rule = self.chosen_passes = policy.rule_passes(*args, self.chosen_passes)
             if self.probes is None:
                 self.probes = ProbeSchedule(max(policy.step_probe_interval, 2)
                                             if policy.step_probe_interval else 0,

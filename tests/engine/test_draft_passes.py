@@ -199,3 +199,8 @@ def test_step_times_skip_the_step_after_a_change_of_passes(monkeypatch):
     samples = [t for d in llm._loop.step_times.samples.values() for t in d]
     assert samples and max(samples) < 0.4, sorted(samples)[-3:]
     assert any(t >= 0.4 for _, t in llm._loop.switch_step_times)
+    # every decode step not timed is counted with its reason (the bench prints them)
+    untimed = llm._loop.untimed_steps
+    assert untimed[(3, "compiled")] >= 1
+    assert sum(n for (_, why), n in untimed.items() if why == "after a switch") == \
+        len(llm._loop.switch_step_times)

@@ -90,17 +90,18 @@ def fixed_rates(alpha):
 @pytest.mark.parametrize("alpha", [0.1, 0.3, 0.5, 0.65, 0.8, 0.95])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_simulated_engine_near_the_best_fixed_k(alpha, seed):
-    """Within the switch margin of the best fixed K everywhere; within 1% where every other
-    count is more than the margin behind (a near-tie may hold the count that is up to the
-    margin worse: that is what the margin is for). Probes every 64 steps without back-off,
-    re-timing every count out of use every 256 steps and no patience gave 0.967 at 0.1."""
+    """Within 1% of the best fixed K where every other count is more than the switch margin
+    behind; within the margin and that 1% where one is not (a near-tie may hold the count up
+    to the margin worse: that is what the margin is for). The 1% pays for timing every count
+    and the probes. Probes every 64 steps without back-off, re-timing every count out of use
+    every 256 steps and ten steps' memory gave 0.967 at acceptance 0.1."""
     steps, policy = 3000, AdaptiveK()
     best = max(t / s for t, s, _ in (simulate(lambda i: alpha, steps, seed, fixed=k)
                                      for k in range(4)))
     tok, sec, passes = simulate(lambda i: alpha, steps, seed, policy)
     rates = np.sort(fixed_rates(alpha))
     clear = rates[-2] < rates[-1] * (1 - policy.switch_margin)
-    floor = 0.99 if clear else 1 - policy.switch_margin
+    floor = 0.99 if clear else 0.99 - policy.switch_margin
     assert tok / sec >= floor * best, (alpha, seed, tok / sec / best, np.bincount(passes))
 
 
