@@ -49,6 +49,11 @@ class StepLoop:
         # (passes, seconds) of steady-looking steps right after a change of passes: kept
         # apart from the rule's step times (see _complete), reported by the e2e bench
         self.switch_step_times: collections.deque = collections.deque(maxlen=64)
+        # seconds of host work in step() and of waiting there for a step's result, and the
+        # step() calls they sum over: with async scheduling the device is idle while the host
+        # works (wait near 0) once the host takes longer than a step
+        self.host_seconds = self.wait_seconds = 0.0
+        self.timed_calls = 0
         # (passes, why) -> decode steps adaptive K did not time: what keeps a count unmeasured
         self.untimed_steps: collections.Counter = collections.Counter()
         # (SchedulerOutput, result, ks, passes, dispatched at, compiled, runner.num_compiles
@@ -61,6 +66,19 @@ class StepLoop:
     def step(self) -> None:
         """Schedules and dispatches one step, then completes one: this one (synchronous), or
         the one dispatched before it (async scheduling; this one is then in flight)."""
+        entered, waited = time.perf_counter(), self.wait_seconds
+        try:
+            self._step()
+        finally:
+            self.timed_calls += 1
+            self.host_seconds += (time.perf_counter() - entered) - (self.wait_seconds - waited)
+
+    def host_split(self) -> tuple[float, float]:
+        """(host work, waiting for results) in seconds per step() call so far."""
+        n = max(self.timed_calls, 1)
+        return self.host_seconds / n, self.wait_seconds / n
+
+    def _step(self) -> None:
         self._reclaim_slots()
         if self.inflight is not None and has_grammar(self.inflight[0]):
             # a grammar row's next masks follow the drafts and tokens this step returns: only
@@ -145,6 +163,9 @@ class StepLoop:
     def _complete(self, out, result, ks=None, passes=None, dispatched=None,
                   compiled=False, compiles_before=None) -> None:
         """Reads a dispatched step back, applies it and reports the news."""
+        reading = time.perf_counter()
+        jax.block_until_ready(result)
+        self.wait_seconds += time.perf_counter() - reading
         committed = self.runner.collect(out, result)
         done = time.perf_counter()
         # a compile while it was in flight (async scheduling dispatches the next step, which
