@@ -356,10 +356,11 @@ def time_generate(params, cfg, spec, prompts, args) -> dict:
     return dict(res, ms_per_step=1e3 * decode_s / steps, tok_per_s=tokens / decode_s)
 
 
-def engine_pass(llm, prompts, new_tokens: int) -> dict:
-    """One pass of the workload through generate_stream; times the decode phase."""
+def engine_pass(llm, prompts, new_tokens: int, verify_k: int | None = None) -> dict:
+    """One pass of the workload through generate_stream; times the decode phase. verify_k:
+    each request's SamplingParams.num_speculative_tokens (None: the engine's K)."""
     import mtpjax
-    sp = mtpjax.SamplingParams(max_tokens=new_tokens)
+    sp = mtpjax.SamplingParams(max_tokens=new_tokens, num_speculative_tokens=verify_k)
     compiled0 = _EVENTS[BACKEND_COMPILE]
     started, outs = set(), []
     tokens = 0
@@ -399,12 +400,17 @@ def time_engine(params, cfg, spec, prompts, args) -> dict:
             adaptive = AdaptiveK()        # expert-aware on MoE shapes; k <= --k per request
         llm = mtpjax.LLM(params, cfg, spec, mesh=mesh_of(args), adaptive_k=adaptive, **common,
                          **engine_kwargs(args, len(prompts)))
-    engine_pass(llm, prompts, args.new_tokens)                # compiles the buckets it uses
+    verify_k = args.verify_k if spec is not None else None
+    engine_pass(llm, prompts, args.new_tokens, verify_k)       # compiles the buckets it uses
     loop = getattr(llm, "_loop", None)
     if loop is not None:
         loop.host_seconds = loop.wait_seconds = 0.0
         loop.timed_calls = 0
-    out = compile_free_median(lambda: engine_pass(llm, prompts, args.new_tokens), args.repeats)
+    out = compile_free_median(lambda: engine_pass(llm, prompts, args.new_tokens, verify_k),
+                              args.repeats)
+    if verify_k is not None:
+        out["note"] = (out.get("note", "") + f" each request verifies <= {verify_k} of "
+                       f"K={args.k} drafts;").strip()
     if loop is not None:
         host, wait = loop.host_split()
         # host work per step above the device's time leaves the GPU idle (wait near 0)
@@ -688,6 +694,10 @@ def parse_args(argv):
                     choices=sorted(FUSION_MODES),
                     help="generate and engine rows with q/k/v and gate/up fused at load "
                          "(model/fused.py; one device); 'qkv': only q/k/v")
+    ap.add_argument("--verify-k", type=int, default=None, metavar="N",
+                    help="engine MTP rows: each request verifies at most N of the engine's K "
+                         "drafts (SamplingParams.num_speculative_tokens), e.g. a K=3 engine "
+                         "held at one draft beside a K=1 engine")
     ap.add_argument("--adaptive-k", action="store_true",
                     help="engine MTP rows choose each request's k per step (AdaptiveK(): tokens "
                          "per byte on MoE shapes); compare with fixed --k 0..3 runs")
@@ -746,6 +756,8 @@ def parse_args(argv):
     for name in ("tensor_parallel", "data_parallel", "replicas"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.verify_k is not None and not 0 <= args.verify_k <= args.k:
+        ap.error(f"--verify-k must be in 0..--k ({args.k}), got {args.verify_k}")
     if args.adaptive_k and args.replicas > 1:
         ap.error(f"--adaptive-k runs one engine; got --replicas {args.replicas}")
     if args.dp_attention < 0 or args.dp_attention and (

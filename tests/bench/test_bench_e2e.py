@@ -156,3 +156,21 @@ def test_a_child_killed_at_its_limit_still_reports_its_last_result_line(tmp_path
         e2e.subprocess.run = real
     assert r["n"] == 2 and r["killed_at_timeout"] is True and r["process_s"] >= 3
     assert e2e._last_result("no result here\n") is None
+
+
+def test_verify_k_holds_a_k_draft_engine_below_k(tmp_path):
+    """--verify-k N: each request of the engine MTP row verifies at most N of the engine's K
+    drafts (acceptance length <= N + 1), the row says so, and host work / waiting are printed;
+    an N outside 0..K is refused."""
+    from mtpjax.bench import e2e
+    rc = e2e.main(["--model-shape", "tiny-mla-moe", "--batch", "1", "--prompt-len", "4",
+                   "--new-tokens", "24", "--k", "3", "--verify-k", "1", "--accept-rate", "1.0",
+                   "--copy-mib", "4", "--repeats", "1", "--no-startup", "--rows", "engine MTP",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    row = [r for r in json.loads((tmp_path / "e2e.json").read_text())["rows"]
+           if "ms_per_step" in r][0]
+    assert 1.5 < row["acc_len"] <= 2.0          # every draft accepted, one verified a step
+    assert "verifies <= 1 of K=3" in row["note"] and "host " in row["note"]
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--model-shape", "tiny", "--k", "2", "--verify-k", "3"])
