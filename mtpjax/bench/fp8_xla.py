@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from mtpjax.bench.e2e import copy_bandwidth
+from mtpjax.bench.fp8_linear import wall
 
 BLOCK = 128
 
@@ -67,19 +67,7 @@ def _chain(fn, chain: int):
 
 
 def _us_per_call(f, args, chain: int, repeats: int = 20) -> float:
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) / chain * 1e6
-
-
-def copy_bandwidth(mib: int) -> float:
-    a = jnp.ones((mib * 2 ** 18,), jnp.float32)
-    f = jax.jit(lambda a: a * 1.0001)
-    return 2 * a.nbytes / (_us_per_call(f, (a,), 1) * 1e-6)
+    return wall(f, args, repeats) / chain * 1e6
 
 
 def measure(K: int, N: int, T: int, chain: int, seed: int = 0, hlo_dir: str | None = None):
