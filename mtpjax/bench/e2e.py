@@ -404,8 +404,7 @@ def time_engine(params, cfg, spec, prompts, args) -> dict:
     engine_pass(llm, prompts, args.new_tokens, verify_k)       # compiles the buckets it uses
     loop = getattr(llm, "_loop", None)
     if loop is not None:
-        loop.host_seconds = loop.wait_seconds = 0.0
-        loop.timed_calls = 0
+        loop.reset_host_split()
     out = compile_free_median(lambda: engine_pass(llm, prompts, args.new_tokens, verify_k),
                               args.repeats)
     if verify_k is not None:

@@ -52,8 +52,7 @@ class StepLoop:
         # seconds of host work in step() and of waiting there for a step's result, and the
         # step() calls they sum over: with async scheduling the device is idle while the host
         # works (wait near 0) once the host takes longer than a step
-        self.host_seconds = self.wait_seconds = 0.0
-        self.timed_calls = 0
+        self.reset_host_split()
         # (passes, why) -> decode steps adaptive K did not time: what keeps a count unmeasured
         self.untimed_steps: collections.Counter = collections.Counter()
         # (SchedulerOutput, result, ks, passes, dispatched at, compiled, runner.num_compiles
@@ -72,6 +71,11 @@ class StepLoop:
         finally:
             self.timed_calls += 1
             self.host_seconds += (time.perf_counter() - entered) - (self.wait_seconds - waited)
+
+    def reset_host_split(self) -> None:
+        """Starts `host_split`'s sums afresh (e.g. after the steps that compiled)."""
+        self.host_seconds = self.wait_seconds = 0.0
+        self.timed_calls = 0
 
     def host_split(self) -> tuple[float, float]:
         """(host work, waiting for results) in seconds per step() call so far."""
@@ -170,16 +174,16 @@ class StepLoop:
         done = time.perf_counter()
         # a compile while it was in flight (async scheduling dispatches the next step, which
         # may compile, before this one is read) delays its readback: not a step time either
-        steady = (self.adaptive_k is not None and dispatched is not None and not compiled
-                  and compiles_before == self.runner.num_compiles
-                  and out.decodes and len(out.decodes) == len(out.requests)
-                  and max(ks) == passes)
-        if self.adaptive_k is not None and out.decodes and not steady:
+        steady = False
+        if self.adaptive_k is not None and out.decodes:
+            # why a decode step is not timed; None: it is steady
             why = ("compiled" if compiled or compiles_before != self.runner.num_compiles
                    else "not dispatched" if dispatched is None
                    else "prefill in batch" if len(out.decodes) != len(out.requests)
-                   else "verified fewer")
-            self.untimed_steps[(passes, why)] += 1
+                   else "verified fewer" if max(ks) != passes else None)
+            steady = why is None
+            if not steady:
+                self.untimed_steps[(passes, why)] += 1
         if steady:
             # a steady pure-decode step's time (it verified as many drafts as it drew: a step
             # after a change of passes costs neither count's time), from when the device

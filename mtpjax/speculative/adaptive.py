@@ -308,13 +308,20 @@ def _tokens_per_byte_k(gain, k_max, batch_size: int, step_cost) -> np.ndarray:
     return np.where(score >= best * (1 - 1e-9), cols, -1).max(axis=1)
 
 
-def observe_steps(trials, hits, k_used, accepted, decay: float):
-    """Decayed counts after one verify step per request that proposed k_used int[n] drafts and
-    accepted the first accepted int[n]: positions 1..min(k_used, accepted + 1) were judged.
-    trials, hits float[n, K] -> new (trials, hits)."""
-    cols = np.arange(trials.shape[1])[None, :]
+def judged_positions(k_used, accepted, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """For one verify step per request that proposed k_used int[n] drafts and accepted the
+    first accepted int[n]: (judged, hit) bool[n, K], positions 1..min(k_used, accepted + 1)
+    judged, the first `accepted` of them kept."""
+    cols = np.arange(K)[None, :]
     judged = cols < np.minimum(k_used, accepted + 1)[:, None]
-    hit = (cols < accepted[:, None]).astype(trials.dtype)
+    return judged, judged & (cols < accepted[:, None])
+
+
+def observe_steps(trials, hits, k_used, accepted, decay: float):
+    """Decayed counts after one verify step per request (`judged_positions`): each judged
+    position's counts decay and gain the step. trials, hits float[n, K] -> new (trials,
+    hits)."""
+    judged, hit = judged_positions(k_used, accepted, trials.shape[1])
     return (np.where(judged, decay * trials + 1, trials),
             np.where(judged, decay * hits + hit, hits))
 
@@ -422,9 +429,7 @@ class AcceptanceTable:
         step_decay = decay if step_decay is None else step_decay
         self.step_trials[r], self.step_hits[r] = observe_steps(
             self.step_trials[r], self.step_hits[r], k_used, accepted, step_decay)
-        cols = np.arange(self.K)[None, :]
-        judged = cols < np.minimum(k_used, accepted + 1)[:, None]          # [n, K]
-        hit = judged & (cols < accepted[:, None])
+        judged, hit = judged_positions(k_used, accepted, self.K)         # bool[n, K]
         seen = judged.any(0)
         self.pool_trials = np.where(seen, step_decay * self.pool_trials + judged.sum(0),
                                     self.pool_trials)

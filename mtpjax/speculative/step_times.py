@@ -37,7 +37,7 @@ class StepTimes:
         self.window = window
         self.max_age = max_age
         self.samples: dict[tuple[int, int], collections.deque] = {}   # (bucket, passes) -> s
-        self._stamps: dict[tuple[int, int], collections.deque] = {}   # their record numbers
+        self._newest: dict[tuple[int, int], int] = {}         # key -> its newest record number
         self._medians: dict[tuple[int, int], float] = {}      # kept with each record
         self.recorded: collections.Counter = collections.Counter()   # key -> samples ever
         self._max_age: dict[tuple[int, int], int] = {}         # key -> its age limit now
@@ -46,9 +46,8 @@ class StepTimes:
     def record(self, rows: int, passes: int, seconds: float) -> None:
         key = (batch_bucket(rows), int(passes))
         got = self.samples.setdefault(key, collections.deque(maxlen=self.window))
-        stamps = self._stamps.setdefault(key, collections.deque(maxlen=self.window))
         got.append(float(seconds))
-        stamps.append(self.records)
+        self._newest[key] = self.records
         self.records += 1
         self.recorded[key] += 1
         self._medians[key] = float(np.median(got))
@@ -56,13 +55,12 @@ class StepTimes:
     def _fresh(self, key) -> collections.deque:
         """The key's samples, dropped all at once when the newest is older than the key's
         age limit (max_age, doubled at each expiry up to MAX_AGE_GROWTH x max_age)."""
-        got, stamps = self.samples.get(key), self._stamps.get(key)
+        got = self.samples.get(key)
         if not got:
             return got if got is not None else collections.deque()
         limit = self._max_age.get(key, self.max_age)
-        if stamps[-1] < self.records - limit:
+        if self._newest[key] < self.records - limit:
             got.clear()
-            stamps.clear()
             del self._medians[key]
             # the key is timed again from here, by a running engine, whose steps do not
             # drift as a fresh one's do: its samples may stand twice as long each time, so a

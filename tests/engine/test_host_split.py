@@ -19,8 +19,7 @@ def test_host_work_and_waiting_add_up_to_the_step_calls(async_scheduling):
                      async_scheduling=async_scheduling)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=6))           # compiles
     loop = llm._loop
-    loop.host_seconds = loop.wait_seconds = 0.0
-    loop.timed_calls = 0
+    loop.reset_host_split()
     schedule, sleep = loop.scheduler.schedule, 0.01
 
     def slow_schedule():                    # host work the split must count as host
