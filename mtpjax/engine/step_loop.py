@@ -198,6 +198,7 @@ class StepLoop:
                 # re-record its command buffers): timing it would judge the counts the rule
                 # switches among by their switching cost
                 self.switch_step_times.append((passes, seconds))
+                self.step_times.record_switch(len(out.decodes), passes, seconds)
                 self.untimed_steps[(passes, "after a switch")] += 1
         self.last_done = done
         self.last_passes = passes

@@ -63,6 +63,10 @@ class AdaptiveK:
     # ... and leaves its current pass count only for one expected to be this much better
     # (the acceptance estimates are noisy: near-equal counts would alternate)
     switch_margin: float = 0.03
+    # the share of the step time that the MoE step rule's detours (probes, re-timing a count
+    # out of use: two switches of compiled program each) may cost, once a switch's cost is
+    # measured (`StepTimes.detour_wait`); the detours wait at least that long apart
+    switch_budget: float = 0.01
     min_k: int = 0
     # MoE models: choose k by expected tokens per byte read, counting the experts each
     # verified draft routes to (`expert_cost.py`); off, or on a dense model, the threshold rule
@@ -74,7 +78,8 @@ class AdaptiveK:
                   ("step_decay", self.step_decay, 0.0, 1.0, "a number in [0, 1]"),
                   ("prior", self.prior, 0.0, 1.0, "a number in [0, 1]"),
                   ("prior_weight", self.prior_weight, 0.0, None, "a number >= 0"),
-                  ("switch_margin", self.switch_margin, 0.0, None, "a number >= 0"))
+                  ("switch_margin", self.switch_margin, 0.0, None, "a number >= 0"),
+                  ("switch_budget", self.switch_budget, 0.0, 1.0, "a number in [0, 1]"))
         for name, v, lo, hi, what in checks:
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
                     or not (v >= lo and (hi is None or v <= hi)):
@@ -217,25 +222,26 @@ class ProbeSchedule:
         self.left = 0                      # steps of the running probe still to come
         self.last_rule: int | None = None
 
-    def due(self, step_index: int, rule: int, clear=lambda: True) -> bool:
+    def due(self, step_index: int, rule: int, clear=lambda: True, min_wait: int = 0) -> bool:
         """Is the step at step_index (rule: the rule's own count for it) a probe step?
         clear(): does the rule's count lead clearly (`AdaptiveK.clear_lead`), asked when a
-        probe has just ended."""
+        probe has just ended. min_wait: no wait is shorter (`StepTimes.detour_wait`: what
+        the probe's switches cost)."""
         if not self.shortest:
             return False
         if self.next_at is None:
-            self.next_at = step_index + self.interval - 2
+            self.next_at = step_index + max(self.interval, min_wait) - 2
         if self.left:
             self.left -= 1
             return True
         if self.before is not None:                       # a probe just ended
             settled = rule == self.before and clear()
             self.interval = min(2 * self.interval, self.longest) if settled else self.shortest
-            self.next_at = step_index + self.interval - 2
+            self.next_at = step_index + max(self.interval, min_wait) - 2
             self.before = None
         elif self.last_rule is not None and rule != self.last_rule:
             self.interval = self.shortest                 # the count moved on its own
-            self.next_at = min(self.next_at, step_index + self.interval - 2)
+            self.next_at = min(self.next_at, step_index + max(self.interval, min_wait) - 2)
         self.last_rule = rule
         if step_index >= self.next_at:
             self.before, self.left = rule, 1
@@ -412,8 +418,14 @@ class AcceptanceTable:
                 self.probes = ProbeSchedule(max(policy.step_probe_interval, 2)
                                             if policy.step_probe_interval else 0,
                                             policy.step_probe_max_interval)
+            # switching is not free: detours wait long enough to keep their switches within
+            # the budget, and so does re-timing a count out of use
+            wait = 0 if times is None else times.detour_wait(batch_size, rule,
+                                                             policy.switch_budget)
+            if times is not None:
+                times.min_age = wait
             probe = self.probes.due(step_index, rule, lambda: policy.clear_lead(
-                *args, passes=rule))
+                *args, passes=rule), min_wait=wait)
         return policy.choose_step(self.trials[r], self.hits[r], self.steps[r], k_max,
                                   batch_size, step_cost, times, step_index, rule=rule,
                                   probe=probe)

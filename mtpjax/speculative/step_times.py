@@ -15,6 +15,14 @@ engine ran 1.5-2x slower than later ones, and a rule that timed one and two pass
 stayed at three passes where one gave 12% more tokens per second. Each expiry doubles the
 key's age limit (up to MAX_AGE_GROWTH x max_age): the samples that replace them are a running
 engine's, and re-timing a count out of use costs the steps it is not the best for.
+
+Switching costs too: the first step of another pass count runs another compiled program, and
+on an H200 (V2-Lite, batch 1) such a step took 4.6-17 ms where the count's steady steps took
+3.9-5.6 (the program's CUDA graphs are updated for buffers that moved while the other ran).
+`record_switch` keeps what each such step took beyond its count's steady time;
+`detour_wait` turns it into the fewest steps between two detours (a probe, a re-timing: two
+switches each) that keep their switching within a share of the time, and no key's age limit
+is shorter than that wait (`min_age`).
 """
 from __future__ import annotations
 
@@ -42,6 +50,9 @@ class StepTimes:
         self.recorded: collections.Counter = collections.Counter()   # key -> samples ever
         self._max_age: dict[tuple[int, int], int] = {}         # key -> its age limit now
         self.records = 0                                        # over every key
+        # seconds a step after a change of passes took beyond its count's steady time
+        self.switch_extra: collections.deque = collections.deque(maxlen=window)
+        self.min_age = 0            # no key expires sooner (set from `detour_wait`)
 
     def record(self, rows: int, passes: int, seconds: float) -> None:
         key = (batch_bucket(rows), int(passes))
@@ -52,13 +63,34 @@ class StepTimes:
         self.recorded[key] += 1
         self._medians[key] = float(np.median(got))
 
+    def record_switch(self, rows: int, passes: int, seconds: float) -> None:
+        """A step that ran right after a step of another pass count took `seconds`; what it
+        took beyond the count's steady time is the switch's cost (unknown before the count
+        is timed: not kept)."""
+        steady = self.measured(rows, passes)
+        if steady is not None:
+            self.switch_extra.append(max(float(seconds) - steady, 0.0))
+
+    def switch_seconds(self) -> float:
+        """The median extra time of a switch (0 before any was measured)."""
+        return float(np.median(self.switch_extra)) if self.switch_extra else 0.0
+
+    def detour_wait(self, rows: int, passes: int, budget: float) -> int:
+        """Steps at `passes` between two detours (two switches each) that keep the detours'
+        switching within `budget` (a share) of the time at `passes`; 0 while either time is
+        unmeasured or budget is 0."""
+        steady, extra = self.measured(rows, passes), self.switch_seconds()
+        if not steady or not extra or budget <= 0:
+            return 0
+        return int(np.ceil(2 * extra / (budget * steady)))
+
     def _fresh(self, key) -> collections.deque:
         """The key's samples, dropped all at once when the newest is older than the key's
         age limit (max_age, doubled at each expiry up to MAX_AGE_GROWTH x max_age)."""
         got = self.samples.get(key)
         if not got:
             return got if got is not None else collections.deque()
-        limit = self._max_age.get(key, self.max_age)
+        limit = max(self._max_age.get(key, self.max_age), self.min_age)
         if self._newest[key] < self.records - limit:
             got.clear()
             del self._medians[key]

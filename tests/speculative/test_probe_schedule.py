@@ -12,6 +12,9 @@ from mtpjax.speculative.step_times import StepTimes
 
 # V2-Lite, batch 1, H200: seconds of a steady step by draft passes 0..3
 STEP_SECONDS = (3.19e-3, 4.07e-3, 4.79e-3, 6.14e-3)
+# ... and what a step right after a change of passes took beyond that (4.6-17 ms against
+# 3.9-5.6 steady, V2-Lite batch 1, H200)
+SWITCH_SECONDS = 8e-3
 
 
 def probe_steps(schedule, rules):
@@ -48,12 +51,15 @@ def test_a_changed_count_restarts_the_shortest_wait():
     assert not ProbeSchedule(0, 64).due(10, 1)
 
 
-def simulate(alpha_of_step, steps, seed, policy=None, fixed=None, request_steps=None):
+def simulate(alpha_of_step, steps, seed, policy=None, fixed=None, request_steps=None,
+             switch_seconds=0.0):
     """A batch-1 engine on STEP_SECONDS: each step verifies as many drafts as it draws, each
     kept with probability alpha (iid, the chain stops at the first miss); a new request every
-    request_steps steps (None: one request throughout). -> (tokens,
-    seconds, passes per step). Every policy of a seed sees the same draws (common random
-    numbers), so their difference is the policy's, not the luck's."""
+    request_steps steps (None: one request throughout); a step whose pass count differs from
+    the step before takes switch_seconds more and is not a steady step (the engine keeps it
+    apart, `StepTimes.record_switch`). -> (tokens, seconds, passes per step). Every policy
+    of a seed sees the same draws (common random numbers), so their difference is the
+    policy's, not the luck's."""
     rng = np.random.default_rng(seed)
     draws, jitter = rng.random((steps, 3)), rng.uniform(0.97, 1.03, steps)
     cost = ExpertStepCost.from_config(e2e.model_config("deepseek-v2-lite"), 3)
@@ -72,9 +78,14 @@ def simulate(alpha_of_step, steps, seed, policy=None, fixed=None, request_steps=
         hits = draws[i, :k] < alpha_of_step(i)
         accepted = int(np.argmin(hits)) if not hits.all() else k
         t = STEP_SECONDS[passes] * jitter[i]
+        switched = bool(passes_run) and passes != passes_run[-1]
+        t += switch_seconds if switched else 0.0
         if fixed is None:
             table.observe([sid], [k], [accepted], policy.decay, policy.step_decay)
-            times.record(1, passes, t)
+            if switched and switch_seconds:
+                times.record_switch(1, passes, t)
+            else:
+                times.record(1, passes, t)
         tokens += 1 + accepted
         seconds += t
         passes_run.append(passes)
@@ -103,6 +114,59 @@ def test_simulated_engine_near_the_best_fixed_k(alpha, seed):
     clear = rates[-2] < rates[-1] * (1 - policy.switch_margin)
     floor = 0.99 if clear else 0.99 - policy.switch_margin
     assert tok / sec >= floor * best, (alpha, seed, tok / sec / best, np.bincount(passes))
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.3, 0.5, 0.8, 0.95])
+def test_switching_costs_keep_detours_apart(alpha):
+    """With a switch costing two steps (SWITCH_SECONDS), the rule's detours (probes,
+    re-timing counts out of use) wait until their switches fit the switch budget: within
+    4.5% of the best fixed K over 3000 steps (the first timing of every count and the
+    detours' own steps included), where the same rule without the budget lost up to 9%."""
+    steps = 3000
+    for seed in (0, 1, 2):
+        best = max(t / s for t, s, _ in (simulate(lambda i: alpha, steps, seed, fixed=k)
+                                         for k in range(4)))
+        tok, sec, passes = simulate(lambda i: alpha, steps, seed, AdaptiveK(),
+                                    switch_seconds=SWITCH_SECONDS)
+        switches = int(np.sum(np.diff(passes) != 0))
+        assert tok / sec >= 0.955 * best, (alpha, seed, tok / sec / best, switches)
+        assert switches <= 40, switches
+    if alpha == 0.5:        # without the budget: probes and re-timings every 64-256 steps
+        best = max(t / s for t, s, _ in (simulate(lambda i: alpha, steps, 0, fixed=k)
+                                         for k in range(4)))
+        tok, sec, passes = simulate(lambda i: alpha, steps, 0, AdaptiveK(switch_budget=0.0),
+                                    switch_seconds=SWITCH_SECONDS)
+        assert tok / sec < 0.95 * best and np.sum(np.diff(passes) != 0) > 80
+
+
+def test_detour_wait_keeps_two_switches_within_the_budget():
+    """detour_wait = ceil(2 x median extra of a switch / (budget x the count's steady step));
+    0 until both are measured; a switch into an unmeasured count is not kept; no key expires
+    before min_age."""
+    rng = np.random.default_rng(0)
+    times = StepTimes(window=4, max_age=8)
+    times.record_switch(1, 1, 0.02)                   # count 1 unmeasured: nothing to subtract
+    assert times.switch_seconds() == 0.0 and times.detour_wait(1, 1, 0.01) == 0
+    steady = rng.uniform(3e-3, 6e-3)
+    for _ in range(3):
+        times.record(1, 1, steady)
+    extras = rng.uniform(2e-3, 12e-3, 5)
+    for e in extras:
+        times.record_switch(1, 1, steady + e)
+    extra = float(np.median(extras[-4:]))
+    assert times.switch_seconds() == pytest.approx(extra)
+    assert times.detour_wait(1, 1, 0.01) == int(np.ceil(2 * extra / (0.01 * steady)))
+    assert times.detour_wait(1, 1, 0.0) == 0 and times.detour_wait(1, 2, 0.01) == 0
+    times.record_switch(1, 1, steady / 2)             # faster than steady: no negative cost
+    assert min(times.switch_extra) == 0.0
+    times.record(1, 0, 1e-3)
+    times.min_age = 50
+    for _ in range(40):                               # past max_age (8), within min_age
+        times.record(1, 1, steady)
+    assert times.count(1, 0) == 1
+    for _ in range(20):
+        times.record(1, 1, steady)
+    assert times.count(1, 0) == 0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
