@@ -304,7 +304,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int,
     draft_vocab: with `SpecConfig(draft_vocab_size=N)`, the token ids drafts come from (N ids,
     or ranked ids of which the first N are taken; speculative/draft_vocab.py).
     fuse_projections: run with q/k/v and gate/up weights concatenated once (model/fused.py;
-    one device only): True / "all" both groups, "qkv" only q/k/v (less memory), False none.
+    one device only): True / "all" both groups, "qkv" only q/k/v (less memory; on MLA also
+    kv_b split into the absorbed attention's halves), False none.
     layout: None (the sharding table) or "dp_attention" (MLA + MoE models on a (d, 1) mesh:
     each device runs attention for its own B / d requests over its own latent pages, the
     routed experts split over the devices; num_pages then counts every device's pages;

@@ -94,7 +94,8 @@ class LLM:
     or ranked ids of which the first N are taken; speculative/draft_vocab.py).
     fuse_projections: serve with q/k/v and gate/up weights concatenated once (one GEMM each;
     `model/fused.py`; one device only; the fused matrices are new arrays beside the caller's):
-    True / "all" both groups, "qkv" only q/k/v.
+    True / "all" both groups, "qkv" only q/k/v (on MLA: its query and kv_a projections, and
+    kv_b split into the absorbed attention's two halves).
     min_token_bucket: the smallest step shape, a power of two. A step's tokens and its MTP
     first pass are padded to powers of two >= it, each compiled once; 1 adds the buckets 1, 2
     and 4 (three more compiles per first-pass size) and lets a batch-1 decode run unpadded.

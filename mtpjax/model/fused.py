@@ -15,8 +15,11 @@ most of the extra memory: 7.5 of 9.1 GB at the 8B shape), `False` none.
 `wqkv` (and `bqkv` with biases) in place of wq/wk/wv (bq/bk/bv), every dense SwiGLU `w_gate_up`
 in place of w_gate/w_up; everything else is shared with the input. On DeepSeek-style layers
 the "qkv" group is MLA's query projection (wq, or wq_a under a q LoRA) with wkv_a, both reading
-the same x (`wq_kv_a [E, Q + R + dr]`), and "gate_up" also fuses the MoE shared experts'
-gate and up (`shared_gate_up`): at batch 1 a V2-Lite-shaped step ran ~29 kernels per layer,
+the same x (`wq_kv_a [E, Q + R + dr]`), and MLA's `wkv_b` is split once into the absorbed
+attention's halves `w_uk [R, H, dn]` and `w_uv [R, H, dv]` (sliced from `wkv_b` in the step, the
+halves were a copy of the weight every step: a `loop_slice_fusion` writing 4.2 MB per V2-Lite
+layer, 32 MB per DeepSeek-V3 layer, in the H200's step HLO); "gate_up" also fuses the MoE
+shared experts' gate and up (`shared_gate_up`): at batch 1 a V2-Lite-shaped step ran ~29 kernels per layer,
 most of them small GEMMs whose launch and tail cost more than their bytes. The model's projections read
 either layout (`gqa.qkv_projection`, `dense_ffn.DenseFFN`). One device only: on a mesh the
 table splits wq by head and wk/wv by KV head, which a concatenated matrix cannot follow; the
@@ -75,7 +78,20 @@ def _fuse(out: dict, names: tuple[str, ...], into: str) -> bool:
     return True
 
 
-def _fuse_block(block: dict, kinds: tuple[str, str], groups=GROUPS) -> dict:
+def _split_kv_b(out: dict, cfg) -> None:
+    """MLA: out["wkv_b"] [R, H * (dn + dv)] -> out["w_uk"] [R, H, dn], out["w_uv"] [R, H, dv]
+    (the absorbed attention's two halves, `mla._w_uk_uv`), in place of it. FP8 kv_b stays
+    whole (it is dequantized in the step, where the halves are slices of the widened copy)."""
+    w = out.get("wkv_b")
+    if w is None or is_fp8(w):
+        return
+    dn = cfg.mla.qk_nope_head_dim
+    w = w.reshape(cfg.mla.kv_lora_rank, cfg.num_heads, dn + cfg.mla.v_head_dim)
+    del out["wkv_b"]
+    out["w_uk"], out["w_uv"] = w[..., :dn], w[..., dn:]
+
+
+def _fuse_block(block: dict, kinds: tuple[str, str], cfg, groups=GROUPS) -> dict:
     out = dict(block)
     if "qkv" in groups and kinds[0] == "gqa" and _fuse(out, QKV, "wqkv"):
         if all(k in out for k in BQKV):
@@ -83,6 +99,7 @@ def _fuse_block(block: dict, kinds: tuple[str, str], groups=GROUPS) -> dict:
     if "qkv" in groups and kinds[0] == "mla":
         for names in MLA_QKV:                   # wq_kv_a [E, Q + R + dr]: mla_projections splits
             _fuse(out, names, "wq_kv_a")
+        _split_kv_b(out, cfg)
     if "gate_up" in groups and kinds[1] == "dense":
         _fuse(out, GATE_UP, "w_gate_up")
     if "gate_up" in groups and kinds[1] == "moe":
@@ -93,17 +110,18 @@ def _fuse_block(block: dict, kinds: tuple[str, str], groups=GROUPS) -> dict:
 def fuse_projections(params: dict, cfg, groups=GROUPS) -> dict:
     """The params with the `groups` ("qkv", "gate_up") fused (see above); idempotent."""
     out = dict(params)
-    out["layers"] = tuple(_fuse_block(p, k, groups) for p, k in zip(params["layers"],
-                                                                    cfg.layer_kinds()))
+    out["layers"] = tuple(_fuse_block(p, k, cfg, groups) for p, k in zip(params["layers"],
+                                                                         cfg.layer_kinds()))
     if "mtp" in params:
-        out["mtp"] = tuple(dict(m, block=_fuse_block(m["block"], cfg.mtp_layer_kind(), groups))
+        out["mtp"] = tuple(dict(m, block=_fuse_block(m["block"], cfg.mtp_layer_kind(), cfg,
+                                                     groups))
                            for m in params["mtp"])
     return out
 
 
 def is_fused(params: dict) -> bool:
     return any(k in p for p in params["layers"]
-               for k in ("wqkv", "w_gate_up", "wq_kv_a", "shared_gate_up"))
+               for k in ("wqkv", "w_gate_up", "wq_kv_a", "w_uk", "shared_gate_up"))
 
 
 def check_fusable(mesh) -> None:

@@ -104,6 +104,8 @@ def _w_uk_uv(p: dict, cfg, c):
     """kv_b_proj [R, H * (dn + dv)] -> (W_UK [R, H, dn], W_UV [R, H, dv], c). An FP8 kv_b is
     dequantized first (the absorption reshapes and contracts it per head, not as one GEMM),
     tied to the latent c so that it stays in the step (`dequantize_in_step`)."""
+    if "w_uk" in p:                      # split once at load (model/fused.py)
+        return p["w_uk"], p["w_uv"], c
     dn = cfg.mla.qk_nope_head_dim
     w, c = dequantize_in_step(p["wkv_b"], c)
     w = w.reshape(cfg.mla.kv_lora_rank, cfg.num_heads, dn + cfg.mla.v_head_dim)

@@ -144,7 +144,11 @@ def test_mla_and_shared_experts_fuse_with_the_same_outputs(q_lora, seed):
         else q_lora
     for layer in (fused["layers"][1], fused["mtp"][0]["block"]):       # MLA + MoE blocks
         assert layer["wq_kv_a"].shape == (E, q_width + m.kv_lora_rank + m.qk_rope_head_dim)
-        assert not {"wq", "wq_a", "wkv_a", "shared_gate", "shared_up"} & set(layer)
+        assert not {"wq", "wq_a", "wkv_a", "wkv_b", "shared_gate", "shared_up"} & set(layer)
+        # kv_b split once into the absorbed attention's halves
+        R, H = m.kv_lora_rank, cfg.num_heads
+        assert layer["w_uk"].shape == (R, H, m.qk_nope_head_dim)
+        assert layer["w_uv"].shape == (R, H, m.v_head_dim)
         assert layer["shared_gate_up"].shape == (E, 2 * cfg.moe.moe_intermediate_size)
     assert "w_gate_up" in fused["layers"][0]                          # the dense first layer
     assert fuse_projections(fused, cfg)["layers"][1].keys() == fused["layers"][1].keys()

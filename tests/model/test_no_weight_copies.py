@@ -126,6 +126,30 @@ def test_engine_step_moves_no_weights(params, monkeypatch):
     assert weight_moves(hlo, weight_shapes(params)) == []
 
 
+def test_fused_mla_step_slices_no_weight_halves(monkeypatch):
+    """MLA's absorbed attention uses kv_b as two halves, W_UK [R, H, dn] and W_UV [R, H, dv].
+    Sliced from kv_b inside the step they were copied every step (a `loop_slice_fusion` in
+    the H200 step of V2-Lite); `fuse_projections` splits kv_b once at load, so the engine's
+    step (verify and draft passes) holds them only as parameters."""
+    from tests.conftest import tiny_mla_moe_config
+    runner = __import__("mtpjax.engine.runner", fromlist=["_step"])
+    cfg = tiny_mla_moe_config(61)
+    mla_params = mtpjax.init_params(cfg, jax.random.PRNGKey(0), std=0.1)
+    m = cfg.mla
+    halves = {(m.kv_lora_rank, cfg.num_heads, m.qk_nope_head_dim),
+              (m.kv_lora_rank, cfg.num_heads, m.v_head_dim)}
+    moved = {}
+    for fuse in (False, True):
+        llm = mtpjax.LLM(mla_params, cfg, mtpjax.SpecConfig(num_speculative_tokens=2),
+                         num_pages=32, page_size=8, max_num_seqs=2, max_num_batched_tokens=32,
+                         fuse_projections=fuse)
+        hlo = capture_and_compile(monkeypatch, runner, "_step", lambda: llm.generate(
+            [[1, 2, 3]], mtpjax.SamplingParams(max_tokens=3)))
+        moved[fuse] = weight_moves(hlo, halves)
+    assert moved[False]            # the detector sees the in-step slices of the unsplit kv_b
+    assert moved[True] == []
+
+
 def test_every_jitted_step_goes_through_step_jit():
     import mtpjax.engine.runner as runner
     jitted = [getattr(m, n) for m in (gen, runner) for n in dir(m)
