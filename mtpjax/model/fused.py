@@ -19,9 +19,10 @@ the same x (`wq_kv_a [E, Q + R + dr]`), and MLA's `wkv_b` is split once into the
 attention's halves `w_uk [R, H, dn]` and `w_uv [R, H, dv]` (sliced from `wkv_b` in the step, the
 halves were a copy of the weight every step: a `loop_slice_fusion` writing 4.2 MB per V2-Lite
 layer, 32 MB per DeepSeek-V3 layer, in the H200's step HLO); "gate_up" also fuses the MoE
-shared experts' gate and up (`shared_gate_up`): at batch 1 a V2-Lite-shaped step ran ~29 kernels per layer,
-most of them small GEMMs whose launch and tail cost more than their bytes. The model's projections read
-either layout (`gqa.qkv_projection`, `dense_ffn.DenseFFN`). One device only: on a mesh the
+shared experts' gate and up (`shared_gate_up`): at batch 1 a V2-Lite-shaped step ran ~29
+kernels per layer, most of them small GEMMs whose launch and tail cost more than their bytes.
+The model's projections read either layout (`gqa.qkv_projection`, `dense_ffn.DenseFFN`,
+`mla._w_uk_uv`). One device only: on a mesh the
 table splits wq by head and wk/wv by KV head, which a concatenated matrix cannot follow; the
 engine and `generate` fuse after placing the params (the sharding table describes the unfused
 tree), so a one-device mesh works.

@@ -18,7 +18,7 @@ engine's, and re-timing a count out of use costs the steps it is not the best fo
 
 Switching costs too: the first step of another pass count runs another compiled program, and
 on an H200 (V2-Lite, batch 1) such a step took 4.6-17 ms where the count's steady steps took
-3.9-5.6 (the program's CUDA graphs are updated for buffers that moved while the other ran).
+3.9-5.6 (most likely its CUDA graphs being updated for buffers that moved meanwhile).
 `record_switch` keeps what each such step took beyond its count's steady time;
 `detour_wait` turns it into the fewest steps between two detours (a probe, a re-timing: two
 switches each) that keep their switching within a share of the time, and no key's age limit
