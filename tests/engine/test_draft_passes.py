@@ -204,3 +204,8 @@ def test_step_times_skip_the_step_after_a_change_of_passes(monkeypatch):
     assert untimed[(3, "compiled")] >= 1
     assert sum(n for (_, why), n in untimed.items() if why == "after a switch") == \
         len(llm._loop.switch_step_times)
+    # ... and what a switch cost beyond the steady time is kept for spacing the rule's detours
+    # (a switch into a count not timed yet is not)
+    extra = llm._loop.step_times.switch_extra
+    assert extra and max(extra) >= 0.4 - max(samples)
+    assert llm._loop.step_times.switch_seconds() > 0.3
