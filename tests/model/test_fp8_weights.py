@@ -201,6 +201,25 @@ def test_fused_projections_keep_fp8_blocks_whole():
     assert "wqkv" not in odd and isinstance(odd["wq"], Fp8Weight)
 
 
+def test_fused_projections_keep_an_fp8_kv_b_whole():
+    """Splitting MLA's kv_b into W_UK / W_UV at load is for bf16 weights; an FP8 kv_b stays
+    whole (dequantized in the step), a bf16 one beside FP8 query weights is split, and each
+    fused model's logits equal its unfused model's exactly (the same products and sums)."""
+    from mtpjax.model.fused import fuse_projections
+    cfg, params = _deepseek(num_mtp_layers=1)
+    q = quantize_fp8(params, BLOCK)
+    fused = fuse_projections(q, cfg)
+    for layer in fused["layers"]:
+        assert isinstance(layer["wkv_b"], Fp8Weight) and "w_uk" not in layer
+    half = fuse_projections(quantize_fp8(params, BLOCK, include=["wq", "wq_a", "wq_b"]), cfg)
+    assert all("wkv_b" not in layer and "w_uk" in layer for layer in half["layers"])
+    tokens = jnp.asarray([[1, 2, 3, 4, 5]], jnp.int32)
+    for model, unfused in ((fused, q), (half, quantize_fp8(params, BLOCK,
+                                                           include=["wq", "wq_a", "wq_b"]))):
+        np.testing.assert_array_equal(np.asarray(mtpjax.forward(model, cfg, tokens)),
+                                      np.asarray(mtpjax.forward(unfused, cfg, tokens)))
+
+
 def _loops_carry_fp8_only(hlo: str, params) -> None:
     """Every while loop of the optimized HLO carries its FP8 weights as f8e4m3fn, never as a
     dequantized f32 / bf16 copy made before the loop (loop-invariant code motion hoisted the
