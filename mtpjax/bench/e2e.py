@@ -449,6 +449,9 @@ def compile_free_median(run_pass, repeats: int) -> dict:
     for _ in range(2 * repeats):
         p = run_pass()
         (compiled if p["compiled"] else passes).append(p)
+        # one line per pass: a row cut off by a timeout still shows how far it got
+        log(f"  pass {len(passes) + len(compiled)}: {p['ms_per_step']:.2f} ms/step, "
+            f"{p['compiled']} programs compiled")
         if len(passes) == repeats:
             break
     if not passes:
