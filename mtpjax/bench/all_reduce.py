@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mtpjax.bench.fp8_linear import pipelined_wall
 from mtpjax.parallel.kernels import shard_map_compat
 from mtpjax.parallel.mesh import make_mesh
 
@@ -46,18 +46,10 @@ def mlp_stack(x, w_up, w_down, *, reduce: bool, reduce_dtype):
     return x
 
 
-def pipelined_wall(fn, args, repeats: int) -> float:
-    """Seconds per call of `repeats` calls dispatched back to back and waited for once (the
-    host's dispatch overlaps the device's work)."""
-    out = jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / repeats)
-    return best
+def best_wall(fn, args, repeats: int) -> float:
+    """Seconds per call: the best of three `fp8_linear.pipelined_wall` runs (calls dispatched
+    back to back, waited for once)."""
+    return min(pipelined_wall(fn, args, repeats) for _ in range(3))
 
 
 SPEC_UP, SPEC_DOWN = P(None, None, "model"), P(None, "model", None)
@@ -80,21 +72,21 @@ def measure(m: int, T: int, L: int, E: int, F: int, dtypes, repeats: int, out_di
     w_down = jnp.asarray(rng.standard_normal((L, F, E), np.float32) * F ** -0.5, jnp.bfloat16)
     one = jax.jit(lambda x, wu, wd: mlp_stack(x, wu, wd, reduce=False,
                                                  reduce_dtype=jnp.float32))
-    rows = [dict(T=T, form="one device", us_layer=pipelined_wall(one, (x, w_up, w_down),
+    rows = [dict(T=T, form="one device", us_layer=best_wall(one, (x, w_up, w_down),
                                                                  repeats) / L * 1e6)]
     if m > 1:
         mesh = make_mesh(tensor_parallel=m, devices=jax.devices()[:m])
         args = tuple(jax.device_put(a, NamedSharding(mesh, spec))
                      for a, spec in zip((x, w_up, w_down), (P(), SPEC_UP, SPEC_DOWN)))
         fn = build(mesh, reduce=False, reduce_dtype=jnp.float32)
-        base = pipelined_wall(fn, args, repeats) / L * 1e6
+        base = best_wall(fn, args, repeats) / L * 1e6
         rows.append(dict(T=T, form=f"TP={m}, no psum", us_layer=base))
         for name in dtypes:
             fn = build(mesh, reduce=True, reduce_dtype=jnp.dtype(name))
             if out_dir and T == 1:
                 with open(os.path.join(out_dir, f"all_reduce_{name}.hlo"), "w") as f:
                     f.write(fn.lower(*args).compile().as_text())
-            t = pipelined_wall(fn, args, repeats) / L * 1e6
+            t = best_wall(fn, args, repeats) / L * 1e6
             rows.append(dict(T=T, form=f"TP={m}, psum {name}", us_layer=t,
                              us_all_reduce=t - base))
     return rows

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtpjax.model.fp8_weight import concatenate_out, is_fp8
+from mtpjax.model.mla import kv_b_halves
 
 QKV = ("wq", "wk", "wv")
 BQKV = ("bq", "bk", "bv")
@@ -86,10 +87,7 @@ def _split_kv_b(out: dict, cfg) -> None:
     w = out.get("wkv_b")
     if w is None or is_fp8(w):
         return
-    dn = cfg.mla.qk_nope_head_dim
-    w = w.reshape(cfg.mla.kv_lora_rank, cfg.num_heads, dn + cfg.mla.v_head_dim)
-    del out["wkv_b"]
-    out["w_uk"], out["w_uv"] = w[..., :dn], w[..., dn:]
+    out["w_uk"], out["w_uv"] = kv_b_halves(out.pop("wkv_b"), cfg)
 
 
 def _fuse_block(block: dict, kinds: tuple[str, str], cfg, groups=GROUPS) -> dict:

@@ -106,10 +106,15 @@ def _w_uk_uv(p: dict, cfg, c):
     tied to the latent c so that it stays in the step (`dequantize_in_step`)."""
     if "w_uk" in p:                      # split once at load (model/fused.py)
         return p["w_uk"], p["w_uv"], c
-    dn = cfg.mla.qk_nope_head_dim
     w, c = dequantize_in_step(p["wkv_b"], c)
+    return (*kv_b_halves(w, cfg), c)
+
+
+def kv_b_halves(w, cfg):
+    """kv_b_proj [R, H * (dn + dv)] (not FP8) -> (W_UK [R, H, dn], W_UV [R, H, dv])."""
+    dn = cfg.mla.qk_nope_head_dim
     w = w.reshape(cfg.mla.kv_lora_rank, cfg.num_heads, dn + cfg.mla.v_head_dim)
-    return w[..., :dn], w[..., dn:], c
+    return w[..., :dn], w[..., dn:]
 
 
 class MLA:

@@ -52,6 +52,7 @@ class StepTimes:
         self.records = 0                                        # over every key
         # seconds a step after a change of passes took beyond its count's steady time
         self.switch_extra: collections.deque = collections.deque(maxlen=window)
+        self._switch_median = 0.0                               # kept with each switch
         self.min_age = 0            # no key expires sooner (set from `detour_wait`)
 
     def record(self, rows: int, passes: int, seconds: float) -> None:
@@ -70,10 +71,11 @@ class StepTimes:
         steady = self.measured(rows, passes)
         if steady is not None:
             self.switch_extra.append(max(float(seconds) - steady, 0.0))
+            self._switch_median = float(np.median(self.switch_extra))
 
     def switch_seconds(self) -> float:
         """The median extra time of a switch (0 before any was measured)."""
-        return float(np.median(self.switch_extra)) if self.switch_extra else 0.0
+        return self._switch_median
 
     def detour_wait(self, rows: int, passes: int, budget: float) -> int:
         """Steps at `passes` between two detours (two switches each) that keep the detours'
