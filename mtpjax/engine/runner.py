@@ -187,6 +187,7 @@ class ModelRunner:
         self.compiled_keys: set = set()      # programs run at least once (their compile done)
         self.last_step_compiled = False      # did the last dispatch compile or pad up?
         self.num_compiles = 0                # dispatches that traced and compiled a step
+        self.last_program = None             # the last dispatch's program (see dispatch)
         self.store = executable_store
         self.load_seconds = 0.0          # warmup's wait for the store's loads
         # the penalties' per-slot token history (device), made when a penalty batch first runs
@@ -445,6 +446,9 @@ class ModelRunner:
         self.last_step_compiled = compiles or (
             compiled is not None and compiled is not self.executables.get(own_key))
         self.compiled_keys.add(key)
+        # the program this step runs (a covering one while warming): a step whose program
+        # differs from the one before it may pay for the switch (adaptive K's timing)
+        self.last_program = key if compiled is None else id(compiled)
         if compiled is not None:                 # warmed up: no tracing, not even a cache lookup
             self.state, result = compiled(self.params, self.state, inputs)
         elif mode in PENALTY_MODES:              # the step carries the token history too

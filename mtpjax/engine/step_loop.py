@@ -45,8 +45,8 @@ class StepLoop:
         self.step_times = StepTimes()   # measured pure-decode steps, for adaptive K
         self.passes_used: collections.Counter = collections.Counter()    # passes -> steps
         self.last_done = 0.0            # perf_counter when the last step's result was read
-        self.last_passes = None         # draft passes of the last step read
-        # (passes, seconds) of steady-looking steps right after a change of passes: kept
+        self.last_program = None        # the runner's program of the last step read
+        # (passes, seconds) of steady-looking steps right after a change of program: kept
         # apart from the rule's step times (see _complete), reported by the e2e bench
         self.switch_step_times: collections.deque = collections.deque(maxlen=64)
         # seconds of host work in step() and of waiting there for a step's result, and the
@@ -56,7 +56,7 @@ class StepLoop:
         # (passes, why) -> decode steps adaptive K did not time: what keeps a count unmeasured
         self.untimed_steps: collections.Counter = collections.Counter()
         # (SchedulerOutput, result, ks, passes, dispatched at, compiled, runner.num_compiles
-        # after it) dispatched, unread
+        # after it, its program) dispatched, unread
         self.inflight = None
         self.needs_recovery = False     # a step raised and its recovery did not finish
         self.num_steps = 0
@@ -100,7 +100,7 @@ class StepLoop:
             result = self.runner.dispatch(out, None if all(k == self.K for k in ks) else ks,
                                           passes)
             launched = (out, result, ks, passes, t0, self.runner.last_step_compiled,
-                        self.runner.num_compiles)
+                        self.runner.num_compiles, self.runner.last_program)
             self.passes_used[passes] += 1
         if self.async_scheduling:
             launched, self.inflight = self.inflight, launched
@@ -165,7 +165,7 @@ class StepLoop:
         return self._expert_cost_cache
 
     def _complete(self, out, result, ks=None, passes=None, dispatched=None,
-                  compiled=False, compiles_before=None) -> None:
+                  compiled=False, compiles_before=None, program=None) -> None:
         """Reads a dispatched step back, applies it and reports the news."""
         reading = time.perf_counter()
         jax.block_until_ready(result)
@@ -190,18 +190,20 @@ class StepLoop:
             # could start it (its dispatch, or the previous step's end when it queued behind
             # it) to its result
             seconds = done - max(dispatched, self.last_done)
-            if passes == self.last_passes:
+            if program == self.last_program:
                 self.step_times.record(len(out.decodes), passes, seconds)
             else:
-                # the previous step ran another program, which may leave this one slower
-                # than in steady running (a GPU program's first run after another's can
-                # re-record its command buffers): timing it would judge the counts the rule
-                # switches among by their switching cost
+                # the previous step ran another program (other draft passes, or the same
+                # passes at another token bucket: the second step after a change of passes
+                # verifies the new count), which may leave this one slower than in steady
+                # running (a GPU program's first run after another's can re-record its
+                # command buffers): timing it would judge the counts the rule switches among
+                # by their switching cost
                 self.switch_step_times.append((passes, seconds))
                 self.step_times.record_switch(len(out.decodes), passes, seconds)
                 self.untimed_steps[(passes, "after a switch")] += 1
         self.last_done = done
-        self.last_passes = passes
+        self.last_program = program
         lps, lp_row = None, {}
         if self.max_logprobs:
             asked = [i for i, r in enumerate(out.requests) if r.seq.logprobs is not None]

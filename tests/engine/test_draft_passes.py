@@ -169,9 +169,11 @@ def test_step_times_skip_steps_delayed_by_a_compile(monkeypatch):
     assert max(samples) < 1.5, sorted(samples)[-3:]
 
 
-def test_step_times_skip_the_step_after_a_change_of_passes(monkeypatch):
-    """The first step on another pass count runs another program (slower on a GPU, here a
-    0.4 s sleep in its dispatch): it is kept apart from the rule's step times."""
+def test_step_times_skip_the_step_after_a_change_of_program(monkeypatch):
+    """A step that runs another program than the step before it (slower on a GPU, here a
+    0.4 s sleep in its dispatch) is kept apart from the rule's step times. After a change of
+    passes that is the first step (other passes) and often the second (the same passes, at
+    the token bucket of the new count's verify)."""
     import time
     cfg = tiny_mla_moe_config(71)
     params = mtpjax.init_params(cfg, jax.random.PRNGKey(7), std=0.05)
@@ -188,17 +190,24 @@ def test_step_times_skip_the_step_after_a_change_of_passes(monkeypatch):
                      async_scheduling=False)
     dispatch, last = llm.runner.dispatch, [None]
 
+    buckets = set()
+
     def slow_switches(out, ks=None, passes=None):
-        if last[0] is not None and passes != last[0]:
+        result = dispatch(out, ks, passes)
+        program = llm.runner.last_program
+        if last[0] is not None and program != last[0]:
             time.sleep(0.4)
-        last[0] = passes
-        return dispatch(out, ks, passes)
+            if last[0][3] == program[3]:             # same passes, another token bucket
+                buckets.add((last[0][0][0], program[0][0]))
+        last[0] = program
+        return result
     llm.runner.dispatch = slow_switches
     # steps that compiled are never timed (another test); the others after a switch sleep
     llm.generate(_prompts(cfg, 8, n=1), SamplingParams(max_tokens=60))
     samples = [t for d in llm._loop.step_times.samples.values() for t in d]
     assert samples and max(samples) < 0.4, sorted(samples)[-3:]
     assert any(t >= 0.4 for _, t in llm._loop.switch_step_times)
+    assert buckets, "no step changed token bucket at unchanged passes"
     # every decode step not timed is counted with its reason (the bench prints them)
     untimed = llm._loop.untimed_steps
     assert untimed[(3, "compiled")] >= 1
