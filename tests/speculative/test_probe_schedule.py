@@ -15,6 +15,8 @@ STEP_SECONDS = (3.19e-3, 4.07e-3, 4.79e-3, 6.14e-3)
 # ... and what a step right after a change of passes took beyond that (4.6-17 ms against
 # 3.9-5.6 steady, V2-Lite batch 1, H200)
 SWITCH_SECONDS = 8e-3
+# a verify's token bucket by the drafts it verifies (an MoE engine's buckets: 1, 2, 4, ...)
+VERIFY_BUCKET = (1, 2, 4, 4)
 
 
 def probe_steps(schedule, rules):
@@ -53,19 +55,21 @@ def test_a_changed_count_restarts_the_shortest_wait():
 
 def simulate(alpha_of_step, steps, seed, policy=None, fixed=None, request_steps=None,
              switch_seconds=0.0):
-    """A batch-1 engine on STEP_SECONDS: each step verifies as many drafts as it draws, each
-    kept with probability alpha (iid, the chain stops at the first miss); a new request every
-    request_steps steps (None: one request throughout); a step whose pass count differs from
-    the step before takes switch_seconds more and is not a steady step (the engine keeps it
-    apart, `StepTimes.record_switch`). -> (tokens, seconds, passes per step). Every policy
-    of a seed sees the same draws (common random numbers), so their difference is the
-    policy's, not the luck's."""
+    """A batch-1 engine on STEP_SECONDS: each step verifies at most the drafts the step
+    before drew, each kept with probability alpha (iid, the chain stops at the first miss); a
+    new request every request_steps steps (None: one request throughout). As in the engine,
+    a step's program is its draft passes and its verify's token bucket (1, 2, 4, 4 tokens for
+    0..3 drafts); a step whose program differs from the step before takes switch_seconds more
+    and is kept apart (`StepTimes.record_switch`), and a step that verified fewer drafts than
+    it draws is not timed. -> (tokens, seconds, passes per step). Every policy of a seed sees
+    the same draws (common random numbers), so their difference is the policy's, not the
+    luck's."""
     rng = np.random.default_rng(seed)
     draws, jitter = rng.random((steps, 3)), rng.uniform(0.97, 1.03, steps)
     cost = ExpertStepCost.from_config(e2e.model_config("deepseek-v2-lite"), 3)
     table, times = AcceptanceTable(3), StepTimes()
     tokens = seconds = 0.0
-    passes_run = []
+    passes_run, programs = [], []
     for i in range(steps):
         sid = i // request_steps if request_steps else 0
         if request_steps and i and i % request_steps == 0:
@@ -75,20 +79,25 @@ def simulate(alpha_of_step, steps, seed, policy=None, fixed=None, request_steps=
             k = int(ks[0])
         else:
             k = passes = fixed
+        k = min(k, passes_run[-1]) if passes_run else 0         # drafts the slot holds
         hits = draws[i, :k] < alpha_of_step(i)
         accepted = int(np.argmin(hits)) if not hits.all() else k
+        program = (VERIFY_BUCKET[k], passes)
         t = STEP_SECONDS[passes] * jitter[i]
-        switched = bool(passes_run) and passes != passes_run[-1]
+        switched = bool(programs) and program != programs[-1]
         t += switch_seconds if switched else 0.0
         if fixed is None:
             table.observe([sid], [k], [accepted], policy.decay, policy.step_decay)
-            if switched and switch_seconds:
+            if k != passes:
+                pass                                   # verified fewer: not a steady step
+            elif switched and switch_seconds:
                 times.record_switch(1, passes, t)
-            else:
+            elif not switched:
                 times.record(1, passes, t)
         tokens += 1 + accepted
         seconds += t
         passes_run.append(passes)
+        programs.append(program)
     return tokens, seconds, passes_run
 
 
@@ -101,27 +110,29 @@ def fixed_rates(alpha):
 @pytest.mark.parametrize("alpha", [0.1, 0.3, 0.5, 0.65, 0.8, 0.95])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_simulated_engine_near_the_best_fixed_k(alpha, seed):
-    """Within 1% of the best fixed K where every other count is more than the switch margin
-    behind; within the margin and that 1% where one is not (a near-tie may hold the count up
-    to the margin worse: that is what the margin is for). The 1% pays for timing every count
-    and the probes. Probes every 64 steps without back-off, re-timing every count out of use
-    every 256 steps and ten steps' memory gave 0.967 at acceptance 0.1."""
+    """Within 2% of the best fixed K where every other count is more than the switch margin
+    behind; within the margin and that 2% where one is not (a near-tie may hold the count up
+    to the margin worse: that is what the margin is for). The 2% pays for timing every count
+    (its first steps after a change of program are not timed) and the probes: 98.4-99.6%
+    where the lead is clear. Probes every 64 steps without back-off, re-timing every count out
+    of use every 256 steps and ten steps' memory gave 0.967 at acceptance 0.1."""
     steps, policy = 3000, AdaptiveK()
     best = max(t / s for t, s, _ in (simulate(lambda i: alpha, steps, seed, fixed=k)
                                      for k in range(4)))
     tok, sec, passes = simulate(lambda i: alpha, steps, seed, policy)
     rates = np.sort(fixed_rates(alpha))
     clear = rates[-2] < rates[-1] * (1 - policy.switch_margin)
-    floor = 0.99 if clear else 0.99 - policy.switch_margin
+    floor = 0.98 if clear else 0.98 - policy.switch_margin
     assert tok / sec >= floor * best, (alpha, seed, tok / sec / best, np.bincount(passes))
 
 
 @pytest.mark.parametrize("alpha", [0.1, 0.3, 0.5, 0.8, 0.95])
 def test_switching_costs_keep_detours_apart(alpha):
-    """With a switch costing two steps (SWITCH_SECONDS), the rule's detours (probes,
-    re-timing counts out of use) wait until their switches fit the switch budget: within
-    4.5% of the best fixed K over 3000 steps (the first timing of every count and the
-    detours' own steps included), where the same rule without the budget lost up to 9%."""
+    """With a switch of program costing two steps (SWITCH_SECONDS; a detour to another
+    count and back takes two to four), the rule's detours (probes, re-timing counts out of
+    use) wait until their switches fit the switch budget: within 6.5% of the best fixed K
+    over 3000 steps (93.9-97.9%; the first timing of every count and the detours' own steps
+    included), where the same rule without the budget lost up to 16% (at 0.3)."""
     steps = 3000
     for seed in (0, 1, 2):
         best = max(t / s for t, s, _ in (simulate(lambda i: alpha, steps, seed, fixed=k)
@@ -129,14 +140,14 @@ def test_switching_costs_keep_detours_apart(alpha):
         tok, sec, passes = simulate(lambda i: alpha, steps, seed, AdaptiveK(),
                                     switch_seconds=SWITCH_SECONDS)
         switches = int(np.sum(np.diff(passes) != 0))
-        assert tok / sec >= 0.955 * best, (alpha, seed, tok / sec / best, switches)
-        assert switches <= 40, switches
+        assert tok / sec >= 0.935 * best, (alpha, seed, tok / sec / best, switches)
+        assert switches <= 45, switches
     if alpha == 0.5:        # without the budget: probes and re-timings every 64-256 steps
         best = max(t / s for t, s, _ in (simulate(lambda i: alpha, steps, 0, fixed=k)
                                          for k in range(4)))
         tok, sec, passes = simulate(lambda i: alpha, steps, 0, AdaptiveK(switch_budget=0.0),
                                     switch_seconds=SWITCH_SECONDS)
-        assert tok / sec < 0.95 * best and np.sum(np.diff(passes) != 0) > 80
+        assert tok / sec < 0.92 * best and np.sum(np.diff(passes) != 0) > 80
 
 
 def test_detour_wait_keeps_two_switches_within_the_budget():
