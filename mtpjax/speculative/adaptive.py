@@ -64,8 +64,8 @@ class AdaptiveK:
     # (the acceptance estimates are noisy: near-equal counts would alternate)
     switch_margin: float = 0.03
     # the share of the step time that the MoE step rule's detours (probes, re-timing a count
-    # out of use: two switches of compiled program each) may cost, once a switch's cost is
-    # measured (`StepTimes.detour_wait`); the detours wait at least that long apart
+    # out of use: up to four switches of compiled program each) may cost, once a switch's
+    # cost is measured (`StepTimes.detour_wait`); the detours wait at least that long apart
     switch_budget: float = 0.01
     min_k: int = 0
     # MoE models: choose k by expected tokens per byte read, counting the experts each

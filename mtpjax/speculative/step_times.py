@@ -16,13 +16,14 @@ stayed at three passes where one gave 12% more tokens per second. Each expiry do
 key's age limit (up to MAX_AGE_GROWTH x max_age): the samples that replace them are a running
 engine's, and re-timing a count out of use costs the steps it is not the best for.
 
-Switching costs too: the first step of another pass count runs another compiled program, and
-on an H200 (V2-Lite, batch 1) such a step took 4.6-17 ms where the count's steady steps took
-3.9-5.6 (most likely its CUDA graphs being updated for buffers that moved meanwhile).
+Switching costs too: a step that runs another compiled program than the step before (another
+pass count, or the same count at another verify width) may take longer, and on an H200
+(V2-Lite, batch 1) such a step took 4.6-17 ms where the count's steady steps took 3.9-5.6
+(most likely its CUDA graphs being updated for buffers that moved meanwhile).
 `record_switch` keeps what each such step took beyond its count's steady time;
-`detour_wait` turns it into the fewest steps between two detours (a probe, a re-timing: two
-switches each) that keep their switching within a share of the time, and no key's age limit
-is shorter than that wait (`min_age`).
+`detour_wait` turns it into the fewest steps between two detours (a probe, a re-timing: up
+to DETOUR_SWITCHES switches each) that keep their switching within a share of the time, and
+no key's age limit is shorter than that wait (`min_age`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ import numpy as np
 def batch_bucket(rows: int) -> int:
     """Decode rows -> the power of two >= rows (steps of similar batches share samples)."""
     return 1 << max(int(rows) - 1, 0).bit_length()
+
+# program switches of one detour to another count and back: two at each change of count,
+# as the step after it verifies the new count's drafts at that count's token bucket
+DETOUR_SWITCHES = 4
 
 
 class StepTimes:
@@ -78,13 +83,13 @@ class StepTimes:
         return self._switch_median
 
     def detour_wait(self, rows: int, passes: int, budget: float) -> int:
-        """Steps at `passes` between two detours (two switches each) that keep the detours'
-        switching within `budget` (a share) of the time at `passes`; 0 while either time is
-        unmeasured or budget is 0."""
+        """Steps at `passes` between two detours (DETOUR_SWITCHES switches each) that keep
+        the detours' switching within `budget` (a share) of the time at `passes`; 0 while
+        either time is unmeasured or budget is 0."""
         steady, extra = self.measured(rows, passes), self.switch_seconds()
         if not steady or not extra or budget <= 0:
             return 0
-        return int(np.ceil(2 * extra / (budget * steady)))
+        return int(np.ceil(DETOUR_SWITCHES * extra / (budget * steady)))
 
     def _fresh(self, key) -> collections.deque:
         """The key's samples, dropped all at once when the newest is older than the key's

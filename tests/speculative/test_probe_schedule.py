@@ -130,9 +130,10 @@ def test_simulated_engine_near_the_best_fixed_k(alpha, seed):
 def test_switching_costs_keep_detours_apart(alpha):
     """With a switch of program costing two steps (SWITCH_SECONDS; a detour to another
     count and back takes two to four), the rule's detours (probes, re-timing counts out of
-    use) wait until their switches fit the switch budget: within 6.5% of the best fixed K
-    over 3000 steps (93.9-97.9%; the first timing of every count and the detours' own steps
-    included), where the same rule without the budget lost up to 16% (at 0.3)."""
+    use) wait until four switches fit the switch budget: within 5% of the best fixed K over
+    3000 steps (95.6-98.9%; the first timing of every count and the detours' own steps
+    included; 93.9-97.9% when the wait counted two switches), where the same rule without
+    the budget lost up to 16% (at 0.3)."""
     steps = 3000
     for seed in (0, 1, 2):
         best = max(t / s for t, s, _ in (simulate(lambda i: alpha, steps, seed, fixed=k)
@@ -140,8 +141,8 @@ def test_switching_costs_keep_detours_apart(alpha):
         tok, sec, passes = simulate(lambda i: alpha, steps, seed, AdaptiveK(),
                                     switch_seconds=SWITCH_SECONDS)
         switches = int(np.sum(np.diff(passes) != 0))
-        assert tok / sec >= 0.935 * best, (alpha, seed, tok / sec / best, switches)
-        assert switches <= 45, switches
+        assert tok / sec >= 0.95 * best, (alpha, seed, tok / sec / best, switches)
+        assert switches <= 30, switches
     if alpha == 0.5:        # without the budget: probes and re-timings every 64-256 steps
         best = max(t / s for t, s, _ in (simulate(lambda i: alpha, steps, 0, fixed=k)
                                          for k in range(4)))
@@ -150,8 +151,8 @@ def test_switching_costs_keep_detours_apart(alpha):
         assert tok / sec < 0.92 * best and np.sum(np.diff(passes) != 0) > 80
 
 
-def test_detour_wait_keeps_two_switches_within_the_budget():
-    """detour_wait = ceil(2 x median extra of a switch / (budget x the count's steady step));
+def test_detour_wait_keeps_a_detours_switches_within_the_budget():
+    """detour_wait = ceil(4 x median extra of a switch / (budget x the count's steady step));
     0 until both are measured; a switch into an unmeasured count is not kept; no key expires
     before min_age."""
     rng = np.random.default_rng(0)
@@ -166,7 +167,7 @@ def test_detour_wait_keeps_two_switches_within_the_budget():
         times.record_switch(1, 1, steady + e)
     extra = float(np.median(extras[-4:]))
     assert times.switch_seconds() == pytest.approx(extra)
-    assert times.detour_wait(1, 1, 0.01) == int(np.ceil(2 * extra / (0.01 * steady)))
+    assert times.detour_wait(1, 1, 0.01) == int(np.ceil(4 * extra / (0.01 * steady)))
     assert times.detour_wait(1, 1, 0.0) == 0 and times.detour_wait(1, 2, 0.01) == 0
     times.record_switch(1, 1, steady / 2)             # faster than steady: no negative cost
     assert min(times.switch_extra) == 0.0
