@@ -145,8 +145,12 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
     is_last = batch.kinds == KIND_LAST_CHUNK
     is_resume = batch.kinds == KIND_RESUME
     is_chunk = (batch.kinds == KIND_CHUNK) | is_last | is_resume
-    drafts = state.drafts[batch.slots]
-    probs = state.draft_probs[batch.slots]
+    # every state row the step reads from a slot, gathered once: left to XLA, each gather is
+    # fused into each of its consumers, some of which it may run after the slot's in-place
+    # update, so it copied the whole state array first (twice, in the CPU HLO)
+    drafts, probs, old_tokens, old_hidden = jax.lax.optimization_barrier(
+        (state.drafts[batch.slots], state.draft_probs[batch.slots],
+         state.hist_tokens[batch.slots], state.hist_hidden[batch.slots]))
     # N before the step: the slot's for decodes, the host's for chunks
     start = jnp.where(is_dec, state.seq_len[batch.slots], batch.kv_lens - q_len)
     kv_lens = start + q_len
@@ -248,15 +252,14 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         from_step = pos >= start[r_of]
         step_row = jnp.clip(cu[r_of] + pos - start[r_of], 0, T - 1)
         hist_idx = jnp.clip(W - (start[r_of] - pos), 0, W - 1)
-        slot_f = batch.slots[r_of]
         h0 = jnp.where(from_step[:, None], hidden[step_row],
-                       state.hist_hidden[slot_f, hist_idx].astype(hidden.dtype))
+                       old_hidden[r_of, hist_idx].astype(hidden.dtype))
         # the token one past each position
         acc_idx = jnp.clip(pos - start[r_of], 0, K)
         chunk_next = jnp.where(pos + 1 < kv_lens[r_of],
                                tokens[jnp.clip(step_row + 1, 0, T - 1)], pending[r_of])
         tok_step = jnp.where(is_dec[r_of], acc[r_of, acc_idx], chunk_next)
-        t0 = jnp.where(from_step, tok_step, state.hist_tokens[slot_f, hist_idx])
+        t0 = jnp.where(from_step, tok_step, old_tokens[r_of, hist_idx])
         pos = jnp.where(valid, pos, -1)
         t0 = jnp.where(valid, t0, 0)
         h0 = jnp.where(valid[:, None], h0, 0)
@@ -270,8 +273,6 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
         in_window = hist_pos >= (new_len - L)[:, None]
         tail = jnp.clip(cu_f[1:, None] - W + jnp.arange(W)[None, :], 0, F - 1)     # [R, W]
         kept = jnp.clip(hist_pos - start[:, None] + W, 0, W - 1)                   # [R, W]
-        old_tokens = state.hist_tokens[batch.slots]
-        old_hidden = state.hist_hidden[batch.slots]
         shifted_tokens = jnp.take_along_axis(old_tokens, kept, axis=1)
         shifted_hidden = jnp.take_along_axis(old_hidden, kept[:, :, None], axis=1)
         hist_tokens = jnp.where(in_window, t0[tail], shifted_tokens)

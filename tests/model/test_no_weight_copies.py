@@ -191,3 +191,43 @@ def test_generate_and_the_engine_run_the_same_step(params, monkeypatch):
     got = llm.generate([[7, 8, 9, 10, 11]], mtpjax.SamplingParams(max_tokens=5))
     assert len(calls) > 2                                 # the engine's buckets
     assert got[0].token_ids == out.tokens[0]
+
+
+def test_engine_steps_update_slot_state_in_place(monkeypatch):
+    """The step reads each slot's draft-input history (hist_tokens [S, W], hist_hidden
+    [S, W, H]) and writes it back: XLA fused the row gathers into several consumers, some of
+    which it could run after the in-place update, and so copied the whole arrays first (at
+    batch 1, in the one-token programs adaptive K runs). Every program an adaptive-K engine
+    compiles, zero to K passes, updates them and draft_probs [S, K, V] in place."""
+    import mtpjax.speculative.adaptive as adaptive
+    from tests.conftest import tiny_mla_moe_config
+    runner = __import__("mtpjax.engine.runner", fromlist=["_step"])
+    cfg = tiny_mla_moe_config(59)
+    mla_params = mtpjax.init_params(cfg, jax.random.PRNGKey(1), std=0.1)
+    llm = mtpjax.LLM(mla_params, cfg, mtpjax.SpecConfig(num_speculative_tokens=3),
+                     num_pages=32, page_size=8, max_num_seqs=3,
+                     adaptive_k=mtpjax.AdaptiveK())
+    monkeypatch.setattr(adaptive, "_best_passes", lambda *a, **k: 0)   # then one-token steps
+    fn, calls = runner._step, {}
+
+    def spy(*args, **kwargs):
+        key = tuple(sorted((k, v) for k, v in kwargs.items() if k != "backend"))
+        calls.setdefault(key, (jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, jax.Array) else a,
+            args), kwargs))
+        return fn(*args, **kwargs)
+    monkeypatch.setattr(runner, "_step", spy)
+    llm.generate([[1, 2, 3, 4, 5]], mtpjax.SamplingParams(max_tokens=16))
+    monkeypatch.undo()
+    state = llm.runner.state
+    arrays = {"hist_tokens": state.hist_tokens, "hist_hidden": state.hist_hidden,
+              "draft_probs": state.draft_probs}
+    kinds = {name: (a.dtype.name.replace("float", "f").replace("int", "s"),
+                    ",".join(map(str, a.shape))) for name, a in arrays.items()}
+    one_token = [kw for _, kw in calls.values() if kw["shape"][0] == 1]
+    assert {kw["draft_passes"] for kw in one_token} >= {0, 1}, sorted(calls)
+    for args, kwargs in calls.values():
+        hlo = fn.lower(*args, **kwargs).compile().as_text()
+        copied = [name for name, (dt, dims) in kinds.items()
+                  if re.search(rf"= {dt}\[{dims}\]\{{[\d,]*\}} copy\(", hlo)]
+        assert copied == [], (kwargs["shape"], kwargs["draft_passes"], copied)
