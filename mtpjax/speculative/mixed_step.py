@@ -145,12 +145,14 @@ def mixed_step(params, cfg: ModelConfig, spec: SpecConfig, state: SlotState, bat
     is_last = batch.kinds == KIND_LAST_CHUNK
     is_resume = batch.kinds == KIND_RESUME
     is_chunk = (batch.kinds == KIND_CHUNK) | is_last | is_resume
-    # every state row the step reads from a slot, gathered once: left to XLA, each gather is
-    # fused into each of its consumers, some of which it may run after the slot's in-place
-    # update, so it copied the whole state array first (twice, in the CPU HLO)
-    drafts, probs, old_tokens, old_hidden = jax.lax.optimization_barrier(
-        (state.drafts[batch.slots], state.draft_probs[batch.slots],
-         state.hist_tokens[batch.slots], state.hist_hidden[batch.slots]))
+    drafts = state.drafts[batch.slots]
+    probs = state.draft_probs[batch.slots]
+    # the draft-input history's rows, gathered once: left to XLA, the gathers were fused
+    # into several consumers, some of which it may run after the slots' in-place update, so
+    # it copied both whole arrays first (twice, in the CPU HLO). (draft_probs stays out of
+    # the barrier: a greedy step never reads it, and the barrier would keep its gather.)
+    old_tokens, old_hidden = jax.lax.optimization_barrier(
+        (state.hist_tokens[batch.slots], state.hist_hidden[batch.slots]))
     # N before the step: the slot's for decodes, the host's for chunks
     start = jnp.where(is_dec, state.seq_len[batch.slots], batch.kv_lens - q_len)
     kv_lens = start + q_len
