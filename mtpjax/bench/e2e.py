@@ -221,6 +221,19 @@ def step_bytes(w: dict, cfg, batch: int, ctx: float, K: int, draft_vocab: int = 
     return {"weights": target, "mtp_drafts": drafts, "kv": kv, "total": target + drafts + kv}
 
 
+def mixed_step_bytes(w: dict, cfg, batch: int, ctx: float, passes_used: dict,
+                     draft_vocab: int = 0) -> dict:
+    """`step_bytes` of an engine whose steps ran different draft passes (adaptive K):
+    passes_used {passes: steps} -> each part averaged over the steps, a step of p passes
+    counted as a fixed K = p step (it verifies at most p drafts)."""
+    total = sum(passes_used.values())
+    if total <= 0:
+        raise ValueError(f"passes_used must count at least one step, got {passes_used}")
+    parts = [(n / total, step_bytes(w, cfg, batch, ctx, p, draft_vocab))
+             for p, n in passes_used.items()]
+    return {k: sum(share * b[k] for share, b in parts) for k in parts[0][1]}
+
+
 def copy_bandwidth(mib: int, rounds: int = 5, chain: int = 10, warmup_s: float = 1.0) -> float:
     """Bytes/s of a jitted array copy (read + written), median of `rounds` of `chain` copies,
     after `warmup_s` seconds of untimed copies. Without the warm-up the first process of a
@@ -417,6 +430,7 @@ def time_engine(params, cfg, spec, prompts, args) -> dict:
                        f"{1e3 * wait:.2f} ms per step;").strip()
     if args.adaptive_k and args.replicas == 1 and spec is not None:
         used = llm._loop.passes_used                   # over every pass, the first included
+        out["passes_used"] = dict(used)                # the row's floor averages over them
         out["note"] = (out.get("note", "") + " draft passes per step: " + ", ".join(
             f"{p}: {n}" for p, n in sorted(used.items()))).strip()
         timed = llm._loop.step_times.summary()       # the step times the rule decided on
@@ -702,7 +716,8 @@ def parse_args(argv):
                          "held at one draft beside a K=1 engine")
     ap.add_argument("--adaptive-k", action="store_true",
                     help="engine MTP rows choose each request's k per step (AdaptiveK(): tokens "
-                         "per byte on MoE shapes); compare with fixed --k 0..3 runs")
+                         "per byte on MoE shapes; the floor averages the bytes of the passes "
+                         "its steps ran); compare with fixed --k 0..3 runs")
     ap.add_argument("--fp8", nargs="?", const="block", default=None, choices=["block", "channel"],
                     help="projection weights quantized to FP8 (quantize_fp8: 128x128 block scales, "
                          "or per output channel); the floor counts their FP8 bytes")
@@ -895,7 +910,9 @@ def _run(args, cache_dir, cache_files, fresh) -> int:
 
     def add(row: dict, batch=None, drafts=0, draft_vocab=0):
         if batch is not None and "ms_per_step" in row:
-            b = step_bytes(w, cfg, batch, ctx, drafts, draft_vocab)
+            b = (mixed_step_bytes(w, cfg, batch, ctx, row["passes_used"], draft_vocab)
+                 if row.get("passes_used") else step_bytes(w, cfg, batch, ctx, drafts,
+                                                          draft_vocab))
             row["bytes_per_step"] = b
             row["floor_ms"] = 1e3 * b["total"] / bw
             row["pct_floor"] = 100 * row["floor_ms"] / row["ms_per_step"]

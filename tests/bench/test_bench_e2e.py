@@ -4,6 +4,7 @@ skipped, the table last and e2e.json written."""
 import json
 import math
 
+import numpy as np
 import pytest
 
 from mtpjax.cli import main
@@ -61,6 +62,19 @@ def test_mla_moe_shape_bytes_and_rows(capsys, tmp_path):
     assert 5.9 < e2e.touched_experts(cfg, 1) <= 6 and 63 < e2e.touched_experts(cfg, 128) <= 64
     b1, b32 = (e2e.step_bytes(w, cfg, b, 192.0, 3)["total"] for b in (1, 32))
     assert b1 < b32 < b1 + 26 * 64 * w["expert"] + 32 * 192 * 27 * 576 * 2 + 3 * 64 * w["expert"]
+    # an adaptive-K row's floor: its steps' bytes averaged by the passes each ran
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        used = {p: int(n) for p, n in enumerate(rng.integers(0, 50, 4)) if n}
+        mixed = e2e.mixed_step_bytes(w, cfg, 1, 192.0, used)
+        total = sum(used.values())
+        for part in ("weights", "mtp_drafts", "kv", "total"):
+            assert mixed[part] == pytest.approx(sum(
+                n * e2e.step_bytes(w, cfg, 1, 192.0, p)[part] for p, n in used.items()) / total)
+    assert e2e.mixed_step_bytes(w, cfg, 32, 192.0, {3: 7}) == pytest.approx(
+        e2e.step_bytes(w, cfg, 32, 192.0, 3))
+    with pytest.raises(ValueError, match="passes_used must count at least one step"):
+        e2e.mixed_step_bytes(w, cfg, 1, 192.0, {})
 
     # 96 tokens and medians of 3: with 32 and one run, a loaded 2-core CI machine once timed
     # the prefill-only run longer than the full one (the row then reads "below the timing
@@ -174,3 +188,23 @@ def test_verify_k_holds_a_k_draft_engine_below_k(tmp_path):
     assert "verifies <= 1 of K=3" in row["note"] and "host " in row["note"]
     with pytest.raises(SystemExit):
         e2e.parse_args(["--model-shape", "tiny", "--k", "2", "--verify-k", "3"])
+
+
+def test_adaptive_row_floor_averages_its_passes(tmp_path):
+    """An adaptive-K engine row records the draft passes its steps ran, and its floor is the
+    bytes of those steps (`mixed_step_bytes`), not those of K passes every step."""
+    from mtpjax.bench import e2e
+    rc = e2e.main(["--model-shape", "tiny-mla-moe", "--batch", "1", "--prompt-len", "4",
+                   "--new-tokens", "24", "--k", "3", "--copy-mib", "4", "--repeats", "1",
+                   "--no-startup", "--rows", "engine MTP", "--adaptive-k",
+                   "--accept-rate", "0.3", "--out", str(tmp_path)])
+    assert rc == 0
+    saved = json.loads((tmp_path / "e2e.json").read_text())
+    (row,) = [r for r in saved["rows"] if "ms_per_step" in r]
+    used = {int(p): n for p, n in row["passes_used"].items()}
+    assert sum(used.values()) > 0 and set(used) <= {0, 1, 2, 3}
+    cfg = e2e.model_config("tiny-mla-moe")
+    want = e2e.mixed_step_bytes(saved["weight_bytes"], cfg, 1, saved["mean_decode_context"],
+                                used)
+    assert row["bytes_per_step"]["total"] == pytest.approx(want["total"])
+    assert row["floor_ms"] == pytest.approx(1e3 * want["total"] / saved["copy_bandwidth_Bps"])
