@@ -55,7 +55,7 @@ class StepTimes:
         self.recorded: collections.Counter = collections.Counter()   # key -> samples ever
         self._max_age: dict[tuple[int, int], int] = {}         # key -> its age limit now
         self.records = 0                                        # over every key
-        # seconds a step after a change of passes took beyond its count's steady time
+        # seconds a step after a change of program took beyond its count's steady time
         self.switch_extra: collections.deque = collections.deque(maxlen=window)
         self._switch_median = 0.0                               # kept with each switch
         self.min_age = 0            # no key expires sooner (set from `detour_wait`)

@@ -60,6 +60,12 @@ def capture_and_compile(monkeypatch, module, name, run):
     return capture_lowered(monkeypatch, module, name, run).compile().as_text()
 
 
+def abstract(args):
+    """args with every array replaced by its shape and dtype (enough to lower again)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+                        if isinstance(a, jax.Array) else a, args)
+
+
 def capture_lowered(monkeypatch, module, name, run):
     """Runs `run()`, capturing the abstract arguments of module.<name> (a jitted function);
     returns it lowered for them."""
@@ -67,8 +73,7 @@ def capture_lowered(monkeypatch, module, name, run):
     seen = {}
 
     def spy(*args, **kwargs):
-        seen["args"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
-                                    if isinstance(a, jax.Array) else a, args)
+        seen["args"] = abstract(args)
         seen["kwargs"] = kwargs
         return fn(*args, **kwargs)
 
@@ -212,9 +217,7 @@ def test_engine_steps_update_slot_state_in_place(monkeypatch):
 
     def spy(*args, **kwargs):
         key = tuple(sorted((k, v) for k, v in kwargs.items() if k != "backend"))
-        calls.setdefault(key, (jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, jax.Array) else a,
-            args), kwargs))
+        calls.setdefault(key, (abstract(args), kwargs))
         return fn(*args, **kwargs)
     monkeypatch.setattr(runner, "_step", spy)
     llm.generate([[1, 2, 3, 4, 5]], mtpjax.SamplingParams(max_tokens=16))
