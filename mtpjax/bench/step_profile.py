@@ -3,6 +3,14 @@ engine's steps, kernel by kernel, from a `jax.profiler` trace.
 
     python -m mtpjax.bench.step_profile [--model-shape llama3-8b] [--layers 16] [--batch 1]
                                         [--new-tokens 64] [--k 0] [--out DIR] [--loop-graph]
+                                        [--paths generate,engine]
+
+Paths (`--paths`, the first two are compared): `generate`, `engine` (both with --k drafts, or
+plain at --k 0), `engine-plain` (an engine without MTP) and `engine-k0` (the --k engine, every
+request asking `num_speculative_tokens=0`: its zero-pass program, what adaptive K runs when it
+stops drafting). An engine path first times one untraced run and prints its host split: host
+work per step (scheduling, packing, XLA's launch of the program) and time spent waiting for
+results; at batch 1 the step is bound by whichever is larger.
 
 For each path it traces one greedy run after a warm-up run and reports, over the decode part
 of the trace (the last 70% of its device time): steps (paged-attention kernels / layers),
@@ -86,6 +94,26 @@ def summarize(trace_dir: str, layers: int, name: str, top: int = 12) -> dict:
             "per_kernel_us": dict(per)}
 
 
+PATHS = ("generate", "engine", "engine-plain", "engine-k0")
+
+
+def host_split(llm, run) -> dict:
+    """One run of an engine path outside the profiler: wall ms per step (prefill included), the
+    step loop's host / waiting split (`StepLoop.host_split`) per step() call, and the draft
+    passes its steps ran ({passes: steps})."""
+    import time
+    llm._loop.reset_host_split()
+    llm._loop.passes_used.clear()
+    steps = llm._loop.num_steps
+    t0 = time.perf_counter()
+    run()
+    wall = time.perf_counter() - t0
+    host, wait = llm._loop.host_split()
+    n = max(llm._loop.num_steps - steps, 1)
+    return {"wall_ms_per_step": 1e3 * wall / n, "host_ms_per_step": 1e3 * host,
+            "wait_ms_per_step": 1e3 * wait, "passes_used": dict(llm._loop.passes_used)}
+
+
 def profile_loop_kernel_by_kernel():
     """Swap generate's loop for the same function compiled without LOOP_COMPILER_OPTIONS.
 
@@ -116,10 +144,17 @@ def main(argv=None) -> int:
                     help="profile generate's loop as it ships (one CUDA graph: the profiler "
                          "sees none of its kernels); default: compiled without the WHILE / "
                          "CONDITIONAL command buffers, same kernels, visible one by one")
+    ap.add_argument("--paths", default="generate,engine",
+                    help=f"comma-separated, of {', '.join(PATHS)} (the first two are compared)")
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="devices on the mesh's model axis (the trace's busiest GPU stream is "
                          "reported; NCCL kernels are the collectives)")
     a = ap.parse_args(argv)
+    names = a.paths.split(",")
+    if not names or set(names) - set(PATHS) or len(set(names)) != len(names):
+        raise SystemExit(f"--paths takes distinct names of {', '.join(PATHS)}, got {a.paths!r}")
+    if "engine-k0" in names and a.k == 0:
+        raise SystemExit("--paths engine-k0 needs an MTP engine: give --k >= 1")
 
     import jax
     import jax.numpy as jnp
@@ -139,34 +174,57 @@ def main(argv=None) -> int:
     engine_args = argparse.Namespace(k=max(a.k, 1), prompt_len=128, new_tokens=a.new_tokens,
                                      max_num_batched_tokens=None,
                                      min_token_bucket=None)    # the engine's default
-    llm = mtpjax.LLM(params, cfg, spec, warmup=False, mesh=mesh,
-                     **e2e.engine_kwargs(engine_args, a.batch))
     sp = mtpjax.SamplingParams(max_tokens=a.new_tokens)
-    paths = {
-        "generate": lambda: mtpjax.generate(params, cfg, prompts, max_new_tokens=a.new_tokens,
-                                            spec=spec, page_size=e2e.PAGE_SIZE, mesh=mesh),
-        "engine": lambda: llm.generate(prompts, sp),
-    }
-    restore = (lambda: None) if a.loop_graph else profile_loop_kernel_by_kernel()
+
+    def engine(spec, sp):
+        llm = mtpjax.LLM(params, cfg, spec, warmup=False, mesh=mesh,
+                         **e2e.engine_kwargs(engine_args, a.batch))
+        return llm, lambda: llm.generate(prompts, sp)
+    engines = {}
+    for name in names:
+        if name == "engine":
+            engines[name] = engine(spec, sp)
+        elif name == "engine-plain":
+            engines[name] = engine(None, sp)
+        elif name == "engine-k0":
+            engines[name] = engine(spec, mtpjax.SamplingParams(max_tokens=a.new_tokens,
+                                                               num_speculative_tokens=0))
+    paths = {n: engines[n][1] if n in engines else
+             (lambda: mtpjax.generate(params, cfg, prompts, max_new_tokens=a.new_tokens,
+                                      spec=spec, page_size=e2e.PAGE_SIZE, mesh=mesh).tokens)
+             for n in names}
+    restore = (lambda: None) if a.loop_graph or "generate" not in names \
+        else profile_loop_kernel_by_kernel()
     reports = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for name, run in paths.items():
-                run()                                           # compiles
+                jax.block_until_ready(run())                    # compiles
+                host = None
+                if name in engines:
+                    host = host_split(engines[name][0], run)
+                    print(f"{name}: untraced {host['wall_ms_per_step']:.3f} ms/step (prefill in); host "
+                          f"{host['host_ms_per_step']:.3f} ms, waiting "
+                          f"{host['wait_ms_per_step']:.3f} ms per step")
                 with jax.profiler.trace(os.path.join(tmp, name)):
-                    jax.block_until_ready(run() if name == "engine" else run().tokens)
+                    jax.block_until_ready(run())
                 reports.append(summarize(os.path.join(tmp, name), cfg.num_layers, name))
+                if host:
+                    reports[-1].update(host)
     finally:
         restore()
+    if len(reports) < 2:
+        reports.append({"name": None, "per_kernel_us": {}})
     a_, b_ = (r["per_kernel_us"] for r in reports)
     if a_ or b_:
-        print("kernels whose time per step differs most (generate vs engine, ms/step):")
+        print(f"kernels whose time per step differs most ({reports[0]['name']} vs "
+              f"{reports[1]['name']}, ms/step):")
         for k in sorted(set(a_) | set(b_), key=lambda k: -abs(a_.get(k, 0) - b_.get(k, 0)))[:10]:
             print(f"  {a_.get(k, 0) / 1e3:8.3f} {b_.get(k, 0) / 1e3:8.3f}  {k}")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "step_profile.json"), "w") as f:
-            json.dump(reports, f, indent=1)
+            json.dump([r for r in reports if r["name"]], f, indent=1)
     return 0
 
 

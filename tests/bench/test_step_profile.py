@@ -3,6 +3,8 @@
 import gzip
 import json
 
+import pytest
+
 from mtpjax.bench import step_profile
 
 
@@ -80,3 +82,29 @@ def test_profiled_loop_has_no_loop_command_buffers():
     finally:
         restore()
     assert gen._loop is shipped
+
+
+def test_engine_paths_report_their_host_split(tmp_path, capsys):
+    """--paths engine-plain,engine-k0: a plain engine beside the MTP engine held at zero
+    draft passes (requests asking num_speculative_tokens=0), each with its host split."""
+    assert step_profile.main(["--model-shape", "tiny", "--layers", "2", "--new-tokens", "6",
+                              "--k", "2", "--paths", "engine-plain,engine-k0",
+                              "--out", str(tmp_path)]) == 0
+    reports = json.loads((tmp_path / "step_profile.json").read_text())
+    assert [r["name"] for r in reports] == ["engine-plain", "engine-k0"]
+    for r in reports:
+        assert r["host_ms_per_step"] > 0 and r["wait_ms_per_step"] >= 0
+        assert r["wall_ms_per_step"] >= r["host_ms_per_step"] * 0.5
+    assert set(reports[1]["passes_used"]) == {"0"}            # JSON keys: zero passes only
+    out = capsys.readouterr().out
+    assert "engine-k0: untraced" in out and "engine-plain: untraced" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--paths", "engine,nope"], "--paths takes distinct names"),
+    (["--paths", "engine,engine"], "--paths takes distinct names"),
+    (["--paths", "engine-k0", "--k", "0"], "needs an MTP engine"),
+])
+def test_paths_are_checked_before_any_work(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        step_profile.main(["--model-shape", "tiny", "--layers", "2"] + argv)
