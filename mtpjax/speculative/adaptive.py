@@ -323,11 +323,12 @@ def judged_positions(k_used, accepted, K: int) -> tuple[np.ndarray, np.ndarray]:
     return judged, judged & (cols < accepted[:, None])
 
 
-def observe_steps(trials, hits, k_used, accepted, decay: float):
-    """Decayed counts after one verify step per request (`judged_positions`): each judged
-    position's counts decay and gain the step. trials, hits float[n, K] -> new (trials,
-    hits)."""
-    judged, hit = judged_positions(k_used, accepted, trials.shape[1])
+def observe_steps(trials, hits, k_used, accepted, decay: float, judged_hit=None):
+    """Decayed counts after one verify step per request (`judged_positions`, or judged_hit
+    if given): each judged position's counts decay and gain the step. trials, hits
+    float[n, K] -> new (trials, hits)."""
+    judged, hit = judged_hit if judged_hit is not None else \
+        judged_positions(k_used, accepted, trials.shape[1])
     return (np.where(judged, decay * trials + 1, trials),
             np.where(judged, decay * hits + hit, hits))
 
@@ -436,12 +437,13 @@ class AcceptanceTable:
         (default: decay)."""
         r = self.rows(seq_ids)
         k_used, accepted = np.asarray(k_used, np.int64), np.asarray(accepted, np.int64)
+        judged, hit = judged_positions(k_used, accepted, self.K)         # bool[n, K]
         self.trials[r], self.hits[r] = observe_steps(self.trials[r], self.hits[r], k_used,
-                                                     accepted, decay)
+                                                     accepted, decay, (judged, hit))
         step_decay = decay if step_decay is None else step_decay
         self.step_trials[r], self.step_hits[r] = observe_steps(
-            self.step_trials[r], self.step_hits[r], k_used, accepted, step_decay)
-        judged, hit = judged_positions(k_used, accepted, self.K)         # bool[n, K]
+            self.step_trials[r], self.step_hits[r], k_used, accepted, step_decay,
+            (judged, hit))
         seen = judged.any(0)
         self.pool_trials = np.where(seen, step_decay * self.pool_trials + judged.sum(0),
                                     self.pool_trials)
