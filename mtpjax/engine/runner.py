@@ -411,11 +411,17 @@ class ModelRunner:
         return SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, keys=keys, mode=mode,
                               **extra)
 
-    def device_inputs(self, batch: MixedBatch):
-        """The packed batch as one device array, and the static shape (T, R, M) to unpack it."""
+    def device_inputs(self, batch: MixedBatch, for_call: bool = False):
+        """The packed batch as one device array, and the static shape (T, R, M) to unpack it.
+        for_call: the array is only passed to the step (not lowered or looked up in the
+        store), so on one device it stays a numpy array: the step's call moves it in C++,
+        where `jax.device_put` costs ~50 us more of host time per step (CPU-timed), and at
+        batch 1 the step is bound by host work."""
         shape = (batch.tokens.shape[0], batch.kinds.shape[0], batch.block_tables.shape[1])
         flat = pack_host(batch)
-        return (jax.device_put(flat) if self.mesh is None else replicate(flat, self.mesh)), shape
+        if self.mesh is not None:
+            return replicate(flat, self.mesh), shape
+        return (flat if for_call else jax.device_put(flat)), shape
 
     def dispatch(self, out: SchedulerOutput, num_drafts=None, passes: int | None = None
                  ) -> jax.Array:
@@ -436,7 +442,7 @@ class ModelRunner:
                    F, mode, passes)
         if not structured:
             batch, F, compiled, _ = self._compiled_for(batch, F, mode, passes)
-        inputs, shape = self.device_inputs(batch)
+        inputs, shape = self.device_inputs(batch, for_call=True)
         key = (shape, F, mode, passes, structured)
         # a step that compiled, or ran a program other than its own (while warming: a larger
         # bucket, more draft passes, or a "filter" program serving a greedy step), took longer
