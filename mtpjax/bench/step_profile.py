@@ -203,8 +203,8 @@ def main(argv=None) -> int:
                 host = None
                 if name in engines:
                     host = host_split(engines[name][0], run)
-                    print(f"{name}: untraced {host['wall_ms_per_step']:.3f} ms/step (prefill in); host "
-                          f"{host['host_ms_per_step']:.3f} ms, waiting "
+                    print(f"{name}: untraced {host['wall_ms_per_step']:.3f} ms/step (prefill "
+                          f"in); host {host['host_ms_per_step']:.3f} ms, waiting "
                           f"{host['wait_ms_per_step']:.3f} ms per step")
                 with jax.profiler.trace(os.path.join(tmp, name)):
                     jax.block_until_ready(run())

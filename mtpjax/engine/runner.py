@@ -412,11 +412,11 @@ class ModelRunner:
                               **extra)
 
     def device_inputs(self, batch: MixedBatch, for_call: bool = False):
-        """The packed batch as one device array, and the static shape (T, R, M) to unpack it.
-        for_call: the array is only passed to the step (not lowered or looked up in the
-        store), so on one device it stays a numpy array: the step's call moves it in C++,
-        where `jax.device_put` costs ~50 us more of host time per step (CPU-timed), and at
-        batch 1 the step is bound by host work."""
+        """The packed batch as one array on the device(s), and the static shape (T, R, M) to
+        unpack it. for_call: the array is only passed to the step (not lowered, nor looked
+        up in the store), so on one device it stays numpy: the step's call moves it in C++,
+        where `jax.device_put` cost ~50 us more host time per step (CPU-timed), and a batch-1
+        step is bound by host work."""
         shape = (batch.tokens.shape[0], batch.kinds.shape[0], batch.block_tables.shape[1])
         flat = pack_host(batch)
         if self.mesh is not None:
