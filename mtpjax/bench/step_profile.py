@@ -3,7 +3,7 @@ engine's steps, kernel by kernel, from a `jax.profiler` trace.
 
     python -m mtpjax.bench.step_profile [--model-shape llama3-8b] [--layers 16] [--batch 1]
                                         [--new-tokens 64] [--k 0] [--out DIR] [--loop-graph]
-                                        [--paths generate,engine]
+                                        [--paths generate,engine] [--no-async-scheduling]
 
 Paths (`--paths`, the first two are compared): `generate`, `engine` (both with --k drafts, or
 plain at --k 0), `engine-plain` (an engine without MTP) and `engine-k0` (the --k engine, every
@@ -146,6 +146,10 @@ def main(argv=None) -> int:
                          "CONDITIONAL command buffers, same kernels, visible one by one")
     ap.add_argument("--paths", default="generate,engine",
                     help=f"comma-separated, of {', '.join(PATHS)} (the first two are compared)")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="engine paths read each step back before scheduling the next: no "
+                         "two steps in flight (does XLA's launch of the program cost less "
+                         "host time when consecutive runs can reuse the same buffers?)")
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="devices on the mesh's model axis (the trace's busiest GPU stream is "
                          "reported; NCCL kernels are the collectives)")
@@ -178,6 +182,7 @@ def main(argv=None) -> int:
 
     def engine(spec, sp):
         llm = mtpjax.LLM(params, cfg, spec, warmup=False, mesh=mesh,
+                         async_scheduling=not a.no_async_scheduling,
                          **e2e.engine_kwargs(engine_args, a.batch))
         return llm, lambda: llm.generate(prompts, sp)
     engines = {}

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+import mtpjax
 from mtpjax.bench import step_profile
 
 
@@ -84,12 +85,20 @@ def test_profiled_loop_has_no_loop_command_buffers():
     assert gen._loop is shipped
 
 
-def test_engine_paths_report_their_host_split(tmp_path, capsys):
+def test_engine_paths_report_their_host_split(tmp_path, capsys, monkeypatch):
     """--paths engine-plain,engine-k0: a plain engine beside the MTP engine held at zero
     draft passes (requests asking num_speculative_tokens=0), each with its host split."""
+    made = []
+    real = mtpjax.LLM
+
+    def spy(*args, **kwargs):
+        made.append(kwargs["async_scheduling"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(mtpjax, "LLM", spy)
     assert step_profile.main(["--model-shape", "tiny", "--layers", "2", "--new-tokens", "6",
                               "--k", "2", "--paths", "engine-plain,engine-k0",
-                              "--out", str(tmp_path)]) == 0
+                              "--no-async-scheduling", "--out", str(tmp_path)]) == 0
+    assert made == [False, False]
     reports = json.loads((tmp_path / "step_profile.json").read_text())
     assert [r["name"] for r in reports] == ["engine-plain", "engine-k0"]
     for r in reports:
