@@ -10,7 +10,8 @@
     mtpjax bench kernels [options]      the Pallas kernel tables (python -m mtpjax.bench.kernels)
     mtpjax bench e2e [options]          end-to-end decode speed at a model shape vs its floor and
                                         Hugging Face, engine start-up (python -m mtpjax.bench.e2e)
-    mtpjax bench profile [options]      generate's loop vs the engine's steps, kernel by kernel
+    mtpjax bench profile [options]      generate's loop vs the engine's steps (or a plain engine vs
+                                        one at zero drafts), kernel by kernel, with host work
                                         (python -m mtpjax.bench.step_profile)
     mtpjax bench moe | mla [options]    the MoE expert layer / MLA attention against their floors
     mtpjax bench registers [options]    the kernels' registers and spills for sm_90, offline
