@@ -152,7 +152,10 @@ def test_step_times_skip_steps_delayed_by_a_compile(monkeypatch):
     import time
     cfg = tiny_mla_moe_config(67)
     params = mtpjax.init_params(cfg, jax.random.PRNGKey(6), std=0.05)
+    # one token bucket (the 11-token prefill's): a program per pass count, each compiled
+    # (and slept on) once while the adaptive rule tries the counts in turn
     llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=3), num_pages=32,
+                     max_num_batched_tokens=16, min_token_bucket=16, max_model_len=64,
                      adaptive_k=AdaptiveK(), async_scheduling=True)
     dispatch = llm.runner.dispatch
 
