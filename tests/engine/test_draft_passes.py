@@ -78,8 +78,11 @@ def test_drafts_do_not_depend_on_the_drafts_verified_before(seed):
     params = mtpjax.init_params(cfg, jax.random.PRNGKey(seed), std=0.3)
     prompts, sp = _prompts(cfg, seed), SamplingParams(max_tokens=16)
     spec = SpecConfig(num_speculative_tokens=3)
-    full = _first_drafts(mtpjax.LLM(params, cfg, spec, num_pages=32), prompts, sp)
-    mixed = _first_drafts(mtpjax.LLM(params, cfg, spec, num_pages=32), prompts, sp,
+    # one token bucket (the 21-token prefill's): rows are still packed as narrow as the drafts
+    # they verify and the first pass as short, inside one 32-token program per pass count
+    kw = dict(num_pages=32, max_num_batched_tokens=32, min_token_bucket=32, max_model_len=64)
+    full = _first_drafts(mtpjax.LLM(params, cfg, spec, **kw), prompts, sp)
+    mixed = _first_drafts(mtpjax.LLM(params, cfg, spec, **kw), prompts, sp,
                           np.random.default_rng(seed))
     both = full.keys() & mixed.keys()
     assert len(both) >= 10, (sorted(full), sorted(mixed))
