@@ -165,7 +165,7 @@ def test_engine_speculative_equals_plain_under_preemption_prefix_hits_and_chunki
     for method, K in (("chain", 2), ("multi_layer", 2)):
         llm = mtpjax.LLM(params, cfg, SpecConfig(num_speculative_tokens=K, method=method),
                          num_pages=22, page_size=4, max_num_seqs=4, max_num_batched_tokens=8,
-                         enable_prefix_caching=True, warmup=False,
+                         enable_prefix_caching=True, warmup=False, min_token_bucket=8,
                          max_model_len=64)    # block tables span 64 positions, not 4096
         for _ in range(2):                 # the second pass starts from prefix-cache hits
             out = llm.generate(prompts, SamplingParams(max_tokens=14))
