@@ -179,8 +179,10 @@ def test_fp8_engine_speculative_equals_plain_greedy():
     cfg, params = _dense()
     q = quantize_fp8(params, BLOCK)
     ref = mtpjax.generate(q, cfg, PROMPTS, max_new_tokens=9).tokens
+    # min_token_bucket = the token budget: every step runs one T = 16 program
     llm = mtpjax.LLM(q, cfg, mtpjax.SpecConfig(num_speculative_tokens=2), num_pages=24,
-                     page_size=4, max_num_seqs=3, max_num_batched_tokens=16, warmup=False)
+                     page_size=4, max_num_seqs=3, max_num_batched_tokens=16, min_token_bucket=16,
+                     max_model_len=32, warmup=False)
     out = llm.generate(PROMPTS, mtpjax.SamplingParams(max_tokens=9))
     assert [o.token_ids for o in out] == ref
 
