@@ -8,9 +8,10 @@ engine's steps, kernel by kernel, from a `jax.profiler` trace.
 Paths (`--paths`, the first two are compared): `generate`, `engine` (both with --k drafts, or
 plain at --k 0), `engine-plain` (an engine without MTP) and `engine-k0` (the --k engine, every
 request asking `num_speculative_tokens=0`: its zero-pass program, what adaptive K runs when it
-stops drafting). An engine path first times one untraced run and prints its host split: host
-work per step (scheduling, packing, XLA's launch of the program) and time spent waiting for
-results; at batch 1 the step is bound by whichever is larger.
+stops drafting). An engine path first times one untraced pass (ms per decode step, as `bench
+e2e` times it) and prints its host split: host work per step (scheduling, packing, XLA's launch
+of the program) and time spent waiting for results; at batch 1 the step is bound by whichever
+is larger.
 
 For each path it traces one greedy run after a warm-up run and reports, over the decode part
 of the trace (the last 70% of its device time): steps (paged-attention kernels / layers),
@@ -97,20 +98,16 @@ def summarize(trace_dir: str, layers: int, name: str, top: int = 12) -> dict:
 PATHS = ("generate", "engine", "engine-plain", "engine-k0")
 
 
-def host_split(llm, run) -> dict:
-    """One run of an engine path outside the profiler: wall ms per step (prefill included), the
-    step loop's host / waiting split (`StepLoop.host_split`) per step() call, and the draft
-    passes its steps ran ({passes: steps})."""
-    import time
+def host_split(llm, prompts, new_tokens: int, verify_k: int | None) -> dict:
+    """One pass of an engine path outside the profiler (`e2e.engine_pass`: ms per decode
+    step), the step loop's host / waiting split (`StepLoop.host_split`) per step() call, and
+    the draft passes its steps ran ({passes: steps})."""
+    from mtpjax.bench import e2e
     llm._loop.reset_host_split()
     llm._loop.passes_used.clear()
-    steps = llm._loop.num_steps
-    t0 = time.perf_counter()
-    run()
-    wall = time.perf_counter() - t0
+    timed = e2e.engine_pass(llm, prompts, new_tokens, verify_k)
     host, wait = llm._loop.host_split()
-    n = max(llm._loop.num_steps - steps, 1)
-    return {"wall_ms_per_step": 1e3 * wall / n, "host_ms_per_step": 1e3 * host,
+    return {"ms_per_step": timed["ms_per_step"], "host_ms_per_step": 1e3 * host,
             "wait_ms_per_step": 1e3 * wait, "passes_used": dict(llm._loop.passes_used)}
 
 
@@ -178,23 +175,18 @@ def main(argv=None) -> int:
     engine_args = argparse.Namespace(k=max(a.k, 1), prompt_len=128, new_tokens=a.new_tokens,
                                      max_num_batched_tokens=None,
                                      min_token_bucket=None)    # the engine's default
-    sp = mtpjax.SamplingParams(max_tokens=a.new_tokens)
 
-    def engine(spec, sp):
+    def engine(spec, verify_k=None):
+        """(the LLM, each request's num_speculative_tokens, a run of the workload)."""
         llm = mtpjax.LLM(params, cfg, spec, warmup=False, mesh=mesh,
                          async_scheduling=not a.no_async_scheduling,
                          **e2e.engine_kwargs(engine_args, a.batch))
-        return llm, lambda: llm.generate(prompts, sp)
-    engines = {}
-    for name in names:
-        if name == "engine":
-            engines[name] = engine(spec, sp)
-        elif name == "engine-plain":
-            engines[name] = engine(None, sp)
-        elif name == "engine-k0":
-            engines[name] = engine(spec, mtpjax.SamplingParams(max_tokens=a.new_tokens,
-                                                               num_speculative_tokens=0))
-    paths = {n: engines[n][1] if n in engines else
+        sp = mtpjax.SamplingParams(max_tokens=a.new_tokens, num_speculative_tokens=verify_k)
+        return llm, verify_k, lambda: llm.generate(prompts, sp)
+    made = {"engine": lambda: engine(spec), "engine-plain": lambda: engine(None),
+            "engine-k0": lambda: engine(spec, verify_k=0)}
+    engines = {n: made[n]() for n in names if n in made}
+    paths = {n: engines[n][2] if n in engines else
              (lambda: mtpjax.generate(params, cfg, prompts, max_new_tokens=a.new_tokens,
                                       spec=spec, page_size=e2e.PAGE_SIZE, mesh=mesh).tokens)
              for n in names}
@@ -207,9 +199,10 @@ def main(argv=None) -> int:
                 jax.block_until_ready(run())                    # compiles
                 host = None
                 if name in engines:
-                    host = host_split(engines[name][0], run)
-                    print(f"{name}: untraced {host['wall_ms_per_step']:.3f} ms/step (prefill "
-                          f"in); host {host['host_ms_per_step']:.3f} ms, waiting "
+                    llm, verify_k, _ = engines[name]
+                    host = host_split(llm, prompts, a.new_tokens, verify_k)
+                    print(f"{name}: untraced {host['ms_per_step']:.3f} ms a decode step; host "
+                          f"{host['host_ms_per_step']:.3f} ms, waiting "
                           f"{host['wait_ms_per_step']:.3f} ms per step")
                 with jax.profiler.trace(os.path.join(tmp, name)):
                     jax.block_until_ready(run())
@@ -218,9 +211,8 @@ def main(argv=None) -> int:
                     reports[-1].update(host)
     finally:
         restore()
-    if len(reports) < 2:
-        reports.append({"name": None, "per_kernel_us": {}})
-    a_, b_ = (r["per_kernel_us"] for r in reports)
+    # one path: nothing to compare
+    a_, b_ = (r["per_kernel_us"] for r in reports[:2]) if len(reports) > 1 else ({}, {})
     if a_ or b_:
         print(f"kernels whose time per step differs most ({reports[0]['name']} vs "
               f"{reports[1]['name']}, ms/step):")
@@ -229,7 +221,7 @@ def main(argv=None) -> int:
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "step_profile.json"), "w") as f:
-            json.dump([r for r in reports if r["name"]], f, indent=1)
+            json.dump(reports, f, indent=1)
     return 0
 
 
